@@ -1,0 +1,140 @@
+"""Typed training configuration: defaults, then a TOML file, then explicit CLI flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+from gpuflow.errors import UserError
+
+Precision = Literal["fp32", "tf32", "bf16", "fp16"]
+OptimizerName = Literal["adamw", "sgd"]
+Schedule = Literal["cosine", "constant"]
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs besides the workload itself."""
+
+    workload: str = "digits"
+    device: str = "auto"
+    precision: Precision = "fp32"
+    batch_size: int = 64
+    grad_accum: int = 1
+    lr: float = 3e-3
+    optimizer: OptimizerName = "adamw"
+    weight_decay: float = 0.01
+    schedule: Schedule = "cosine"
+    warmup_steps: int = 20
+    max_steps: int | None = None
+    epochs: float | None = None
+    eval_every: int = 100
+    log_every: int = 10
+    compile: bool = False
+    activation_checkpointing: bool = False
+    clip_grad: float | None = None
+    seed: int = 0
+    run_dir: str | None = None
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 3
+    resume: str | bool = False
+    num_workers: int = 0
+    max_nonfinite_steps: int = 20
+    tensorboard: bool = False
+    progress: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        """Reject values that would fail later with an unhelpful traceback."""
+        _check_choice("precision", self.precision, Precision)
+        _check_choice("optimizer", self.optimizer, OptimizerName)
+        _check_choice("schedule", self.schedule, Schedule)
+        for name in ("batch_size", "grad_accum", "log_every", "keep_checkpoints",
+                     "max_nonfinite_steps"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{_flag(name)} must be at least 1 (got {getattr(self, name)}).")
+        for name in ("eval_every", "checkpoint_every", "num_workers", "warmup_steps"):
+            if getattr(self, name) < 0:
+                raise UserError(f"--{_flag(name)} must be 0 or more (got {getattr(self, name)}).")
+        if self.lr <= 0:
+            raise UserError(f"--lr must be positive (got {self.lr}).")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise UserError(f"--max-steps must be at least 1 (got {self.max_steps}).")
+        if self.epochs is not None and self.epochs <= 0:
+            raise UserError(f"--epochs must be positive (got {self.epochs}).")
+        if self.max_steps is not None and self.epochs is not None:
+            raise UserError("Give either --max-steps or --epochs, not both.")
+        if self.clip_grad is not None and self.clip_grad <= 0:
+            raise UserError(f"--clip-grad must be positive (got {self.clip_grad}).")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _check_choice(name: str, value: object, literal: object) -> None:
+    choices = get_args(literal)
+    if value not in choices:
+        raise UserError(f"--{_flag(name)} must be one of {', '.join(choices)} (got {value!r}).")
+
+
+FIELD_NAMES = frozenset(f.name for f in fields(TrainConfig)) - {"extra"}
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """Read a TOML config; keys are the long flag names with '-' or '_'."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"Config file {path} does not exist.") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"Config file {path} is not valid TOML: {exc}.") from None
+    values = {key.replace("-", "_"): value for key, value in raw.items()}
+    unknown = sorted(set(values) - FIELD_NAMES)
+    if unknown:
+        raise UserError(
+            f"Config file {path} has unknown keys: {', '.join(unknown)}. "
+            f"Known keys are the `gpuflow train` flags: {', '.join(sorted(FIELD_NAMES))}."
+        )
+    return values
+
+
+def build_config(file_values: dict[str, Any], flag_values: dict[str, Any]) -> TrainConfig:
+    """Merge defaults < TOML file < flags and validate the result."""
+    merged = {**file_values, **flag_values}
+    try:
+        config = TrainConfig(**merged)
+    except TypeError as exc:
+        raise UserError(f"Invalid configuration: {exc}.") from None
+    _check_types(config)
+    config.validate()
+    return config
+
+
+def _check_types(config: TrainConfig) -> None:
+    """TOML can carry a string where a number belongs; say so plainly."""
+    defaults = TrainConfig()
+    for f in fields(TrainConfig):
+        value, default = getattr(config, f.name), getattr(defaults, f.name)
+        if value is None or f.name in ("resume", "extra"):
+            continue
+        expected = type(default) if default is not None else None
+        if f.name in ("max_steps",):
+            expected = int
+        elif f.name in ("epochs", "clip_grad"):
+            expected = float
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            setattr(config, f.name, float(value))
+            continue
+        wrong_bool = isinstance(value, bool) and expected is not bool
+        if expected is not None and (wrong_bool or not isinstance(value, expected)):
+            raise UserError(
+                f"`{f.name}` must be of type {expected.__name__} (got {value!r})."
+            )

@@ -1,0 +1,1 @@
+"""Input pipelines: resumable sampling, loaders and the device prefetcher."""

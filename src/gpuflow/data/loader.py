@@ -1,0 +1,56 @@
+"""DataLoaders for training (endless, resumable, seeded) and evaluation (one ordered pass)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from gpuflow.data.sampler import ResumableSampler
+from gpuflow.errors import UserError
+
+
+def batches_per_epoch(dataset: Dataset, batch_size: int) -> int:
+    count = len(dataset) // batch_size  # type: ignore[arg-type]
+    if count == 0:
+        raise UserError(
+            f"--batch-size {batch_size} is larger than the training set "
+            f"({len(dataset)} samples); lower it."  # type: ignore[arg-type]
+        )
+    return count
+
+
+def train_batches(dataset: Dataset, batch_size: int, collate: Any, seed: int,
+                  start_batch: int, num_workers: int, pin_memory: bool) -> Iterator[Any]:
+    """Endless stream of batches across epochs, starting after ``start_batch`` batches.
+
+    The last partial batch of each epoch is dropped, so every step sees a full batch and
+    the position is just a batch count: epoch = count // batches_per_epoch.
+    """
+    per_epoch = batches_per_epoch(dataset, batch_size)
+    sampler = ResumableSampler(len(dataset), seed)  # type: ignore[arg-type]
+    loader = DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        drop_last=True,
+        collate_fn=collate,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=num_workers > 0,
+        prefetch_factor=4 if num_workers > 0 else None,
+        generator=torch.Generator().manual_seed(seed),
+    )
+    epoch, offset = divmod(start_batch, per_epoch)
+    while True:
+        sampler.set_position(epoch, offset * batch_size)
+        yield from loader
+        epoch, offset = epoch + 1, 0
+
+
+def eval_loader(dataset: Dataset, batch_size: int, collate: Any, num_workers: int,
+                pin_memory: bool) -> DataLoader:
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=collate,
+                      num_workers=num_workers, pin_memory=pin_memory)

@@ -1,0 +1,1 @@
+"""Reference networks: plain nn.Modules that know nothing of parallelism or precision."""

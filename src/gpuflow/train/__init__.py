@@ -1,0 +1,1 @@
+"""The training engine: step loop, telemetry, checkpoints and optimisation."""

@@ -1,0 +1,178 @@
+"""Atomic, verified checkpoints that restore a run exactly.
+
+Layout: ``<run>/checkpoints/step-00000042/`` with ``model.safetensors`` (weights),
+``trainer.pt`` (optimizer, scheduler, scaler, RNG states, data position; tensors and plain
+containers only, loaded with ``weights_only=True``) and ``manifest.json`` (step, format
+version and the SHA-256 of every file). A checkpoint is written into a hidden temporary
+folder, fsynced, then renamed into place: a crash mid-save leaves no folder that looks valid.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_model, save_model
+from torch import nn
+
+FORMAT_VERSION = 1
+MODEL_FILE = "model.safetensors"
+TRAINER_FILE = "trainer.pt"
+MANIFEST_FILE = "manifest.json"
+PREFIX = "step-"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or corrupt."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    step: int
+
+
+def capture_rng_state() -> dict[str, Any]:
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": (np_name, torch.from_numpy(np_keys.astype(np.int64)), np_pos, np_has_gauss,
+                  np_gauss),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(_as_tuples(state["python"]))
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _as_tuples(value: Any) -> Any:
+    if isinstance(value, list | tuple):
+        return tuple(_as_tuples(item) for item in value)
+    return value
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    with path.open("rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(directory: Path, step: int, model: nn.Module, trainer_state: dict[str, Any],
+                    keep: int) -> Checkpoint:
+    """Write a checkpoint atomically, then prune all but the newest ``keep``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / f"{PREFIX}{step:08d}"
+    tmp = directory / f".tmp-{PREFIX}{step:08d}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_model(model, str(tmp / MODEL_FILE), metadata={"step": str(step)})
+    torch.save(trainer_state, tmp / TRAINER_FILE)
+    files = {}
+    for name in (MODEL_FILE, TRAINER_FILE):
+        _fsync_file(tmp / name)
+        files[name] = _sha256(tmp / name)
+    manifest = {"format_version": FORMAT_VERSION, "step": step, "files": files,
+                "created_unix": time.time()}
+    (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
+    _fsync_file(tmp / MANIFEST_FILE)
+    _fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    _fsync_dir(directory)
+    _prune(directory, keep)
+    return Checkpoint(final, step)
+
+
+def _prune(directory: Path, keep: int) -> None:
+    for stale in list_checkpoints(directory)[keep:]:
+        shutil.rmtree(stale.path, ignore_errors=True)
+    for leftover in directory.glob(f".tmp-{PREFIX}*"):
+        if not leftover.name.endswith(f"-{os.getpid()}"):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def list_checkpoints(directory: Path) -> list[Checkpoint]:
+    """Finished checkpoints, newest first (temporary folders are never listed)."""
+    found = []
+    for path in directory.glob(f"{PREFIX}*"):
+        try:
+            found.append(Checkpoint(path, int(path.name[len(PREFIX):])))
+        except ValueError:
+            continue
+    return sorted(found, key=lambda c: c.step, reverse=True)
+
+
+def verify_checkpoint(checkpoint: Checkpoint) -> dict[str, Any]:
+    """Check the manifest and every file's checksum; return the manifest."""
+    manifest_path = checkpoint.path / MANIFEST_FILE
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{checkpoint.path}: unreadable manifest ({exc})") from None
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{checkpoint.path}: format version {manifest.get('format_version')} is not "
+            f"{FORMAT_VERSION}"
+        )
+    for name, expected in manifest.get("files", {}).items():
+        path = checkpoint.path / name
+        if not path.is_file():
+            raise CheckpointError(f"{checkpoint.path}: {name} is missing")
+        if _sha256(path) != expected:
+            raise CheckpointError(f"{checkpoint.path}: {name} fails its checksum (corrupt)")
+    return manifest
+
+
+def load_checkpoint(checkpoint: Checkpoint, model: nn.Module) -> dict[str, Any]:
+    """Verify, load weights into ``model`` and return the trainer state."""
+    verify_checkpoint(checkpoint)
+    missing, unexpected = load_model(model, str(checkpoint.path / MODEL_FILE), strict=False)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{checkpoint.path}: weights do not match the model (missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]})"
+        )
+    return torch.load(checkpoint.path / TRAINER_FILE, weights_only=True, map_location="cpu")
+
+
+def load_latest(directory: Path, model: nn.Module) -> tuple[Checkpoint, dict[str, Any]] | None:
+    """Newest checkpoint that verifies; a corrupt one is reported and skipped."""
+    for checkpoint in list_checkpoints(directory):
+        try:
+            return checkpoint, load_checkpoint(checkpoint, model)
+        except (CheckpointError, OSError, RuntimeError) as exc:
+            warnings.warn(f"Skipping checkpoint: {exc}. Trying the previous one.", stacklevel=2)
+    return None

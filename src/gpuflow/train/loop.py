@@ -1,0 +1,472 @@
+"""The training engine on one device: a lean step loop with telemetry and exact resume."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import math
+import platform
+import random
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+from gpuflow.config import TrainConfig
+from gpuflow.data.loader import batches_per_epoch, eval_loader, train_batches
+from gpuflow.data.prefetch import DevicePrefetcher, move_to_device
+from gpuflow.errors import NonFiniteLossError, UserError
+from gpuflow.hardware import device_name, peak_flops, resolve_device
+from gpuflow.precision import make_policy
+from gpuflow.train import checkpoint as ckpt
+from gpuflow.train.flops import count_flops
+from gpuflow.train.optim import build_optimizer, build_scheduler
+from gpuflow.train.progress import ProgressDisplay
+from gpuflow.train.telemetry import MetricsLog, StepTimer, medians, peak_memory_bytes
+from gpuflow.workload import Batch, Workload
+
+DEFAULT_EPOCHS = 10.0
+RUN_FORMAT_VERSION = 1
+
+
+@dataclass
+class RunResult:
+    """What `train()` hands back: where the run lives and how it ended."""
+
+    run_dir: Path
+    steps: int
+    final_metrics: dict[str, float]
+    summary: dict[str, Any]
+    model: nn.Module
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def call_model(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, tuple | list):
+        return model(*inputs)
+    return model(inputs)
+
+
+def batch_size_of(batch: Batch) -> int:
+    return int(batch[1].shape[0])
+
+
+@contextlib.contextmanager
+def side_effect_free(model: nn.Module, device: torch.device) -> Iterator[None]:
+    """Run a probe step without disturbing RNG streams, buffers (e.g. BatchNorm) or grads."""
+    buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, buf in model.named_buffers():
+                    buf.copy_(buffers[name])
+            for param in model.parameters():
+                param.grad = None
+
+
+def apply_activation_checkpointing(model: nn.Module, blocks: list[nn.Module]) -> int:
+    """Wrap each repeated block so its activations are recomputed in backward."""
+    if not blocks:
+        raise UserError(
+            "--activation-checkpointing needs repeated blocks to wrap, and this workload has "
+            "none: give the model an nn.ModuleList attribute `blocks`, or set "
+            "Workload(repeated_blocks=lambda model: [...])."
+        )
+    wanted = {id(block) for block in blocks}
+    parents = [(parent, name, child) for parent in model.modules()
+               for name, child in parent.named_children() if id(child) in wanted]
+    for parent, name, child in parents:
+        setattr(parent, name, checkpoint_wrapper(child, preserve_rng_state=True))
+    return len(parents)
+
+
+def default_run_dir(workload: str) -> Path:
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    safe = workload.replace(":", "-").replace("/", "-").replace(".", "-")
+    return Path("runs") / f"{safe}-{stamp}"
+
+
+class Trainer:
+    """Owns one run: set-up, the step loop, evaluation, checkpoints and telemetry."""
+
+    def __init__(self, workload: Workload, config: TrainConfig,
+                 progress: ProgressDisplay | None = None) -> None:
+        config.validate()
+        self.workload, self.config = workload, config
+        seed_everything(config.seed)
+        self.device = resolve_device(config.device)
+        self.policy = make_policy(config.precision, self.device)
+        self.run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(workload.name)
+        self.checkpoint_dir = self.run_dir / "checkpoints"
+        self.model = workload.model.to(self.device)
+        self.model.train()
+
+        if config.activation_checkpointing:
+            apply_activation_checkpointing(self.model, workload.blocks())
+
+        self.micro_batch = config.batch_size
+        self.per_epoch_batches = batches_per_epoch(workload.train_dataset, config.batch_size)
+        self.steps_per_epoch = max(1, self.per_epoch_batches // config.grad_accum)
+        if config.max_steps is not None:
+            self.total_steps = config.max_steps
+        else:
+            epochs = config.epochs if config.epochs is not None else DEFAULT_EPOCHS
+            self.total_steps = max(1, math.ceil(epochs * self.steps_per_epoch))
+
+        example = move_to_device(workload.get_example_batch(), self.device)
+        self.flops_per_step = self._count_step_flops(example)
+        self.forward_model: nn.Module = self.model
+        self.compiled = False
+        if config.compile:
+            self._compile(example)
+
+        self.optimizer = build_optimizer(self.model, config, self.device)
+        self.scheduler = build_scheduler(self.optimizer, config, self.total_steps)
+        self.scaler = self.policy.make_scaler()
+        self.peak = peak_flops(self.device, self.policy.peak_key)
+
+        self.step = 0
+        self.batches_consumed = 0
+        self.skipped_steps = 0
+        self.nonfinite_streak = 0
+        self.samples_seen = 0
+        self.last_checkpoint: ckpt.Checkpoint | None = None
+        resumed = self._maybe_resume()
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._write_config()
+        self.metrics = MetricsLog(
+            self.run_dir / "metrics.jsonl",
+            self.run_dir / "tensorboard" if config.tensorboard else None,
+        )
+        self.metrics.open(keep_until_step=self.step if resumed else None)
+        self.progress = progress or ProgressDisplay(self.total_steps, self.step,
+                                                    enabled=config.progress)
+        self.timer = StepTimer(self.device)
+        self._batches: DevicePrefetcher | None = None
+        self._started = time.perf_counter()
+
+    # --- set-up -------------------------------------------------------------------------
+
+    def _count_step_flops(self, example: Batch) -> int:
+        """FLOPs of one forward+backward on the example batch, scaled to the step's batch."""
+        inputs, target = example
+
+        def probe() -> None:
+            with self.policy.autocast():
+                loss = self.workload.loss_fn(call_model(self.model, inputs), target)
+            loss.backward()
+
+        try:
+            with side_effect_free(self.model, self.device):
+                flops = count_flops(probe)
+        except Exception as exc:
+            raise UserError(
+                f"Workload {self.workload.name!r}: the model failed on a batch from its train "
+                f"dataset ({type(exc).__name__}: {exc}). Check that the dataset yields "
+                "(inputs, target) pairs whose shapes and dtypes the model and loss accept."
+            ) from exc
+        per_sample = flops / batch_size_of(example)
+        return round(per_sample * self.micro_batch * self.config.grad_accum)
+
+    def _compile(self, example: Batch) -> None:
+        compiled = torch.compile(self.model)
+        inputs, target = example
+        try:
+            with side_effect_free(self.model, self.device):
+                with self.policy.autocast():
+                    loss = self.workload.loss_fn(call_model(compiled, inputs), target)
+                loss.backward()
+        except Exception as exc:
+            warnings.warn(
+                f"torch.compile failed ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
+                "training continues in eager mode.", stacklevel=2,
+            )
+            return
+        self.forward_model, self.compiled = compiled, True
+
+    def _maybe_resume(self) -> bool:
+        if not self.config.resume:
+            return False
+        found = ckpt.load_latest(self.checkpoint_dir, self.model)
+        if found is None:
+            raise UserError(
+                f"--resume: no valid checkpoint in {self.checkpoint_dir}. Check the run dir, "
+                "or start without --resume."
+            )
+        checkpoint, state = found
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        ckpt.restore_rng_state(state["rng"])
+        self.step = state["step"]
+        self.batches_consumed = state["batches_consumed"]
+        self.skipped_steps = state["skipped_steps"]
+        self.samples_seen = state["samples_seen"]
+        self.last_checkpoint = checkpoint
+        return True
+
+    def _write_config(self) -> None:
+        (self.run_dir / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
+
+    # --- the loop -----------------------------------------------------------------------
+
+    def _batch_stream(self) -> DevicePrefetcher:
+        if self._batches is None:
+            config = self.config
+            source = train_batches(
+                self.workload.train_dataset, config.batch_size, self.workload.collate,
+                seed=config.seed, start_batch=self.batches_consumed,
+                num_workers=config.num_workers, pin_memory=self.device.type == "cuda",
+            )
+            self._batches = DevicePrefetcher(source, self.device)
+        return self._batches
+
+    def _grad_sync(self, micro_step: int) -> contextlib.AbstractContextManager[Any]:
+        """Skip gradient all-reduce on all but the last micro-step, where the model allows."""
+        last = micro_step == self.config.grad_accum - 1
+        no_sync = getattr(self.forward_model, "no_sync", None)
+        return contextlib.nullcontext() if last or no_sync is None else no_sync()
+
+    def train_step(self) -> float:
+        """One optimizer step over ``grad_accum`` micro-batches; returns the mean loss."""
+        config, timer, batches = self.config, self.timer, self._batch_stream()
+        accum = config.grad_accum
+        losses = []
+        for micro in range(accum):
+            timer.wait_begin()
+            inputs, target = next(batches)
+            timer.wait_end()
+            timer.compute.begin()
+            with self._grad_sync(micro):
+                with self.policy.autocast():
+                    loss = self.workload.loss_fn(call_model(self.forward_model, inputs), target)
+                scaled = loss / accum if accum > 1 else loss
+                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            timer.compute.end()
+            losses.append(loss.detach())
+        self.batches_consumed += accum
+        timer.optimizer.begin()
+        loss_value = (losses[0] if accum == 1 else torch.stack(losses).mean()).item()
+        self._optimizer_step(math.isfinite(loss_value))
+        timer.optimizer.end()
+        self.step += 1
+        step_samples = self.micro_batch * accum
+        self.samples_seen += step_samples
+        window = timer.window
+        window.steps += 1
+        window.samples += step_samples
+        window.loss_sum += loss_value
+        return loss_value
+
+    def _optimizer_step(self, finite: bool) -> None:
+        if not finite:
+            self.skipped_steps += 1
+            self.nonfinite_streak += 1
+        else:
+            self.nonfinite_streak = 0
+            if self.scaler is not None:
+                if self.config.clip_grad:
+                    self.scaler.unscale_(self.optimizer)
+                    nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad)
+                scale = self.scaler.get_scale()
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+                if self.scaler.get_scale() < scale:
+                    self.skipped_steps += 1
+            else:
+                if self.config.clip_grad:
+                    nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad)
+                self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+
+    def train_steps(self, count: int) -> None:
+        """Run ``count`` optimizer steps with no logging, evaluation or checkpoints."""
+        for _ in range(count):
+            self.train_step()
+
+    def fit(self) -> RunResult:
+        config = self.config
+        self.progress.message(self._banner())
+        try:
+            while self.step < self.total_steps:
+                self.train_step()
+                if self.nonfinite_streak >= config.max_nonfinite_steps:
+                    self._stop_nonfinite()
+                at_end = self.step == self.total_steps
+                if self.step % config.log_every == 0 or at_end:
+                    self._log_window()
+                if config.eval_every and self.step % config.eval_every == 0 and not at_end:
+                    self.evaluate()
+                if config.checkpoint_every and self.step % config.checkpoint_every == 0:
+                    self.save_checkpoint()
+            final = self.evaluate()
+            if self.last_checkpoint is None or self.last_checkpoint.step != self.step:
+                self.save_checkpoint()
+        finally:
+            self.progress.close()
+            self.metrics.close()
+        summary = self._write_summary(final)
+        return RunResult(self.run_dir, self.step, final, summary, self.model)
+
+    def _stop_nonfinite(self) -> None:
+        first = self.step - self.nonfinite_streak + 1
+        where = (f"the last good checkpoint is {self.last_checkpoint.path}"
+                 if self.last_checkpoint else "no checkpoint was saved before it")
+        raise NonFiniteLossError(
+            f"The loss was NaN/inf for {self.nonfinite_streak} consecutive steps "
+            f"({first}-{self.step}); training stopped and {where}. Try a lower --lr, "
+            "--clip-grad 1.0, a longer --warmup-steps, or --precision bf16 instead of fp16."
+        )
+
+    def _banner(self) -> str:
+        config = self.config
+        resumed = f", resumed at step {self.step}" if self.step else ""
+        return (
+            f"gpuflow: {self.workload.name} on {device_name(self.device)} ({self.device}), "
+            f"{self.policy.describe()}, batch {self.micro_batch} x accum {config.grad_accum}, "
+            f"{self.total_steps} steps{resumed}{', compiled' if self.compiled else ''}; "
+            f"run dir {self.run_dir}"
+        )
+
+    def _log_window(self) -> None:
+        window = self.timer.close_window()
+        achieved = self.flops_per_step / window["step_time_s"] if window["step_time_s"] else 0.0
+        peak_mem, _ = peak_memory_bytes(self.device)
+        tokens = self.workload.tokens_per_sample
+        record = {
+            "step": self.step,
+            "epoch": self.batches_consumed / self.per_epoch_batches,
+            "loss": window["loss"],
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "samples_per_s": window["samples_per_s"],
+            "tokens_per_s": window["samples_per_s"] * tokens if tokens else None,
+            "step_time_s": window["step_time_s"],
+            "data_wait_s": window["data_wait_s"],
+            "compute_s": window["compute_s"],
+            "optimizer_s": window["optimizer_s"],
+            "host_s": window["host_s"],
+            "data_wait_frac": window["data_wait_frac"],
+            "flops_per_step": self.flops_per_step,
+            "achieved_flops": achieved,
+            "mfu": achieved / self.peak.flops if self.peak.flops else None,
+            "peak_mem_bytes": peak_mem,
+            "skipped_steps": self.skipped_steps,
+            "window_steps": window["window_steps"],
+            "elapsed_s": time.perf_counter() - self._started,
+        }
+        self.metrics.write(record)
+        self.progress.update(self.step, record)
+
+    @torch.inference_mode()
+    def evaluate(self) -> dict[str, float]:
+        """Loss and the workload's metrics over the validation set, sample-weighted."""
+        dataset = self.workload.val_dataset
+        if dataset is None:
+            return {}
+        self.model.eval()
+        loader = eval_loader(dataset, self.config.batch_size, self.workload.collate,
+                             self.config.num_workers, self.device.type == "cuda")
+        totals: dict[str, float] = {}
+        count = 0
+        for batch in loader:
+            inputs, target = move_to_device(batch, self.device, non_blocking=True)
+            with self.policy.autocast():
+                outputs = call_model(self.model, inputs)
+                values = {"loss": self.workload.loss_fn(outputs, target)}
+                values.update({name: fn(outputs, target)
+                               for name, fn in self.workload.metrics.items()})
+            size = batch_size_of((inputs, target))
+            for name, value in values.items():
+                totals[name] = totals.get(name, 0.0) + float(value) * size
+            count += size
+        self.model.train()
+        result = {f"val_{name}": total / count for name, total in totals.items()}
+        self.metrics.write({"event": "eval", "step": self.step, **result})
+        self.progress.message(
+            f"eval @ step {self.step}: "
+            + ", ".join(f"{name} {value:.4f}" for name, value in result.items())
+        )
+        return result
+
+    def trainer_state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "batches_consumed": self.batches_consumed,
+            "skipped_steps": self.skipped_steps,
+            "samples_seen": self.samples_seen,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "rng": ckpt.capture_rng_state(),
+        }
+
+    def save_checkpoint(self) -> ckpt.Checkpoint:
+        self.last_checkpoint = ckpt.save_checkpoint(
+            self.checkpoint_dir, self.step, self.model, self.trainer_state(),
+            keep=self.config.keep_checkpoints,
+        )
+        return self.last_checkpoint
+
+    def _write_summary(self, final: dict[str, float]) -> dict[str, Any]:
+        peak_mem, mem_kind = peak_memory_bytes(self.device)
+        summary = {
+            "format_version": RUN_FORMAT_VERSION,
+            "workload": self.workload.name,
+            "steps": self.step,
+            "samples_seen": self.samples_seen,
+            "skipped_steps": self.skipped_steps,
+            "wall_time_s": time.perf_counter() - self._started,
+            "final_metrics": final,
+            "median": medians(self.metrics.step_records()),
+            "precision": self.config.precision,
+            "precision_description": self.policy.describe(),
+            "compiled": self.compiled,
+            "activation_checkpointing": self.config.activation_checkpointing,
+            "device": str(self.device),
+            "device_name": device_name(self.device),
+            "flops_per_step": self.flops_per_step,
+            "peak_flops": self.peak.flops,
+            "peak_flops_source": self.peak.source,
+            "peak_mem_bytes": peak_mem,
+            "peak_mem_kind": mem_kind,
+            "global_batch": self.micro_batch * self.config.grad_accum,
+            "versions": {
+                "torch": torch.__version__,
+                "cuda": torch.version.cuda,
+                "python": platform.python_version(),
+            },
+            "checkpoint": str(self.last_checkpoint.path) if self.last_checkpoint else None,
+            "run_dir": str(self.run_dir),
+            "config": self.config.to_dict(),
+        }
+        tmp = self.run_dir / "summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=2))
+        tmp.replace(self.run_dir / "summary.json")
+        return summary
+
+
+def train(workload: Workload, config: TrainConfig | None = None,
+          progress: ProgressDisplay | None = None) -> RunResult:
+    """Train ``workload`` as ``config`` says; the Python API behind `gpuflow train`."""
+    return Trainer(workload, config or TrainConfig(), progress).fit()

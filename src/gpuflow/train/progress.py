@@ -1,0 +1,116 @@
+"""What a person watching the terminal sees: a live bar on a TTY, plain lines elsewhere."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+PLAIN_LINES = 20
+
+
+def _fmt_mfu(mfu: float | None) -> str:
+    return "n/a" if mfu is None else f"{100 * mfu:.1f}%"
+
+
+class ProgressDisplay:
+    """Shows step, loss, samples/s, MFU and ETA while training runs."""
+
+    def __init__(self, total_steps: int, start_step: int, enabled: bool = True,
+                 console: Console | None = None) -> None:
+        self.console = console or Console(stderr=True)
+        self.total = total_steps
+        self.enabled = enabled
+        self.live = enabled and self.console.is_terminal
+        self._last_plain = start_step
+        self._started = time.perf_counter()
+        self._start_step = start_step
+        self._progress: Progress | None = None
+        if self.live:
+            self._progress = Progress(
+                TextColumn("step {task.completed}/{task.total}"),
+                BarColumn(),
+                TextColumn("loss {task.fields[loss]}"),
+                TextColumn("{task.fields[rate]} samples/s"),
+                TextColumn("MFU {task.fields[mfu]}"),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                console=self.console,
+                transient=False,
+            )
+            self._task = self._progress.add_task("train", total=total_steps,
+                                                 completed=start_step, loss="-", rate="-",
+                                                 mfu="-")
+            self._progress.start()
+
+    def update(self, step: int, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        loss, rate, mfu = record["loss"], record["samples_per_s"], record.get("mfu")
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, loss=f"{loss:.4f}",
+                                  rate=f"{rate:,.0f}", mfu=_fmt_mfu(mfu))
+            return
+        if step - self._last_plain >= max(1, self.total // PLAIN_LINES) or step == self.total:
+            self._last_plain = step
+            done = step - self._start_step
+            elapsed = time.perf_counter() - self._started
+            eta = elapsed / done * (self.total - step) if done else 0.0
+            self.console.print(
+                f"step {step}/{self.total}  loss {loss:.4f}  {rate:,.0f} samples/s  "
+                f"MFU {_fmt_mfu(mfu)}  ETA {eta:.0f}s", highlight=False,
+            )
+
+    def message(self, text: str) -> None:
+        if self.enabled:
+            self.console.print(text, highlight=False)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+
+def summary_table(summary: dict[str, Any]) -> Table:
+    """The end-of-run table: quality, speed, utilisation and where the time went."""
+    table = Table(title=f"gpuflow run: {summary['workload']}", show_header=False)
+    table.add_column("metric", style="bold")
+    table.add_column("value")
+    med = summary["median"]
+    rows: list[tuple[str, str]] = [
+        ("steps", f"{summary['steps']} ({summary['samples_seen']:,} samples)"),
+        ("device", f"{summary['device_name']} ({summary['device']})"),
+        ("precision", summary["precision_description"]),
+        ("wall time", f"{summary['wall_time_s']:.1f} s"),
+    ]
+    for key, value in summary["final_metrics"].items():
+        rows.append((key, f"{value:.4f}" if isinstance(value, float) else str(value)))
+    rows += [
+        ("samples/s (median)", f"{med['samples_per_s']:,.1f}"),
+        ("step time (median)", f"{1e3 * med['step_time_s']:.2f} ms"),
+        ("  data wait", f"{1e3 * med['data_wait_s']:.2f} ms ({100 * med['data_wait_frac']:.1f}%)"),
+        ("  compute (fwd+bwd)", f"{1e3 * med['compute_s']:.2f} ms"),
+        ("  optimizer", f"{1e3 * med['optimizer_s']:.2f} ms"),
+        ("  host/other", f"{1e3 * med['host_s']:.2f} ms"),
+        ("FLOPs per step", f"{summary['flops_per_step']:.3e}"),
+        ("achieved (median)", f"{med['achieved_flops'] / 1e12:.4f} TFLOP/s"),
+        ("MFU (median)", _fmt_mfu(med["mfu"])),
+        ("peak FLOP/s", "unknown" if summary["peak_flops"] is None
+         else f"{summary['peak_flops'] / 1e12:.3f} TFLOP/s"),
+        ("peak source", summary["peak_flops_source"]),
+        ("peak memory", f"{summary['peak_mem_bytes'] / 2**20:,.1f} MiB "
+                        f"({summary['peak_mem_kind']})"),
+        ("skipped steps", str(summary["skipped_steps"])),
+        ("run dir", summary["run_dir"]),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+def print_summary(summary: dict[str, Any], console: Console | None = None) -> None:
+    (console or Console(file=sys.stdout)).print(summary_table(summary))

@@ -1,0 +1,132 @@
+"""The plug-in contract: what a user's code hands gpuflow, and how it is found and checked."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, default_collate
+
+from gpuflow.errors import UserError
+
+Batch = tuple[Any, torch.Tensor]
+MetricFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def accuracy(outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Top-1 accuracy of logits over the last dimension."""
+    return (outputs.argmax(dim=-1) == target).float().mean()
+
+
+def cross_entropy(outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy in fp32 whatever the autocast dtype of the logits."""
+    return nn.functional.cross_entropy(outputs.float(), target)
+
+
+@dataclass
+class Workload:
+    """A model, its data and its objective.
+
+    Datasets yield ``(inputs, target)`` pairs. ``inputs`` is a tensor, a tuple of tensors
+    (passed to the model positionally) or a dict of tensors (passed as keyword arguments).
+    ``repeated_blocks`` names the modules activation checkpointing wraps (and, later,
+    the units that sharding and pipelining split on).
+    """
+
+    name: str
+    model: nn.Module
+    train_dataset: Dataset
+    val_dataset: Dataset | None = None
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] = cross_entropy
+    metrics: Mapping[str, MetricFn] = field(default_factory=lambda: {"accuracy": accuracy})
+    collate_fn: Callable[[list[Any]], Batch] | None = None
+    example_batch: Batch | None = None
+    tokens_per_sample: int | None = None
+    repeated_blocks: Callable[[nn.Module], Sequence[nn.Module]] | None = None
+
+    def blocks(self) -> list[nn.Module]:
+        """The modules that repeat in the model, e.g. transformer layers."""
+        if self.repeated_blocks is not None:
+            return list(self.repeated_blocks(self.model))
+        found = getattr(self.model, "blocks", None)
+        return list(found) if isinstance(found, nn.ModuleList) else []
+
+    def collate(self, samples: list[Any]) -> Batch:
+        return (self.collate_fn or default_collate)(samples)
+
+    def get_example_batch(self, size: int = 8) -> Batch:
+        """A small real batch, for shape checks and FLOP counting."""
+        if self.example_batch is not None:
+            return self.example_batch
+        count = min(size, len(self.train_dataset))  # type: ignore[arg-type]
+        return self.collate([self.train_dataset[i] for i in range(count)])
+
+
+BUILTIN_WORKLOADS: dict[str, str] = {
+    "digits": "gpuflow.workloads.digits:build",
+}
+
+
+def resolve_workload(spec: str, options: Mapping[str, Any] | None = None) -> Workload:
+    """Build a workload from a built-in name or ``pkg.module:factory``."""
+    target = BUILTIN_WORKLOADS.get(spec, spec)
+    if ":" not in target:
+        known = ", ".join(sorted(BUILTIN_WORKLOADS))
+        raise UserError(
+            f"Unknown workload {spec!r}. Use a built-in one ({known}) or "
+            "`pkg.module:factory`, where factory() returns a gpuflow.Workload."
+        )
+    module_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UserError(
+            f"Cannot import module {module_name!r} for workload {spec!r}: {exc}. "
+            "Check the module path and that its package is importable (installed, or on "
+            "PYTHONPATH from the directory you run in)."
+        ) from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise UserError(
+            f"Module {module_name!r} has no callable {attr!r}; the part after ':' must name "
+            "a function that returns a gpuflow.Workload."
+        )
+    workload = factory(**(options or {}))
+    if not isinstance(workload, Workload):
+        raise UserError(
+            f"Workload factory {target!r} returned {type(workload).__name__}, not a "
+            "gpuflow.Workload. Return Workload(name=..., model=..., train_dataset=...)."
+        )
+    check_workload(workload)
+    return workload
+
+
+def check_workload(workload: Workload) -> None:
+    """Fail early, with the cause, on the mistakes a plug-in most often makes."""
+    if not isinstance(workload.model, nn.Module):
+        raise UserError(
+            f"Workload {workload.name!r}: model is a {type(workload.model).__name__}, "
+            "not a torch.nn.Module."
+        )
+    for label, dataset in (("train", workload.train_dataset), ("val", workload.val_dataset)):
+        if dataset is None:
+            continue
+        if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+            raise UserError(
+                f"Workload {workload.name!r}: the {label} dataset must be a map-style "
+                "dataset (with __len__ and __getitem__)."
+            )
+        if len(dataset) == 0:
+            raise UserError(f"Workload {workload.name!r}: the {label} dataset is empty.")
+        sample = dataset[0]
+        if not isinstance(sample, tuple | list) or len(sample) != 2:
+            raise UserError(
+                f"Workload {workload.name!r}: the {label} dataset must yield (inputs, target) "
+                f"pairs; item 0 is a {type(sample).__name__}"
+                + (f" of length {len(sample)}" if isinstance(sample, tuple | list) else "")
+                + "."
+            )

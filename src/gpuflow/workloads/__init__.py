@@ -1,0 +1,1 @@
+"""Built-in workloads, one module each; each exposes ``build(**options) -> Workload``."""

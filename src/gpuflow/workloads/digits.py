@@ -1,0 +1,37 @@
+"""Handwritten digits: scikit-learn's bundled 8x8 images (1,797 real scans, 10 classes)."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import TensorDataset
+
+from gpuflow.models.cnn import SmallCNN
+from gpuflow.workload import Workload
+
+VAL_FRACTION = 0.2
+SPLIT_SEED = 1234
+
+
+def load_digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:
+    """Images scaled to [0, 1] as (N, 1, 8, 8) float32, labels as int64."""
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    images = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    labels = torch.tensor(data.target, dtype=torch.int64)
+    return images, labels
+
+
+def build(width: int = 32, depth: int = 2) -> Workload:
+    images, labels = load_digits_tensors()
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(SPLIT_SEED))
+    n_val = int(len(labels) * VAL_FRACTION)
+    val_idx, train_idx = order[:n_val], order[n_val:]
+    mean, std = images[train_idx].mean(), images[train_idx].std()
+    images = (images - mean) / std
+    return Workload(
+        name="digits",
+        model=SmallCNN(in_channels=1, num_classes=10, width=width, depth=depth),
+        train_dataset=TensorDataset(images[train_idx], labels[train_idx]),
+        val_dataset=TensorDataset(images[val_idx], labels[val_idx]),
+    )
