@@ -300,34 +300,38 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
 
-    def train_steps(self, count: int) -> None:
-        """Run ``count`` optimizer steps with no logging, evaluation or checkpoints."""
-        for _ in range(count):
+    def run_steps(self, count: int) -> None:
+        """Run up to ``count`` steps with everything a step entails: logging, evaluation
+        and checkpoints on their schedules, and the non-finite-loss stop."""
+        config = self.config
+        for _ in range(min(count, self.total_steps - self.step)):
             self.train_step()
+            if self.nonfinite_streak >= config.max_nonfinite_steps:
+                self._stop_nonfinite()
+            at_end = self.step == self.total_steps
+            if self.step % config.log_every == 0 or at_end:
+                self._log_window()
+            if config.eval_every and self.step % config.eval_every == 0 and not at_end:
+                self.evaluate()
+            if config.checkpoint_every and self.step % config.checkpoint_every == 0:
+                self.save_checkpoint()
 
     def fit(self) -> RunResult:
-        config = self.config
+        """Train to ``total_steps``, evaluate, save the final checkpoint and the summary."""
         self.progress.message(self._banner())
         try:
-            while self.step < self.total_steps:
-                self.train_step()
-                if self.nonfinite_streak >= config.max_nonfinite_steps:
-                    self._stop_nonfinite()
-                at_end = self.step == self.total_steps
-                if self.step % config.log_every == 0 or at_end:
-                    self._log_window()
-                if config.eval_every and self.step % config.eval_every == 0 and not at_end:
-                    self.evaluate()
-                if config.checkpoint_every and self.step % config.checkpoint_every == 0:
-                    self.save_checkpoint()
+            self.run_steps(self.total_steps - self.step)
             final = self.evaluate()
             if self.last_checkpoint is None or self.last_checkpoint.step != self.step:
                 self.save_checkpoint()
         finally:
-            self.progress.close()
-            self.metrics.close()
+            self.close()
         summary = self._write_summary(final)
         return RunResult(self.run_dir, self.step, final, summary, self.model)
+
+    def close(self) -> None:
+        self.progress.close()
+        self.metrics.close()
 
     def _stop_nonfinite(self) -> None:
         first = self.step - self.nonfinite_streak + 1

@@ -1,0 +1,101 @@
+"""Helpers shared by the benchmark scripts: where a result came from, and writing it.
+
+A timing means little without the machine and versions behind it, so every result file
+records both, and is named after the machine so results from several machines can sit
+side by side in ``benchmarks/results/``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name (``/proc/cpuinfo`` on Linux), else what platform knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (the affinity mask), which can be fewer than exist."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def machine_info() -> dict[str, Any]:
+    """The machine a timing was taken on; call after setting torch's thread count."""
+    return {
+        "hostname": socket.gethostname(),
+        "cpu_model": cpu_model(),
+        "logical_cores": os.cpu_count(),
+        "usable_cores": usable_cores(),
+        "torch_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+        "platform": platform.platform(),
+    }
+
+
+def package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def versions(**extra: str | None) -> dict[str, str | None]:
+    """Versions of what the timing depends on; ``extra`` adds optional packages."""
+    import gpuflow
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": package_version("numpy"),
+        "gpuflow": getattr(gpuflow, "__version__", None) or package_version("gpuflow"),
+        **extra,
+    }
+
+
+def machine_tag() -> str:
+    """A readable file-name tag, e.g. ``amd-epyc-2c``: container host names say nothing."""
+    slug = re.sub(r"[^a-z0-9]+", "-", cpu_model().lower())
+    slug = re.sub(r"-(processor|cpu)\b.*$", "", slug).strip("-")[:40].strip("-")
+    return f"{slug or socket.gethostname()}-{usable_cores()}c"
+
+
+def default_result_path(benchmark: str) -> Path:
+    return RESULTS_DIR / f"{benchmark}-{machine_tag()}.json"
+
+
+def timestamp() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+
+
+def command_line() -> str:
+    return " ".join([Path(sys.executable).name, *sys.argv])
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    """Write atomically, so an interrupted run never leaves half a result behind."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    tmp.replace(path)

@@ -1,0 +1,104 @@
+"""Workloads as a user would write them, imported by tests through `pkg.module:factory`."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+import gpuflow
+from gpuflow.workloads import digits
+
+
+class TinyMLP(nn.Module):
+    def __init__(self, features: int = 16, classes: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(features, features), nn.GELU())
+                                    for _ in range(2))
+        self.head = nn.Linear(features, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def _separable(n: int, features: int = 16, classes: int = 4, seed: int = 0) -> TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    centers = torch.randn(classes, features, generator=generator) * 3
+    labels = torch.randint(0, classes, (n,), generator=generator)
+    return TensorDataset(centers[labels] + torch.randn(n, features, generator=generator), labels)
+
+
+def mlp() -> gpuflow.Workload:
+    return gpuflow.Workload(name="user-mlp", model=TinyMLP(), train_dataset=_separable(512),
+                            val_dataset=_separable(128, seed=1))
+
+
+def not_a_workload() -> dict:
+    return {"model": TinyMLP()}
+
+
+def wrong_shape() -> gpuflow.Workload:
+    data = TensorDataset(torch.randn(64, 7), torch.randint(0, 4, (64,)))
+    return gpuflow.Workload(name="wrong-shape", model=TinyMLP(), train_dataset=data)
+
+
+def single_items() -> gpuflow.Workload:
+    return gpuflow.Workload(name="single", model=TinyMLP(), train_dataset=torch.randn(64, 16))
+
+
+class Diverging(nn.Module):
+    """Returns NaN logits from step ``after`` on, as a blown-up model would."""
+
+    def __init__(self, after: int) -> None:
+        super().__init__()
+        self.net = TinyMLP()
+        self.after = after
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.net(x)
+        if self.training:
+            self.calls += 1
+            if self.calls > self.after:
+                return out * float("nan")
+        return out
+
+
+def diverging() -> gpuflow.Workload:
+    after = int(os.environ.get("DIVERGE_AFTER", "5"))
+    return gpuflow.Workload(name="diverging", model=Diverging(after),
+                            train_dataset=_separable(512), val_dataset=_separable(64, seed=1))
+
+
+class GatedDataset(Dataset):
+    """Blocks every fetch once the checkpoint named by $GATE_CHECKPOINT exists.
+
+    The training process then hangs at a known point, after that checkpoint was written,
+    so a test can kill it there with SIGKILL.
+    """
+
+    def __init__(self, base: Dataset) -> None:
+        self.base = base
+        gate = os.environ.get("GATE_CHECKPOINT")
+        self.gate = Path(gate) if gate else None
+
+    def __len__(self) -> int:
+        return len(self.base)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int):
+        while self.gate is not None and self.gate.exists():
+            time.sleep(0.05)
+        return self.base[index]
+
+
+def gated_digits() -> gpuflow.Workload:
+    workload = digits.build(width=16, depth=2)
+    workload.example_batch = workload.collate([workload.train_dataset[i] for i in range(8)])
+    workload.train_dataset = GatedDataset(workload.train_dataset)
+    return workload

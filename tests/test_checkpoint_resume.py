@@ -1,0 +1,159 @@
+"""Checkpoints are atomic and verified, and a resumed run equals an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, cli_env
+from safetensors.torch import load_file
+from user_workloads import gated_digits, mlp
+
+from gpuflow import Trainer, TrainConfig, train
+from gpuflow.cli import main
+from gpuflow.train.loop import seed_everything
+from gpuflow.train import checkpoint as ckpt
+
+
+def config(run_dir: Path, **overrides) -> TrainConfig:
+    values = dict(max_steps=12, batch_size=32, log_every=3, eval_every=0, progress=False,
+                  run_dir=str(run_dir), warmup_steps=3)
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def weights(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
+    newest = ckpt.list_checkpoints(checkpoint_dir)[0]
+    return load_file(newest.path / ckpt.MODEL_FILE)
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_resume_in_process_is_bitwise_exact_with_grad_accum(tmp_path: Path) -> None:
+    seed_everything(0)
+    train(gated_digits(), config(tmp_path / "full", grad_accum=2))
+
+    seed_everything(0)
+    first = Trainer(gated_digits(), config(tmp_path / "split", grad_accum=2))
+    first.run_steps(5)
+    first.save_checkpoint()
+    first.close()
+    result = train(gated_digits(), config(tmp_path / "split", grad_accum=2,
+                                          resume=True))
+    assert result.steps == 12
+    assert_same_weights(weights(tmp_path / "full" / "checkpoints"),
+                        weights(tmp_path / "split" / "checkpoints"))
+    steps = [json.loads(line)["step"] for line in
+             (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()
+             if "event" not in json.loads(line)]
+    assert steps == [3, 6, 9, 12]
+
+
+def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
+    n = 15
+    common = ["train", "--workload", "user_workloads:gated_digits", "--max-steps", str(2 * n),
+              "--checkpoint-every", str(n), "--eval-every", "0", "--batch-size", "32",
+              "--no-progress"]
+    reference = tmp_path / "reference"
+    assert main([*common, "--run-dir", str(reference)]) == 0
+
+    run_dir = tmp_path / "killed"
+    gate = run_dir / "checkpoints" / f"step-{n:08d}"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gpuflow.cli", *common, "--run-dir", str(run_dir)],
+        env=cli_env(GATE_CHECKPOINT=str(gate)), cwd=ROOT,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not gate.exists() and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    assert process.poll() is None, process.stderr.read() if process.stderr else ""
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert [c.step for c in ckpt.list_checkpoints(run_dir / "checkpoints")] == [n]
+
+    assert main(["train", "--resume", str(run_dir), "--no-progress"]) == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 2 * n
+    assert_same_weights(weights(reference / "checkpoints"), weights(run_dir / "checkpoints"))
+    ref_state = torch.load(ckpt.list_checkpoints(reference / "checkpoints")[0].path
+                           / ckpt.TRAINER_FILE, weights_only=True)
+    new_state = torch.load(ckpt.list_checkpoints(run_dir / "checkpoints")[0].path
+                           / ckpt.TRAINER_FILE, weights_only=True)
+    for key, value in ref_state["optimizer"]["state"].items():
+        for name, tensor in value.items():
+            assert torch.equal(tensor, new_state["optimizer"]["state"][key][name])
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_previous(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    train(mlp(), config(run_dir, checkpoint_every=4))
+    checkpoints = ckpt.list_checkpoints(run_dir / "checkpoints")
+    assert [c.step for c in checkpoints] == [12, 8, 4]
+    newest = checkpoints[0].path / ckpt.MODEL_FILE
+    data = bytearray(newest.read_bytes())
+    data[-1] ^= 0xFF
+    newest.write_bytes(bytes(data))
+
+    with pytest.warns(UserWarning, match="fails its checksum"):
+        trainer = Trainer(mlp(), config(run_dir, checkpoint_every=4, max_steps=14, resume=True))
+    assert trainer.step == 8
+    trainer.close()
+
+
+def test_every_checkpoint_corrupt_is_a_clear_error(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    train(mlp(), config(run_dir, max_steps=3))
+    for checkpoint in ckpt.list_checkpoints(run_dir / "checkpoints"):
+        (checkpoint.path / ckpt.MANIFEST_FILE).write_text("{")
+    with pytest.warns(UserWarning, match="unreadable manifest"), \
+            pytest.raises(Exception, match="no valid checkpoint"):
+        Trainer(mlp(), config(run_dir, resume=True))
+
+
+def test_half_written_checkpoint_is_never_listed(tmp_path: Path) -> None:
+    directory = tmp_path / "checkpoints"
+    (directory / ".tmp-step-00000009-123").mkdir(parents=True)
+    (directory / ".tmp-step-00000009-123" / ckpt.MODEL_FILE).write_bytes(b"partial")
+    assert ckpt.list_checkpoints(directory) == []
+    model = torch.nn.Linear(2, 2)
+    saved = ckpt.save_checkpoint(directory, 3, model, {"step": 3}, keep=2)
+    assert saved.path.name == "step-00000003"
+    assert not list(directory.glob(".tmp-*"))
+    assert ckpt.verify_checkpoint(saved)["step"] == 3
+
+
+def test_keep_checkpoints_prunes_oldest(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    train(mlp(), config(run_dir, checkpoint_every=2, keep_checkpoints=2))
+    assert [c.step for c in ckpt.list_checkpoints(run_dir / "checkpoints")] == [12, 10]
+
+
+def test_nonfinite_loss_stops_with_exit_3_and_keeps_last_good_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("DIVERGE_AFTER", "6")
+    run_dir = tmp_path / "run"
+    code = main(["train", "--workload", "user_workloads:diverging", "--max-steps", "40",
+                 "--checkpoint-every", "5", "--max-nonfinite-steps", "4", "--batch-size", "16",
+                 "--run-dir", str(run_dir), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 3, err
+    assert "NaN/inf for 4 consecutive steps (7-10)" in err
+    checkpoints = ckpt.list_checkpoints(run_dir / "checkpoints")
+    assert [c.step for c in checkpoints] == [5]
+    ckpt.verify_checkpoint(checkpoints[0])
+    assert all(torch.isfinite(t).all() for t in weights(run_dir / "checkpoints").values())
+    assert not (run_dir / "summary.json").exists()
