@@ -16,10 +16,10 @@ from conftest import ROOT, cli_env
 from safetensors.torch import load_file
 from user_workloads import gated_digits, mlp
 
-from gpuflow import Trainer, TrainConfig, train
+from gpuflow import TrainConfig, Trainer, train
 from gpuflow.cli import main
-from gpuflow.train.loop import seed_everything
 from gpuflow.train import checkpoint as ckpt
+from gpuflow.train.loop import seed_everything
 
 
 def config(run_dir: Path, **overrides) -> TrainConfig:

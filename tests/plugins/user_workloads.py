@@ -28,8 +28,8 @@ class TinyMLP(nn.Module):
 
 
 def _separable(n: int, features: int = 16, classes: int = 4, seed: int = 0) -> TensorDataset:
+    centers = torch.randn(classes, features, generator=torch.Generator().manual_seed(99)) * 3
     generator = torch.Generator().manual_seed(seed)
-    centers = torch.randn(classes, features, generator=generator) * 3
     labels = torch.randint(0, classes, (n,), generator=generator)
     return TensorDataset(centers[labels] + torch.randn(n, features, generator=generator), labels)
 

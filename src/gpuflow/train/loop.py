@@ -279,6 +279,8 @@ class Trainer:
         return loss_value
 
     def _optimizer_step(self, finite: bool) -> None:
+        """Update unless the loss or (under fp16) the gradients overflowed; count skips."""
+        stepped = finite
         if not finite:
             self.skipped_steps += 1
             self.nonfinite_streak += 1
@@ -291,14 +293,20 @@ class Trainer:
                 scale = self.scaler.get_scale()
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
-                if self.scaler.get_scale() < scale:
-                    self.skipped_steps += 1
+                stepped = self.scaler.get_scale() >= scale
+                self.skipped_steps += not stepped
             else:
                 if self.config.clip_grad:
                     nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad)
                 self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        if stepped:
+            self.scheduler.step()
+            return
+        with warnings.catch_warnings():
+            # The schedule still advances on a skipped step; torch warns about that order.
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")
+            self.scheduler.step()
 
     def run_steps(self, count: int) -> None:
         """Run up to ``count`` steps with everything a step entails: logging, evaluation
