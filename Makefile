@@ -22,6 +22,7 @@ run: $(STAMP)
 	$(BIN)/gpuflow train --workload digits
 
 test: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)

@@ -1,0 +1,30 @@
+import torch
+
+from gpuflow.data.prefetch import DevicePrefetcher, move_to_device
+from gpuflow.data.sampler import ResumableSampler
+
+
+def test_prefetcher_yields_every_batch_in_order_on_cpu() -> None:
+    batches = [(torch.full((2, 3), float(i)), torch.tensor([i, i])) for i in range(5)]
+    seen = list(DevicePrefetcher(iter(batches), torch.device("cpu")))
+    assert len(seen) == 5
+    for (x, y), (ex, ey) in zip(seen, batches, strict=True):
+        assert torch.equal(x, ex) and torch.equal(y, ey)
+
+
+def test_move_to_device_keeps_structure() -> None:
+    batch = ({"a": torch.ones(2), "b": (torch.zeros(1), 3)}, torch.arange(2))
+    moved = move_to_device(batch, torch.device("cpu"))
+    assert isinstance(moved, tuple) and isinstance(moved[0]["b"], tuple)
+    assert moved[0]["b"][1] == 3 and torch.equal(moved[1], torch.arange(2))
+
+
+def test_sampler_resumes_mid_epoch_and_reshuffles_each_epoch() -> None:
+    sampler = ResumableSampler(10, seed=3)
+    sampler.set_position(epoch=1, start=0)
+    full = list(sampler)
+    sampler.set_position(epoch=1, start=4)
+    assert list(sampler) == full[4:] and len(sampler) == 6
+    sampler.set_position(epoch=2, start=0)
+    other = list(sampler)
+    assert sorted(other) == list(range(10)) and other != full
