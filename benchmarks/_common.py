@@ -15,6 +15,7 @@ import platform
 import re
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,43 @@ def machine_tag() -> str:
 
 def default_result_path(benchmark: str) -> Path:
     return RESULTS_DIR / f"{benchmark}-{machine_tag()}.json"
+
+
+def busy_cpu_seconds() -> float | None:
+    """CPU seconds every process on the machine has used since boot (Linux), steal included."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+class ForeignLoad:
+    """Share of the machine's CPUs that other processes (or the hypervisor) used meanwhile.
+
+    Timings taken while another job runs are not comparable, least of all with several
+    torch threads, so a result carries this figure to say how far it can be trusted.
+    """
+
+    def __init__(self) -> None:
+        self._busy, self._own = busy_cpu_seconds(), own_cpu_seconds()
+        self._start = time.perf_counter()
+
+    def share(self) -> float | None:
+        busy = busy_cpu_seconds()
+        if busy is None or self._busy is None:
+            return None
+        wall = time.perf_counter() - self._start
+        foreign = (busy - self._busy) - (own_cpu_seconds() - self._own)
+        return max(0.0, foreign / (wall * (os.cpu_count() or 1))) if wall > 0 else 0.0
 
 
 def timestamp() -> str:

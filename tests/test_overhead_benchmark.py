@@ -42,7 +42,8 @@ def test_quick_overhead_benchmark_matches_plain_loop_bitwise(tmp_path: Path) -> 
         assert case["bitwise_equal"], f"{where}: {case['weights_vs_plain']['gpuflow']}"
         assert case["gpuflow_steps_run"] == case["total_steps"] == 3 * 10
         assert len(case["round_times_s"]["plain"]) == len(case["round_times_s"]["gpuflow"]) == 2
-        assert set(case["median_step_ms"]) == {"plain", "gpuflow"}
+        assert set(case["median_step_ms"]) == {"plain", "control", "gpuflow"}
+        assert case["weights_vs_plain"]["control"]["bitwise_equal"], where
         assert case["median_step_ms"]["gpuflow"] > 0
         assert {"median_ratio", "extra_ms_per_step"} <= case["gpuflow"].keys()
         assert {"metric", "value", "limit", "met"} <= case["target"].keys()
