@@ -305,7 +305,7 @@ class Trainer:
             return
         with warnings.catch_warnings():
             # The schedule still advances on a skipped step; torch warns about that order.
-            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler")
             self.scheduler.step()
 
     def run_steps(self, count: int) -> None:
