@@ -129,7 +129,7 @@ def test_half_written_checkpoint_is_never_listed(tmp_path: Path) -> None:
     (directory / ".tmp-step-00000009-123" / ckpt.MODEL_FILE).write_bytes(b"partial")
     assert ckpt.list_checkpoints(directory) == []
     model = torch.nn.Linear(2, 2)
-    saved = ckpt.save_checkpoint(directory, 3, model, {"step": 3}, keep=2)
+    saved = ckpt.save_checkpoint(directory, 3, model.state_dict(), {"step": 3}, keep=2)
     assert saved.path.name == "step-00000003"
     assert not list(directory.glob(".tmp-*"))
     assert ckpt.verify_checkpoint(saved)["step"] == 3

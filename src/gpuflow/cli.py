@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 from collections.abc import Sequence
@@ -14,6 +15,7 @@ from gpuflow.errors import NonFiniteLossError, UserError
 
 EXIT_USER_ERROR = 2
 EXIT_DIVERGED = 3
+EXIT_WORKER_FAILED = 1
 
 
 def _positive_or_none(text: str) -> float | None:
@@ -54,6 +56,18 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
         help="also write TensorBoard event files (needs gpuflow[tensorboard])")
     add("--no-progress", dest="progress", action="store_false", default=argparse.SUPPRESS,
         help="no live progress output")
+    dist = parser.add_argument_group("distributed (torch.distributed, elastic launcher)")
+    dist.add_argument("--strategy", choices=["single", "ddp", "fsdp"],
+                      help="default: single for one process, ddp for several")
+    dist.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction,
+                      help="fsdp: free gathered params after forward (ZeRO-3-like, default) "
+                           "or keep them for backward (ZeRO-2-like)")
+    dist.add_argument("--nproc", type=int, help="worker processes on this node (default 1)")
+    dist.add_argument("--nnodes", type=int, help="nodes in the job (default 1)")
+    dist.add_argument("--node-rank", type=int, help="this node's rank; node 0 hosts rendezvous")
+    dist.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (multi-node)")
+    dist.add_argument("--max-restarts", type=int,
+                      help="restart failed workers this often, resuming from the last checkpoint")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,8 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _train(args: argparse.Namespace) -> int:
+def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from gpuflow.config import build_config, load_toml
+    from gpuflow.parallel.env import context_from_env, shutdown
     from gpuflow.train.loop import seed_everything, train
     from gpuflow.train.progress import print_summary
     from gpuflow.workload import resolve_workload
@@ -84,11 +99,42 @@ def _train(args: argparse.Namespace) -> int:
         flags["run_dir"] = run_dir
     file_values = load_toml(args.config) if getattr(args, "config", None) else {}
     config = build_config({**base, **file_values}, flags)
+    if (config.nproc > 1 or config.nnodes > 1) and context_from_env() is None:
+        return _launch(config, argv)
+    if _restarted_by_elastic_agent(config):
+        config.resume = True
     seed_everything(config.seed)
     workload = resolve_workload(config.workload)
-    result = train(workload, config)
-    print_summary(result.summary)
+    try:
+        result = train(workload, config)
+    finally:
+        shutdown()
+    launched = context_from_env()
+    if launched is None or launched.is_main:
+        print_summary(result.summary)
     return 0
+
+
+def _launch(config: Any, argv: Sequence[str]) -> int:
+    """This process becomes the elastic agent; workers rerun the same command line."""
+    from gpuflow.parallel.launch import LaunchSpec, launch
+    from gpuflow.train.loop import default_run_dir
+
+    run_dir = config.run_dir or str(default_run_dir(config.workload))
+    spec = LaunchSpec(config.nproc, config.nnodes, config.node_rank, config.rdzv_endpoint,
+                      config.max_restarts)
+    launch(spec, [*argv, "--run-dir", run_dir])
+    return 0
+
+
+def _restarted_by_elastic_agent(config: Any) -> bool:
+    """After a worker failure the agent restarts every worker: continue from the checkpoint."""
+    from gpuflow.train.checkpoint import list_checkpoints
+
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restarts == 0 or config.resume or config.run_dir is None:
+        return False
+    return bool(list_checkpoints(Path(config.run_dir) / "checkpoints"))
 
 
 def _saved_config(run_dir: Path) -> dict[str, Any]:
@@ -135,19 +181,31 @@ def _env(args: argparse.Namespace) -> int:
     return 0
 
 
+def _who() -> str:
+    """'rank R: ' inside a distributed job, so every error names the rank that raised it."""
+    rank = os.environ.get("RANK")
+    return f"rank {rank}: " if rank is not None and os.environ.get("WORLD_SIZE") else ""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     warnings.simplefilter("default", UserWarning)
+    from gpuflow.parallel.launch import WorkerFailedError
+
     try:
         if args.command == "train":
-            return _train(args)
+            return _train(args, argv)
         return _env(args)
     except UserError as exc:
-        print(f"gpuflow: error: {exc}", file=sys.stderr)
+        print(f"gpuflow: {_who()}error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
     except NonFiniteLossError as exc:
-        print(f"gpuflow: training diverged: {exc}", file=sys.stderr)
+        print(f"gpuflow: {_who()}training diverged: {exc}", file=sys.stderr)
         return EXIT_DIVERGED
+    except WorkerFailedError as exc:
+        print(f"gpuflow: {exc}", file=sys.stderr)
+        return EXIT_WORKER_FAILED
     except KeyboardInterrupt:
         print("gpuflow: interrupted", file=sys.stderr)
         return 130

@@ -13,6 +13,7 @@ from gpuflow.errors import UserError
 Precision = Literal["fp32", "tf32", "bf16", "fp16"]
 OptimizerName = Literal["adamw", "sgd"]
 Schedule = Literal["cosine", "constant"]
+Strategy = Literal["single", "ddp", "fsdp"]
 
 
 @dataclass
@@ -45,6 +46,13 @@ class TrainConfig:
     max_nonfinite_steps: int = 20
     tensorboard: bool = False
     progress: bool = True
+    strategy: Strategy | None = None
+    reshard_after_forward: bool = True
+    nproc: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+    max_restarts: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -52,11 +60,14 @@ class TrainConfig:
         _check_choice("precision", self.precision, Precision)
         _check_choice("optimizer", self.optimizer, OptimizerName)
         _check_choice("schedule", self.schedule, Schedule)
+        if self.strategy is not None:
+            _check_choice("strategy", self.strategy, Strategy)
         for name in ("batch_size", "grad_accum", "log_every", "keep_checkpoints",
-                     "max_nonfinite_steps"):
+                     "max_nonfinite_steps", "nproc", "nnodes"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{_flag(name)} must be at least 1 (got {getattr(self, name)}).")
-        for name in ("eval_every", "checkpoint_every", "num_workers", "warmup_steps"):
+        for name in ("eval_every", "checkpoint_every", "num_workers", "warmup_steps",
+                     "max_restarts", "node_rank"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{_flag(name)} must be 0 or more (got {getattr(self, name)}).")
         if self.lr <= 0:
@@ -69,6 +80,17 @@ class TrainConfig:
             raise UserError("Give either --max-steps or --epochs, not both.")
         if self.clip_grad is not None and self.clip_grad <= 0:
             raise UserError(f"--clip-grad must be positive (got {self.clip_grad}).")
+
+    def resolved_strategy(self, world_size: int) -> str:
+        """Data-parallel by default when there is more than one process."""
+        if self.strategy is not None:
+            if self.strategy == "single" and world_size > 1:
+                raise UserError(
+                    f"--strategy single runs one process, but this job has {world_size}; "
+                    "use --strategy ddp or fsdp, or drop --nproc."
+                )
+            return self.strategy
+        return "ddp" if world_size > 1 else "single"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -128,6 +150,8 @@ def _check_types(config: TrainConfig) -> None:
         expected = type(default) if default is not None else None
         if f.name in ("max_steps",):
             expected = int
+        elif f.name in ("strategy", "rdzv_endpoint"):
+            expected = str
         elif f.name in ("epochs", "clip_grad"):
             expected = float
         if expected is float and isinstance(value, int) and not isinstance(value, bool):

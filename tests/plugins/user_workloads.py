@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -101,4 +102,30 @@ def gated_digits() -> gpuflow.Workload:
     workload = digits.build(width=16, depth=2)
     workload.example_batch = workload.collate([workload.train_dataset[i] for i in range(8)])
     workload.train_dataset = GatedDataset(workload.train_dataset)
+    return workload
+
+
+class KillOnceDataset(Dataset):
+    """SIGKILLs rank $KILL_RANK on the first attempt once $KILL_AFTER_CHECKPOINT exists,
+    as a crashed node would; a restarted attempt runs normally."""
+
+    def __init__(self, base: Dataset) -> None:
+        self.base = base
+
+    def __len__(self) -> int:
+        return len(self.base)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int):
+        marker = os.environ.get("KILL_AFTER_CHECKPOINT")
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if (marker and first_attempt and os.environ.get("RANK") == os.environ.get("KILL_RANK")
+                and Path(marker).exists()):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.base[index]
+
+
+def killed_mlp() -> gpuflow.Workload:
+    workload = mlp()
+    workload.example_batch = workload.collate([workload.train_dataset[i] for i in range(8)])
+    workload.train_dataset = KillOnceDataset(workload.train_dataset)
     return workload

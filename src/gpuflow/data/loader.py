@@ -12,25 +12,28 @@ from gpuflow.data.sampler import ResumableSampler
 from gpuflow.errors import UserError
 
 
-def batches_per_epoch(dataset: Dataset, batch_size: int) -> int:
-    count = len(dataset) // batch_size  # type: ignore[arg-type]
+def batches_per_epoch(dataset: Dataset, batch_size: int, world_size: int = 1) -> int:
+    """Full batches each data-parallel rank draws per epoch."""
+    count = len(dataset) // world_size // batch_size  # type: ignore[arg-type]
     if count == 0:
         raise UserError(
-            f"--batch-size {batch_size} is larger than the training set "
-            f"({len(dataset)} samples); lower it."  # type: ignore[arg-type]
+            f"--batch-size {batch_size} x {world_size} data-parallel rank(s) is larger than "
+            f"the training set ({len(dataset)} samples); lower it."  # type: ignore[arg-type]
         )
     return count
 
 
 def train_batches(dataset: Dataset, batch_size: int, collate: Any, seed: int,
-                  start_batch: int, num_workers: int, pin_memory: bool) -> Iterator[Any]:
+                  start_batch: int, num_workers: int, pin_memory: bool, rank: int = 0,
+                  world_size: int = 1) -> Iterator[Any]:
     """Endless stream of batches across epochs, starting after ``start_batch`` batches.
 
     The last partial batch of each epoch is dropped, so every step sees a full batch and
     the position is just a batch count: epoch = count // batches_per_epoch.
     """
-    per_epoch = batches_per_epoch(dataset, batch_size)
-    sampler = ResumableSampler(len(dataset), seed)  # type: ignore[arg-type]
+    per_epoch = batches_per_epoch(dataset, batch_size, world_size)
+    sampler = ResumableSampler(len(dataset), seed, rank=rank,  # type: ignore[arg-type]
+                               world_size=world_size)
     loader = DataLoader(
         dataset,
         batch_size=batch_size,

@@ -9,16 +9,24 @@ from torch.utils.data import Sampler
 
 
 class ResumableSampler(Sampler[int]):
-    """Seeded per-epoch permutation that can start part-way through an epoch.
+    """Seeded per-epoch permutation, sharded across data-parallel ranks, that can start
+    part-way through an epoch.
 
     The order depends only on ``(seed, epoch)``, never on global RNG state, so a resumed run
-    draws exactly the samples an uninterrupted one would.
+    draws exactly the samples an uninterrupted one would. Rank ``r`` of ``n`` takes every
+    n-th sample from position r, so consecutive global batches are split across ranks exactly
+    as one process with an n-times larger batch would see them; the tail that does not
+    divide evenly is dropped so every rank sees as many samples and no sample is seen twice.
     """
 
-    def __init__(self, size: int, seed: int, shuffle: bool = True) -> None:
+    def __init__(self, size: int, seed: int, shuffle: bool = True, rank: int = 0,
+                 world_size: int = 1) -> None:
         self.size = size
         self.seed = seed
         self.shuffle = shuffle
+        self.rank = rank
+        self.world_size = world_size
+        self.per_rank = size // world_size
         self.epoch = 0
         self.start = 0
 
@@ -33,7 +41,8 @@ class ResumableSampler(Sampler[int]):
             order = torch.randperm(self.size, generator=generator)
         else:
             order = torch.arange(self.size)
-        yield from order[self.start:].tolist()
+        mine = order[self.rank:self.per_rank * self.world_size:self.world_size]
+        yield from mine[self.start:].tolist()
 
     def __len__(self) -> int:
-        return self.size - self.start
+        return self.per_rank - self.start

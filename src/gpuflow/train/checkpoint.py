@@ -16,14 +16,14 @@ import random
 import shutil
 import time
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_model, save_model
-from torch import nn
+from safetensors.torch import load_file, save_file
 
 FORMAT_VERSION = 1
 MODEL_FILE = "model.safetensors"
@@ -89,15 +89,31 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(directory: Path, step: int, model: nn.Module, trainer_state: dict[str, Any],
-                    keep: int) -> Checkpoint:
-    """Write a checkpoint atomically, then prune all but the newest ``keep``."""
+def _unshared(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous CPU tensors, with tied (storage-sharing) entries copied apart for safetensors."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in state.items():
+        tensor = tensor.detach().cpu().contiguous()
+        key = tensor.untyped_storage().data_ptr()
+        out[name] = tensor.clone() if key in seen else tensor
+        seen.add(key)
+    return out
+
+
+def save_checkpoint(directory: Path, step: int, model_state: Mapping[str, torch.Tensor],
+                    trainer_state: dict[str, Any], keep: int) -> Checkpoint:
+    """Write a checkpoint atomically, then prune all but the newest ``keep``.
+
+    ``model_state`` is the full (unsharded) state dict, so any strategy or world size can
+    load it.
+    """
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"{PREFIX}{step:08d}"
     tmp = directory / f".tmp-{PREFIX}{step:08d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_model(model, str(tmp / MODEL_FILE), metadata={"step": str(step)})
+    save_file(_unshared(model_state), str(tmp / MODEL_FILE), metadata={"step": str(step)})
     torch.save(trainer_state, tmp / TRAINER_FILE)
     files = {}
     for name in (MODEL_FILE, TRAINER_FILE):
@@ -156,23 +172,21 @@ def verify_checkpoint(checkpoint: Checkpoint) -> dict[str, Any]:
     return manifest
 
 
-def load_checkpoint(checkpoint: Checkpoint, model: nn.Module) -> dict[str, Any]:
-    """Verify, load weights into ``model`` and return the trainer state."""
+def load_checkpoint(checkpoint: Checkpoint) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Verify, then return the model state and the trainer state."""
     verify_checkpoint(checkpoint)
-    missing, unexpected = load_model(model, str(checkpoint.path / MODEL_FILE), strict=False)
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{checkpoint.path}: weights do not match the model (missing {sorted(missing)[:5]}, "
-            f"unexpected {sorted(unexpected)[:5]})"
-        )
-    return torch.load(checkpoint.path / TRAINER_FILE, weights_only=True, map_location="cpu")
+    model_state = load_file(str(checkpoint.path / MODEL_FILE))
+    trainer_state = torch.load(checkpoint.path / TRAINER_FILE, weights_only=True,
+                               map_location="cpu")
+    return model_state, trainer_state
 
 
-def load_latest(directory: Path, model: nn.Module) -> tuple[Checkpoint, dict[str, Any]] | None:
+def load_latest(directory: Path
+                ) -> tuple[Checkpoint, dict[str, torch.Tensor], dict[str, Any]] | None:
     """Newest checkpoint that verifies; a corrupt one is reported and skipped."""
     for checkpoint in list_checkpoints(directory):
         try:
-            return checkpoint, load_checkpoint(checkpoint, model)
+            return checkpoint, *load_checkpoint(checkpoint)
         except (CheckpointError, OSError, RuntimeError) as exc:
             warnings.warn(f"Skipping checkpoint: {exc}. Trying the previous one.", stacklevel=2)
     return None

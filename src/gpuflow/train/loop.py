@@ -17,14 +17,24 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from gpuflow.config import TrainConfig
 from gpuflow.data.loader import batches_per_epoch, eval_loader, train_batches
 from gpuflow.data.prefetch import DevicePrefetcher, move_to_device
 from gpuflow.errors import NonFiniteLossError, UserError
 from gpuflow.hardware import device_name, peak_flops, resolve_device
+from gpuflow.parallel.data_parallel import apply_ddp, apply_fsdp, set_gradient_sync
+from gpuflow.parallel.env import init_distributed
 from gpuflow.precision import make_policy
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.flops import count_flops
@@ -35,6 +45,7 @@ from gpuflow.workload import Batch, Workload
 
 DEFAULT_EPOCHS = 10.0
 RUN_FORMAT_VERSION = 1
+FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 @dataclass
@@ -112,8 +123,18 @@ class Trainer:
         config.validate()
         self.workload, self.config = workload, config
         seed_everything(config.seed)
-        self.device = resolve_device(config.device)
+        device = resolve_device(config.device)
+        self.dist = init_distributed(device.type == "cuda",
+                                     force=config.strategy in ("ddp", "fsdp"))
+        if device.type == "cuda" and self.dist.world_size > 1:
+            device = torch.device("cuda", self.dist.local_rank)
+        self.device = device
+        self.strategy = config.resolved_strategy(self.dist.world_size)
+        self.world = self.dist.world_size
+        self.is_main = self.dist.is_main
         self.policy = make_policy(config.precision, self.device)
+        if self.strategy == "fsdp" and self.policy.loss_scaling:
+            raise UserError("--strategy fsdp supports fp32, tf32 and bf16; use --precision bf16.")
         self.run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(workload.name)
         self.checkpoint_dir = self.run_dir / "checkpoints"
         self.model = workload.model.to(self.device)
@@ -123,7 +144,8 @@ class Trainer:
             apply_activation_checkpointing(self.model, workload.blocks())
 
         self.micro_batch = config.batch_size
-        self.per_epoch_batches = batches_per_epoch(workload.train_dataset, config.batch_size)
+        self.per_epoch_batches = batches_per_epoch(workload.train_dataset, config.batch_size,
+                                                   self.world)
         self.steps_per_epoch = max(1, self.per_epoch_batches // config.grad_accum)
         if config.max_steps is not None:
             self.total_steps = config.max_steps
@@ -132,8 +154,8 @@ class Trainer:
             self.total_steps = max(1, math.ceil(epochs * self.steps_per_epoch))
 
         example = move_to_device(workload.get_example_batch(), self.device)
-        self.flops_per_step = self._count_step_flops(example)
-        self.forward_model: nn.Module = self.model
+        self.flops_per_step = self._count_step_flops(example) * self.world
+        self.forward_model: nn.Module = self._parallelize()
         self.compiled = False
         if config.compile:
             self._compile(example)
@@ -151,15 +173,17 @@ class Trainer:
         self.last_checkpoint: ckpt.Checkpoint | None = None
         resumed = self._maybe_resume()
 
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._write_config()
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._write_config()
         self.metrics = MetricsLog(
             self.run_dir / "metrics.jsonl",
             self.run_dir / "tensorboard" if config.tensorboard else None,
+            enabled=self.is_main,
         )
         self.metrics.open(keep_until_step=self.step if resumed else None)
         self.progress = progress or ProgressDisplay(self.total_steps, self.step,
-                                                    enabled=config.progress)
+                                                    enabled=config.progress and self.is_main)
         self.timer = StepTimer(self.device)
         self._batches: DevicePrefetcher | None = None
         self._started = time.perf_counter()
@@ -187,8 +211,18 @@ class Trainer:
         per_sample = flops / batch_size_of(example)
         return round(per_sample * self.micro_batch * self.config.grad_accum)
 
+    def _parallelize(self) -> nn.Module:
+        """Wrap for data parallelism; returns the module the step calls."""
+        if self.strategy == "ddp":
+            return apply_ddp(self.model, self.device)
+        if self.strategy == "fsdp":
+            param_dtype = self.policy.autocast_dtype
+            apply_fsdp(self.model, self.workload.blocks(), param_dtype,
+                       self.config.reshard_after_forward)
+        return self.model
+
     def _compile(self, example: Batch) -> None:
-        compiled = torch.compile(self.model)
+        compiled = torch.compile(self.forward_model)
         inputs, target = example
         try:
             with side_effect_free(self.model, self.device):
@@ -206,14 +240,22 @@ class Trainer:
     def _maybe_resume(self) -> bool:
         if not self.config.resume:
             return False
-        found = ckpt.load_latest(self.checkpoint_dir, self.model)
+        found = ckpt.load_latest(self.checkpoint_dir)
         if found is None:
             raise UserError(
                 f"--resume: no valid checkpoint in {self.checkpoint_dir}. Check the run dir, "
                 "or start without --resume."
             )
-        checkpoint, state = found
-        self.optimizer.load_state_dict(state["optimizer"])
+        checkpoint, model_state, state = found
+        try:
+            set_model_state_dict(self.model, model_state, options=FULL_STATE)
+        except RuntimeError as exc:
+            raise UserError(
+                f"--resume: the weights in {checkpoint.path} do not fit this workload's model "
+                f"({str(exc).splitlines()[0]}). Resume with the workload that wrote them."
+            ) from None
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
+                                 options=FULL_STATE)
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
@@ -237,6 +279,7 @@ class Trainer:
                 self.workload.train_dataset, config.batch_size, self.workload.collate,
                 seed=config.seed, start_batch=self.batches_consumed,
                 num_workers=config.num_workers, pin_memory=self.device.type == "cuda",
+                rank=self.dist.rank, world_size=self.world,
             )
             self._batches = DevicePrefetcher(source, self.device)
         return self._batches
@@ -244,6 +287,8 @@ class Trainer:
     def _grad_sync(self, micro_step: int) -> contextlib.AbstractContextManager[Any]:
         """Skip gradient all-reduce on all but the last micro-step, where the model allows."""
         last = micro_step == self.config.grad_accum - 1
+        if set_gradient_sync(self.model, last):
+            return contextlib.nullcontext()
         no_sync = getattr(self.forward_model, "no_sync", None)
         return contextlib.nullcontext() if last or no_sync is None else no_sync()
 
@@ -266,11 +311,17 @@ class Trainer:
             losses.append(loss.detach())
         self.batches_consumed += accum
         timer.optimizer.begin()
-        loss_value = (losses[0] if accum == 1 else torch.stack(losses).mean()).item()
+        loss = losses[0] if accum == 1 else torch.stack(losses).mean()
+        if self.world > 1:
+            # Every rank must agree on skipping a non-finite step, and logs the global mean.
+            loss = loss.clone()
+            dist.all_reduce(loss)
+            loss /= self.world
+        loss_value = loss.item()
         self._optimizer_step(math.isfinite(loss_value))
         timer.optimizer.end()
         self.step += 1
-        step_samples = self.micro_batch * accum
+        step_samples = self.micro_batch * accum * self.world
         self.samples_seen += step_samples
         window = timer.window
         window.steps += 1
@@ -354,9 +405,12 @@ class Trainer:
     def _banner(self) -> str:
         config = self.config
         resumed = f", resumed at step {self.step}" if self.step else ""
+        ranks = f" x {self.world} ranks ({self.strategy})" if self.world > 1 else ""
+        global_batch = self.micro_batch * config.grad_accum * self.world
         return (
-            f"gpuflow: {self.workload.name} on {device_name(self.device)} ({self.device}), "
-            f"{self.policy.describe()}, batch {self.micro_batch} x accum {config.grad_accum}, "
+            f"gpuflow: {self.workload.name} on {device_name(self.device)} ({self.device}){ranks}, "
+            f"{self.policy.describe()}, global batch {global_batch} = micro-batch "
+            f"{self.micro_batch} x accum {config.grad_accum} x data-parallel {self.world}, "
             f"{self.total_steps} steps{resumed}{', compiled' if self.compiled else ''}; "
             f"run dir {self.run_dir}"
         )
@@ -381,18 +435,23 @@ class Trainer:
             "data_wait_frac": window["data_wait_frac"],
             "flops_per_step": self.flops_per_step,
             "achieved_flops": achieved,
-            "mfu": achieved / self.peak.flops if self.peak.flops else None,
+            "mfu": achieved / (self.peak.flops * self.world) if self.peak.flops else None,
             "peak_mem_bytes": peak_mem,
             "skipped_steps": self.skipped_steps,
+            "world_size": self.world,
             "window_steps": window["window_steps"],
             "elapsed_s": time.perf_counter() - self._started,
         }
         self.metrics.write(record)
         self.progress.update(self.step, record)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Loss and the workload's metrics over the validation set, sample-weighted."""
+        """Loss and the workload's metrics over the validation set, sample-weighted.
+
+        Every rank evaluates the whole set (FSDP needs all ranks in each forward), so each
+        holds the same result.
+        """
         dataset = self.workload.val_dataset
         if dataset is None:
             return {}
@@ -427,21 +486,29 @@ class Trainer:
             "batches_consumed": self.batches_consumed,
             "skipped_steps": self.skipped_steps,
             "samples_seen": self.samples_seen,
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": get_optimizer_state_dict(self.model, self.optimizer,
+                                                  options=FULL_STATE),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "rng": ckpt.capture_rng_state(),
         }
 
     def save_checkpoint(self) -> ckpt.Checkpoint:
-        self.last_checkpoint = ckpt.save_checkpoint(
-            self.checkpoint_dir, self.step, self.model, self.trainer_state(),
-            keep=self.config.keep_checkpoints,
-        )
+        """Gather the full state on every rank (a collective under FSDP); rank 0 writes."""
+        model_state = get_model_state_dict(self.model, options=FULL_STATE)
+        trainer_state = self.trainer_state()
+        path = self.checkpoint_dir / f"{ckpt.PREFIX}{self.step:08d}"
+        if self.is_main:
+            path = ckpt.save_checkpoint(self.checkpoint_dir, self.step, model_state,
+                                        trainer_state, keep=self.config.keep_checkpoints).path
+        if self.world > 1:
+            dist.barrier()
+        self.last_checkpoint = ckpt.Checkpoint(path, self.step)
         return self.last_checkpoint
 
     def _write_summary(self, final: dict[str, float]) -> dict[str, Any]:
         peak_mem, mem_kind = peak_memory_bytes(self.device)
+        global_batch = self.micro_batch * self.config.grad_accum * self.world
         summary = {
             "format_version": RUN_FORMAT_VERSION,
             "workload": self.workload.name,
@@ -462,7 +529,9 @@ class Trainer:
             "peak_flops_source": self.peak.source,
             "peak_mem_bytes": peak_mem,
             "peak_mem_kind": mem_kind,
-            "global_batch": self.micro_batch * self.config.grad_accum,
+            "global_batch": global_batch,
+            "strategy": self.strategy,
+            "world_size": self.world,
             "versions": {
                 "torch": torch.__version__,
                 "cuda": torch.version.cuda,
@@ -472,9 +541,10 @@ class Trainer:
             "run_dir": str(self.run_dir),
             "config": self.config.to_dict(),
         }
-        tmp = self.run_dir / "summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=2))
-        tmp.replace(self.run_dir / "summary.json")
+        if self.is_main:
+            tmp = self.run_dir / "summary.json.tmp"
+            tmp.write_text(json.dumps(summary, indent=2))
+            tmp.replace(self.run_dir / "summary.json")
         return summary
 
 

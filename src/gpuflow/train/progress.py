@@ -79,11 +79,13 @@ def summary_table(summary: dict[str, Any]) -> Table:
     """The end-of-run table: quality, speed, utilisation and where the time went."""
     table = Table(title=f"gpuflow run: {summary['workload']}", show_header=False)
     table.add_column("metric", style="bold")
-    table.add_column("value")
+    table.add_column("value", overflow="fold")
     med = summary["median"]
     rows: list[tuple[str, str]] = [
         ("steps", f"{summary['steps']} ({summary['samples_seen']:,} samples)"),
         ("device", f"{summary['device_name']} ({summary['device']})"),
+        ("parallelism", f"{summary['strategy']}, {summary['world_size']} process(es), "
+                        f"global batch {summary['global_batch']}"),
         ("precision", summary["precision_description"]),
         ("wall time", f"{summary['wall_time_s']:.1f} s"),
     ]
@@ -100,7 +102,7 @@ def summary_table(summary: dict[str, Any]) -> Table:
         ("achieved (median)", f"{med['achieved_flops'] / 1e12:.4f} TFLOP/s"),
         ("MFU (median)", _fmt_mfu(med["mfu"])),
         ("peak FLOP/s", "unknown" if summary["peak_flops"] is None
-         else f"{summary['peak_flops'] / 1e12:.3f} TFLOP/s"),
+         else f"{summary['peak_flops'] / 1e12:.3f} TFLOP/s per device"),
         ("peak source", summary["peak_flops_source"]),
         ("peak memory", f"{summary['peak_mem_bytes'] / 2**20:,.1f} MiB "
                         f"({summary['peak_mem_kind']})"),

@@ -121,12 +121,15 @@ class MetricsLog:
 
     path: Path
     tensorboard_dir: Path | None = None
+    enabled: bool = True
     records: list[dict[str, Any]] = field(default_factory=list)
     _handle: TextIO | None = None
     _writer: Any = None
 
     def open(self, keep_until_step: int | None) -> None:
         """Open for appending; on resume, drop records after the checkpoint's step."""
+        if not self.enabled:
+            return
         if keep_until_step is not None and self.path.exists():
             kept = [line for line in self.path.read_text().splitlines()
                     if line.strip() and json.loads(line).get("step", 0) <= keep_until_step]
@@ -144,7 +147,8 @@ class MetricsLog:
 
     def write(self, record: dict[str, Any]) -> None:
         self.records.append(record)
-        assert self._handle is not None
+        if self._handle is None:
+            return
         self._handle.write(json.dumps(record) + "\n")
         self._handle.flush()
         if self._writer is not None:

@@ -1,0 +1,44 @@
+"""Data parallelism: replicate with DDP, or shard parameters, gradients and optimizer state
+with FSDP2 (``fully_shard``) per repeated block and at the root."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from gpuflow.errors import UserError
+
+
+def apply_ddp(model: nn.Module, device: torch.device) -> DistributedDataParallel:
+    """Gradients are bucketed and all-reduced while backward is still running."""
+    device_ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids)
+
+
+def apply_fsdp(model: nn.Module, blocks: list[nn.Module], param_dtype: torch.dtype | None,
+               reshard_after_forward: bool) -> nn.Module:
+    """Shard each block, then the root; low-precision params with fp32 gradient reduction.
+
+    ``reshard_after_forward=True`` frees gathered parameters after forward and gathers them
+    again in backward (ZeRO-3-like); False keeps them until backward (ZeRO-2-like).
+    """
+    if not blocks:
+        raise UserError(
+            "--strategy fsdp shards per repeated block, and this workload has none: give the "
+            "model an nn.ModuleList attribute `blocks`, or set Workload(repeated_blocks=...)."
+        )
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for block in blocks:
+        fully_shard(block, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> bool:
+    """Turn FSDP's per-backward gradient reduction on or off; False if not an FSDP model."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+        return True
+    return False
