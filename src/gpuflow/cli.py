@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train a workload",
                                 argument_default=argparse.SUPPRESS)
     _add_train_flags(train)
+    export = commands.add_parser("export", help="write a run's weights as one safetensors file")
+    export.add_argument("run_dir", help="a gpuflow run dir")
+    export.add_argument("--out", required=True, help="output .safetensors file")
     env = commands.add_parser("env", help="devices, versions and the peak FLOP/s used for MFU")
     env.add_argument("--json", action="store_true", help="print JSON")
     return parser
@@ -148,6 +151,14 @@ def _saved_config(run_dir: Path) -> dict[str, Any]:
     return saved
 
 
+def _export(args: argparse.Namespace) -> int:
+    from gpuflow.export import export_model
+
+    path, step = export_model(Path(args.run_dir), Path(args.out))
+    print(f"exported step {step} of {args.run_dir} to {path}")
+    return 0
+
+
 def _env(args: argparse.Namespace) -> int:
     import torch
 
@@ -196,6 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args, argv)
+        if args.command == "export":
+            return _export(args)
         return _env(args)
     except UserError as exc:
         print(f"gpuflow: {_who()}error: {exc}", file=sys.stderr)
