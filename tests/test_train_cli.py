@@ -124,3 +124,15 @@ def test_env_reports_versions_and_peak_source() -> None:
     assert report["mfu_device"] == "cpu"
     assert report["mfu_peaks"]["fp32"]["flops"] > 0
     assert "measured" in report["mfu_peaks"]["bf16"]["source"]
+
+
+def test_workload_options_reach_the_factory(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = tmp_path / "synthetic"
+    assert main(["train", "--data", "synthetic", "--max-steps", "3", "--run-dir", str(run_dir),
+                 "--no-progress"]) == 0
+    assert json.loads((run_dir / "config.json").read_text())["data"] == "synthetic"
+    code = main(["train", "--data-dir", str(tmp_path), "--max-steps", "3", "--no-progress",
+                 "--run-dir", str(tmp_path / "r")])
+    assert code == 2
+    assert "Workload 'digits' does not take --data-dir" in capsys.readouterr().err

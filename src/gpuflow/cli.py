@@ -26,6 +26,10 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--config", help="TOML file with the same fields as the flags (flags override it)")
     add("--workload", help="built-in name (digits) or pkg.module:factory returning a Workload")
+    add("--data-dir", help="the workload's data (a folder; each workload says what it reads)")
+    add("--data", choices=["real", "synthetic"],
+        help="synthetic: random data of the workload's shapes, for throughput runs")
+    add("--model-size", help="the workload's model size preset (e.g. textlm: tiny|small|124m)")
     add("--device", help="auto | cpu | cuda | cuda:N (default auto)")
     add("--precision", choices=["fp32", "tf32", "bf16", "fp16"], help="default fp32")
     add("--batch-size", type=int, help="samples per micro-batch (default 64)")
@@ -107,7 +111,7 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if _restarted_by_elastic_agent(config):
         config.resume = True
     seed_everything(config.seed)
-    workload = resolve_workload(config.workload)
+    workload = resolve_workload(config.workload, config.workload_options())
     try:
         result = train(workload, config)
     finally:

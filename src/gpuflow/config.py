@@ -14,6 +14,7 @@ Precision = Literal["fp32", "tf32", "bf16", "fp16"]
 OptimizerName = Literal["adamw", "sgd"]
 Schedule = Literal["cosine", "constant"]
 Strategy = Literal["single", "ddp", "fsdp"]
+DataSource = Literal["real", "synthetic"]
 
 
 @dataclass
@@ -21,6 +22,9 @@ class TrainConfig:
     """Everything a training run needs besides the workload itself."""
 
     workload: str = "digits"
+    data_dir: str | None = None
+    data: DataSource = "real"
+    model_size: str | None = None
     device: str = "auto"
     precision: Precision = "fp32"
     batch_size: int = 64
@@ -60,6 +64,7 @@ class TrainConfig:
         _check_choice("precision", self.precision, Precision)
         _check_choice("optimizer", self.optimizer, OptimizerName)
         _check_choice("schedule", self.schedule, Schedule)
+        _check_choice("data", self.data, DataSource)
         if self.strategy is not None:
             _check_choice("strategy", self.strategy, Strategy)
         for name in ("batch_size", "grad_accum", "log_every", "keep_checkpoints",
@@ -91,6 +96,17 @@ class TrainConfig:
                 )
             return self.strategy
         return "ddp" if world_size > 1 else "single"
+
+    def workload_options(self) -> dict[str, Any]:
+        """What the workload factory is given: only the options the user actually set."""
+        options: dict[str, Any] = {}
+        if self.data_dir is not None:
+            options["data_dir"] = self.data_dir
+        if self.data != "real":
+            options["data"] = self.data
+        if self.model_size is not None:
+            options["model_size"] = self.model_size
+        return options
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -150,7 +166,7 @@ def _check_types(config: TrainConfig) -> None:
         expected = type(default) if default is not None else None
         if f.name in ("max_steps",):
             expected = int
-        elif f.name in ("strategy", "rdzv_endpoint"):
+        elif f.name in ("strategy", "rdzv_endpoint", "data_dir", "model_size"):
             expected = str
         elif f.name in ("epochs", "clip_grad"):
             expected = float

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,7 +96,23 @@ def resolve_workload(spec: str, options: Mapping[str, Any] | None = None) -> Wor
             f"Module {module_name!r} has no callable {attr!r}; the part after ':' must name "
             "a function that returns a gpuflow.Workload."
         )
-    workload = factory(**(options or {}))
+    options = dict(options or {})
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):
+        signature = None
+    if signature is not None:
+        accepts_any = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
+        unsupported = [name for name in options
+                       if not accepts_any and name not in signature.parameters]
+        if unsupported:
+            flags = ", ".join("--" + name.replace("_", "-") for name in unsupported)
+            raise UserError(
+                f"Workload {spec!r} does not take {flags}: its factory {target!r} has no "
+                f"parameter{'s' if len(unsupported) > 1 else ''} "
+                f"{', '.join(unsupported)}. Drop the flag, or add the parameter to the factory."
+            )
+    workload = factory(**options)
     if not isinstance(workload, Workload):
         raise UserError(
             f"Workload factory {target!r} returned {type(workload).__name__}, not a "

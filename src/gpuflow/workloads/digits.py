@@ -22,8 +22,15 @@ def load_digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:
     return images, labels
 
 
-def build(width: int = 32, depth: int = 2) -> Workload:
-    images, labels = load_digits_tensors()
+def synthetic_tensors(count: int = 1797, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random images and labels of the real set's shapes, for pure throughput runs."""
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.rand(count, 1, 8, 8, generator=generator),
+            torch.randint(0, 10, (count,), generator=generator))
+
+
+def build(width: int = 32, depth: int = 2, data: str = "real") -> Workload:
+    images, labels = load_digits_tensors() if data == "real" else synthetic_tensors()
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(SPLIT_SEED))
     n_val = int(len(labels) * VAL_FRACTION)
     val_idx, train_idx = order[:n_val], order[n_val:]
