@@ -69,6 +69,9 @@ class Workload:
 
 BUILTIN_WORKLOADS: dict[str, str] = {
     "digits": "gpuflow.workloads.digits:build",
+    "mnist-idx": "gpuflow.workloads.mnist_idx:build",
+    "speech": "gpuflow.workloads.speech:build",
+    "textlm": "gpuflow.workloads.textlm:build",
 }
 
 

@@ -24,15 +24,18 @@ class ConvBlock(nn.Module):
 
 
 class SmallCNN(nn.Module):
-    """Stem, ``depth`` residual blocks, global pooling and a linear classifier."""
+    """Stem, ``depth`` residual blocks, global pooling and a linear classifier.
+
+    ``stem_stride`` 2 halves the resolution once, which is what 28x28 inputs want.
+    """
 
     def __init__(
         self, in_channels: int = 1, num_classes: int = 10, width: int = 32, depth: int = 2,
-        dropout: float = 0.1,
+        dropout: float = 0.1, stem_stride: int = 1,
     ) -> None:
         super().__init__()
         self.stem = nn.Sequential(
-            nn.Conv2d(in_channels, width, 3, padding=1, bias=False),
+            nn.Conv2d(in_channels, width, 3, stride=stem_stride, padding=1, bias=False),
             nn.BatchNorm2d(width),
             nn.ReLU(),
         )
