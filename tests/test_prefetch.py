@@ -28,3 +28,20 @@ def test_sampler_resumes_mid_epoch_and_reshuffles_each_epoch() -> None:
     sampler.set_position(epoch=2, start=0)
     other = list(sampler)
     assert sorted(other) == list(range(10)) and other != full
+
+
+def test_batched_indexing_gives_the_same_batches_as_item_by_item() -> None:
+    from itertools import islice
+
+    from torch.utils.data import TensorDataset, default_collate
+
+    from gpuflow.data.loader import supports_batched_indexing, train_batches
+
+    data = TensorDataset(torch.randn(50, 3), torch.arange(50))
+    assert supports_batched_indexing(data, None) and not supports_batched_indexing(data, len)
+    common = dict(batch_size=8, collate=default_collate, seed=5, start_batch=3, num_workers=0,
+                  pin_memory=False, rank=1, world_size=2)
+    fast = list(islice(train_batches(data, batched_indexing=True, **common), 7))
+    slow = list(islice(train_batches(data, batched_indexing=False, **common), 7))
+    for (fx, fy), (sx, sy) in zip(fast, slow, strict=True):
+        assert torch.equal(fx, sx) and torch.equal(fy, sy)

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import BatchSampler, DataLoader, Dataset, TensorDataset
 
 from gpuflow.data.sampler import ResumableSampler
 from gpuflow.errors import UserError
@@ -25,21 +25,26 @@ def batches_per_epoch(dataset: Dataset, batch_size: int, world_size: int = 1) ->
 
 def train_batches(dataset: Dataset, batch_size: int, collate: Any, seed: int,
                   start_batch: int, num_workers: int, pin_memory: bool, rank: int = 0,
-                  world_size: int = 1) -> Iterator[Any]:
+                  world_size: int = 1, batched_indexing: bool = False) -> Iterator[Any]:
     """Endless stream of batches across epochs, starting after ``start_batch`` batches.
 
     The last partial batch of each epoch is dropped, so every step sees a full batch and
     the position is just a batch count: epoch = count // batches_per_epoch.
+    ``batched_indexing`` fetches a whole batch with one ``dataset[indices]`` call, which
+    in-memory tensor datasets answer with a single gather instead of one item at a time
+    and a stack; the batches are identical.
     """
     per_epoch = batches_per_epoch(dataset, batch_size, world_size)
     sampler = ResumableSampler(len(dataset), seed, rank=rank,  # type: ignore[arg-type]
                                world_size=world_size)
+    batching: dict[str, Any] = (
+        {"batch_size": None, "sampler": BatchSampler(sampler, batch_size, drop_last=True)}
+        if batched_indexing else
+        {"batch_size": batch_size, "sampler": sampler, "drop_last": True, "collate_fn": collate}
+    )
     loader = DataLoader(
         dataset,
-        batch_size=batch_size,
-        sampler=sampler,
-        drop_last=True,
-        collate_fn=collate,
+        **batching,
         num_workers=num_workers,
         pin_memory=pin_memory,
         persistent_workers=num_workers > 0,
@@ -51,6 +56,11 @@ def train_batches(dataset: Dataset, batch_size: int, collate: Any, seed: int,
         sampler.set_position(epoch, offset * batch_size)
         yield from loader
         epoch, offset = epoch + 1, 0
+
+
+def supports_batched_indexing(dataset: Dataset, collate_fn: Any) -> bool:
+    """In-memory tensors with the default collate: one gather per batch gives the same batch."""
+    return isinstance(dataset, TensorDataset) and collate_fn is None
 
 
 def eval_loader(dataset: Dataset, batch_size: int, collate: Any, num_workers: int,

@@ -29,7 +29,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from gpuflow.config import TrainConfig
-from gpuflow.data.loader import batches_per_epoch, eval_loader, train_batches
+from gpuflow.data.loader import (
+    batches_per_epoch,
+    eval_loader,
+    supports_batched_indexing,
+    train_batches,
+)
 from gpuflow.data.prefetch import DevicePrefetcher, move_to_device
 from gpuflow.errors import NonFiniteLossError, UserError
 from gpuflow.hardware import device_name, peak_flops, resolve_device
@@ -280,6 +285,8 @@ class Trainer:
                 seed=config.seed, start_batch=self.batches_consumed,
                 num_workers=config.num_workers, pin_memory=self.device.type == "cuda",
                 rank=self.dist.rank, world_size=self.world,
+                batched_indexing=supports_batched_indexing(self.workload.train_dataset,
+                                                           self.workload.collate_fn),
             )
             self._batches = DevicePrefetcher(source, self.device)
         return self._batches
