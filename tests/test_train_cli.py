@@ -45,6 +45,7 @@ def test_metrics_jsonl_has_every_field_and_sane_values(digits_run: tuple[Path, s
         assert 0 < record["mfu"] <= 1
         assert 0 <= record["data_wait_frac"] <= 1
         assert record["tokens_per_s"] is None
+        assert record["comm_s"] == 0 and record["comm_frac"] == 0
         assert record["flops_per_step"] > 0 and record["peak_mem_bytes"] > 0
         parts = record["data_wait_s"] + record["compute_s"] + record["optimizer_s"]
         assert parts <= record["step_time_s"] * 1.05

@@ -3,18 +3,35 @@ with FSDP2 (``fully_shard``) per repeated block and at the root."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from gpuflow.errors import UserError
 
 
-def apply_ddp(model: nn.Module, device: torch.device) -> DistributedDataParallel:
-    """Gradients are bucketed and all-reduced while backward is still running."""
+def apply_ddp(model: nn.Module, device: torch.device,
+              on_bucket_ready: Callable[[], None] | None = None) -> DistributedDataParallel:
+    """Gradients are bucketed and all-reduced while backward is still running.
+
+    ``on_bucket_ready`` is called as each bucket's all-reduce is launched; the last call of a
+    backward marks the end of its gradient compute, so the time from there until backward
+    returns is communication that nothing overlapped.
+    """
     device_ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids)
+    ddp = DistributedDataParallel(model, device_ids=device_ids)
+    if on_bucket_ready is not None:
+        # No annotations: DDP compares them to dist.GradBucket, and postponed ones are strings.
+        def timed_allreduce(state, bucket):
+            on_bucket_ready()
+            return default_hooks.allreduce_hook(None, bucket)
+
+        ddp.register_comm_hook(None, timed_allreduce)
+    return ddp
 
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], param_dtype: torch.dtype | None,

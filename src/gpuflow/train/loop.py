@@ -160,6 +160,7 @@ class Trainer:
 
         example = move_to_device(workload.get_example_batch(), self.device)
         self.flops_per_step = self._count_step_flops(example) * self.world
+        self.timer = StepTimer(self.device)
         self.forward_model: nn.Module = self._parallelize()
         self.compiled = False
         if config.compile:
@@ -189,9 +190,9 @@ class Trainer:
         self.metrics.open(keep_until_step=self.step if resumed else None)
         self.progress = progress or ProgressDisplay(self.total_steps, self.step,
                                                     enabled=config.progress and self.is_main)
-        self.timer = StepTimer(self.device)
         self._batches: DevicePrefetcher | None = None
         self._started = time.perf_counter()
+        self.timer.start_window()
 
     # --- set-up -------------------------------------------------------------------------
 
@@ -219,7 +220,7 @@ class Trainer:
     def _parallelize(self) -> nn.Module:
         """Wrap for data parallelism; returns the module the step calls."""
         if self.strategy == "ddp":
-            return apply_ddp(self.model, self.device)
+            return apply_ddp(self.model, self.device, on_bucket_ready=self.timer.comm.begin)
         if self.strategy == "fsdp":
             param_dtype = self.policy.autocast_dtype
             apply_fsdp(self.model, self.workload.blocks(), param_dtype,
@@ -314,6 +315,7 @@ class Trainer:
                     loss = self.workload.loss_fn(call_model(self.forward_model, inputs), target)
                 scaled = loss / accum if accum > 1 else loss
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            timer.comm.end_if_begun()
             timer.compute.end()
             losses.append(loss.detach())
         self.batches_consumed += accum
@@ -438,8 +440,10 @@ class Trainer:
             "data_wait_s": window["data_wait_s"],
             "compute_s": window["compute_s"],
             "optimizer_s": window["optimizer_s"],
+            "comm_s": window["comm_s"],
             "host_s": window["host_s"],
             "data_wait_frac": window["data_wait_frac"],
+            "comm_frac": window["comm_frac"],
             "flops_per_step": self.flops_per_step,
             "achieved_flops": achieved,
             "mfu": achieved / (self.peak.flops * self.world) if self.peak.flops else None,

@@ -1,7 +1,8 @@
 """Where each step's time goes, measured honestly and written as it happens.
 
 Regions per optimizer step: ``data_wait`` (blocked on the next batch), ``compute`` (forward
-and backward), ``optimizer`` (clip, step, zero-grad, schedule) and ``host`` (the rest). On
+and backward), ``comm`` (gradient communication left exposed after backward's compute ended,
+i.e. not overlapped), ``optimizer`` (clip, step, zero-grad, schedule) and ``host`` (the rest). On
 the CPU they are wall-clock intervals. On CUDA, compute and optimizer are timed with CUDA
 events, read only at log time, and the step time is the wall clock of the logging window
 after a synchronize, so measuring never serialises the GPU between steps.
@@ -20,8 +21,9 @@ from typing import Any, TextIO
 
 import torch
 
-PER_STEP_FIELDS = ("step_time_s", "data_wait_s", "compute_s", "optimizer_s", "host_s",
-                   "data_wait_frac", "samples_per_s", "tokens_per_s", "achieved_flops", "mfu")
+PER_STEP_FIELDS = ("step_time_s", "data_wait_s", "compute_s", "comm_s", "optimizer_s", "host_s",
+                   "data_wait_frac", "comm_frac", "samples_per_s", "tokens_per_s",
+                   "achieved_flops", "mfu")
 
 
 class _Region:
@@ -48,6 +50,12 @@ class _Region:
             stop.record()
             self._pending.append((self._start, stop))
 
+    def end_if_begun(self) -> None:
+        """Close an interval only if something began one since the last close."""
+        if self._start is not None:
+            self.end()
+            self._start = None
+
     def drain(self) -> float:
         """Seconds spent in this region since the last drain (needs a synchronized device)."""
         total = self.total_s + sum(a.elapsed_time(b) for a, b in self._pending) / 1e3
@@ -71,9 +79,14 @@ class StepTimer:
         cuda = device if device.type == "cuda" else None
         self.compute = _Region(cuda)
         self.optimizer = _Region(cuda)
+        self.comm = _Region(cuda)
         self.window = WindowStats()
         self._window_start = time.perf_counter()
         self._wait_start = 0.0
+
+    def start_window(self) -> None:
+        """Begin timing from now (set-up before the first step is not a step)."""
+        self._window_start = time.perf_counter()
 
     def wait_begin(self) -> None:
         self._wait_start = time.perf_counter()
@@ -90,15 +103,18 @@ class StepTimer:
         wall = now - self._window_start
         step_time = wall / steps
         data_wait = self.window.data_wait_s / steps
-        compute = self.compute.drain() / steps
+        comm = self.comm.drain() / steps
+        compute = max(0.0, self.compute.drain() / steps - comm)
         optimizer = self.optimizer.drain() / steps
         result = {
             "step_time_s": step_time,
             "data_wait_s": data_wait,
             "compute_s": compute,
+            "comm_s": comm,
             "optimizer_s": optimizer,
-            "host_s": max(0.0, step_time - data_wait - compute - optimizer),
+            "host_s": max(0.0, step_time - data_wait - compute - comm - optimizer),
             "data_wait_frac": min(1.0, data_wait / step_time) if step_time > 0 else 0.0,
+            "comm_frac": min(1.0, comm / step_time) if step_time > 0 else 0.0,
             "samples_per_s": self.window.samples / wall if wall > 0 else 0.0,
             "loss": self.window.loss_sum / steps,
             "window_steps": self.window.steps,
