@@ -48,9 +48,12 @@ def test_two_ranks_reproduce_the_single_process_loss_curve(
     assert len(measured) == 20
     records = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
                if "event" not in r]
-    assert all(0 <= r["comm_frac"] <= 1 and r["world_size"] == 2 for r in records)
+    assert all(r["world_size"] == 2 for r in records)
     if strategy == "ddp":
+        assert all(0 <= r["comm_frac"] <= 1 for r in records)
         assert any(r["comm_s"] > 0 for r in records)
+    else:
+        assert all(r["comm_s"] is None for r in records)
     # Measured here: max |difference| about 1e-7 (fp32 reduction order).
     assert measured == pytest.approx(single_20, abs=1e-5)
 

@@ -96,7 +96,8 @@ def summary_table(summary: dict[str, Any]) -> Table:
         ("step time (median)", f"{1e3 * med['step_time_s']:.2f} ms"),
         ("  data wait", f"{1e3 * med['data_wait_s']:.2f} ms ({100 * med['data_wait_frac']:.1f}%)"),
         ("  compute (fwd+bwd)", f"{1e3 * med['compute_s']:.2f} ms"),
-        ("  exposed comm", f"{1e3 * med['comm_s']:.2f} ms ({100 * med['comm_frac']:.1f}%)"),
+        ("  exposed comm", "not measured" if med["comm_s"] is None
+         else f"{1e3 * med['comm_s']:.2f} ms ({100 * med['comm_frac']:.1f}%)"),
         ("  optimizer", f"{1e3 * med['optimizer_s']:.2f} ms"),
         ("  host/other", f"{1e3 * med['host_s']:.2f} ms"),
         ("FLOPs per step", f"{summary['flops_per_step']:.3e}"),
