@@ -25,7 +25,8 @@ def _positive_or_none(text: str) -> float | None:
 def _add_train_flags(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--config", help="TOML file with the same fields as the flags (flags override it)")
-    add("--workload", help="built-in name (digits) or pkg.module:factory returning a Workload")
+    add("--workload", help="built-in name (digits, mnist-idx, textlm, speech) or "
+                            "pkg.module:factory returning a Workload")
     add("--data-dir", help="the workload's data (a folder; each workload says what it reads)")
     add("--data", choices=["real", "synthetic"],
         help="synthetic: random data of the workload's shapes, for throughput runs")
@@ -61,8 +62,10 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
     add("--no-progress", dest="progress", action="store_false", default=argparse.SUPPRESS,
         help="no live progress output")
     dist = parser.add_argument_group("distributed (torch.distributed, elastic launcher)")
-    dist.add_argument("--strategy", choices=["single", "ddp", "fsdp"],
+    dist.add_argument("--strategy", choices=["single", "ddp", "fsdp", "tp"],
                       help="default: single for one process, ddp for several")
+    dist.add_argument("--tp", type=int,
+                      help="tensor-parallel degree (tp: all processes; fsdp: FSDP x TP mesh)")
     dist.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction,
                       help="fsdp: free gathered params after forward (ZeRO-3-like, default) "
                            "or keep them for backward (ZeRO-2-like)")
