@@ -1,0 +1,147 @@
+"""textlm: a GPT trained as a byte-level language model on real text.
+
+By default the corpus is the Python documentation bundled with CPython (see
+``gpuflow.data.text``); ``--data-dir`` trains on any folder of text files and
+``--data synthetic`` on random bytes of the same shapes (pure throughput, any model size).
+Validation reports ``bits_per_byte``: the mean cross-entropy in bits, comparable across
+tokenisers and corpora (a byte model's loss per token is its loss per byte).
+
+It is the workload the tensor- and pipeline-parallel plans target.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import fields, replace
+
+import torch
+from torch.nn import functional as F
+
+from gpuflow.data.text import ByteWindows, RandomBytes, load_split
+from gpuflow.errors import UserError
+from gpuflow.models.gpt import GPT, GPTConfig
+from gpuflow.parallel.tensor import transformer_plan
+from gpuflow.workload import Workload
+
+VOCAB_SIZE = 256
+EXAMPLE_ITEMS = 4
+SYNTHETIC_TRAIN_ITEMS = 65_536
+SYNTHETIC_VAL_ITEMS = 32
+
+PRESETS: dict[str, GPTConfig] = {
+    # Trains below 2.5 bits per byte on the pydoc corpus in minutes on 2 CPU cores.
+    "tiny": GPTConfig(vocab_size=VOCAB_SIZE, layers=4, dim=128, heads=4, seq_len=128),
+    # nanoGPT's character-level Shakespeare shape.
+    "small": GPTConfig(vocab_size=VOCAB_SIZE, layers=6, dim=384, heads=6, seq_len=256),
+    # GPT-2 small's and medium's layouts; with 256 byte embeddings instead of 50,257
+    # token embeddings they hold 85M and 303M parameters.
+    "124m": GPTConfig(vocab_size=VOCAB_SIZE, layers=12, dim=768, heads=12, seq_len=1024),
+    "350m": GPTConfig(vocab_size=VOCAB_SIZE, layers=24, dim=1024, heads=16, seq_len=1024),
+    # GPT-3 XL's depth and width (24 x 2048, 16 heads of 128), 2048 context: 1.21B.
+    "1b": GPTConfig(vocab_size=VOCAB_SIZE, layers=24, dim=2048, heads=16, seq_len=2048),
+}
+DEFAULT_PRESET = "tiny"
+
+# --model-size key -> GPTConfig field and its type.
+SIZE_KEYS: dict[str, tuple[str, type]] = {
+    "layers": ("layers", int),
+    "dim": ("dim", int),
+    "heads": ("heads", int),
+    "seq": ("seq_len", int),
+    "dropout": ("dropout", float),
+}
+
+
+def _size_help() -> str:
+    return (f"Use a preset ({', '.join(PRESETS)}), explicit dimensions such as "
+            "'layers=4,dim=256,heads=4,seq=256' (keys: " + ", ".join(SIZE_KEYS)
+            + "; unset keys keep tiny's values), or a preset with overrides such as "
+            "'124m,seq=256'.")
+
+
+def parse_model_size(spec: str | None) -> GPTConfig:
+    """A preset name, ``key=value`` dimensions, or a preset followed by overrides."""
+    if spec is None:
+        return PRESETS[DEFAULT_PRESET]
+    parts = [part.strip() for part in spec.split(",")]
+    if not spec.strip() or any(not part for part in parts):
+        raise UserError(f"--model-size {spec!r} is empty or has an empty item. {_size_help()}")
+    base = PRESETS[DEFAULT_PRESET]
+    if "=" not in parts[0]:
+        name = parts.pop(0).lower()
+        if name not in PRESETS:
+            raise UserError(f"--model-size: unknown preset {name!r}. {_size_help()}")
+        base = PRESETS[name]
+    overrides: dict[str, int | float] = {}
+    for part in parts:
+        key, sep, raw = (s.strip() for s in part.partition("="))
+        if not sep:
+            raise UserError(f"--model-size: {part!r} is not key=value (only the first item "
+                            f"may name a preset). {_size_help()}")
+        if key not in SIZE_KEYS:
+            raise UserError(f"--model-size: unknown key {key!r}. {_size_help()}")
+        field_name, kind = SIZE_KEYS[key]
+        if field_name in overrides:
+            raise UserError(f"--model-size: {key!r} is given twice.")
+        try:
+            value = kind(raw)
+        except ValueError:
+            raise UserError(f"--model-size: {key}={raw!r} is not a valid "
+                            f"{'integer' if kind is int else 'number'}.") from None
+        if kind is int and value < 1:
+            raise UserError(f"--model-size: {key} must be at least 1 (got {raw}).")
+        overrides[field_name] = value
+    try:
+        return replace(base, **overrides)
+    except ValueError as exc:
+        raise UserError(f"--model-size {spec!r}: {exc}.") from None
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean next-byte cross-entropy in nats, computed in fp32 whatever the autocast dtype."""
+    return F.cross_entropy(logits.float().flatten(0, -2), target.flatten())
+
+
+def bits_per_byte(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy in bits: what an ideal coder driven by the model spends per byte."""
+    return lm_loss(logits, target) / math.log(2)
+
+
+def build(data_dir: str | None = None, data: str = "real",
+          model_size: str | None = None) -> Workload:
+    """The textlm workload: GPT of ``model_size`` on pydoc, ``data_dir`` or random bytes."""
+    if data not in ("real", "synthetic"):
+        raise UserError(f"--data must be real or synthetic (got {data!r}).")
+    config = parse_model_size(model_size)
+    seq = config.seq_len
+    if data == "synthetic":
+        train: ByteWindows | RandomBytes = RandomBytes(SYNTHETIC_TRAIN_ITEMS, seq, seed=1)
+        val: ByteWindows | RandomBytes = RandomBytes(SYNTHETIC_VAL_ITEMS, seq, seed=2)
+    else:
+        split = load_split(data_dir)
+        source = "the Python documentation" if data_dir is None else f"--data-dir {data_dir}"
+        train = ByteWindows(split.train, seq, label=f"training text of {source}")
+        val = ByteWindows(split.val, seq, label=f"held-out text of {source}")
+    count = min(EXAMPLE_ITEMS, len(train))
+    example = tuple(torch.stack(items) for items in zip(*(train[i] for i in range(count)),
+                                                        strict=True))
+    return Workload(
+        name="textlm",
+        model=GPT(config),
+        train_dataset=train,
+        val_dataset=val,
+        loss_fn=lm_loss,
+        metrics={"bits_per_byte": bits_per_byte},
+        example_batch=(example[0], example[1]),
+        tokens_per_sample=seq,
+        tensor_parallel_plan=transformer_plan(),
+    )
+
+
+def describe_presets() -> dict[str, dict[str, int]]:
+    """Each preset's dimensions and parameter count, for docs and ``--help`` texts."""
+    return {
+        name: {**{f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "dropout"},
+               "parameters": cfg.num_parameters()}
+        for name, cfg in PRESETS.items()
+    }
