@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, cli_env, run_cli
 
+from gpuflow.config import build_config
+from gpuflow.errors import UserError
 from gpuflow.parallel.env import free_port
 
 pytestmark = pytest.mark.slow
@@ -126,3 +128,55 @@ def test_two_launchers_form_a_two_node_job_over_loopback(tmp_path: Path) -> None
         assert node.returncode == 0, err[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 6
+
+
+GPT = ["train", "--workload", "user_workloads:tiny_gpt", "--schedule", "constant",
+       "--warmup-steps", "0", "--log-every", "1", "--eval-every", "0", "--no-progress",
+       "--max-steps", "10"]
+
+
+def gpt_losses(run_dir: Path, *args: str) -> list[float]:
+    result = run_cli(*GPT, "--run-dir", str(run_dir), *args)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return losses(run_dir)
+
+
+@pytest.fixture(scope="module")
+def gpt_single(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    return gpt_losses(tmp_path_factory.mktemp("gpt") / "run", "--batch-size", "16")
+
+
+def test_tensor_parallel_matches_one_process_and_resumes_in_one(
+    gpt_single: list[float], tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "tp"
+    # Measured here: max |difference| about 1e-6.
+    assert gpt_losses(run_dir, "--nproc", "2", "--strategy", "tp", "--batch-size", "16") == \
+        pytest.approx(gpt_single, abs=1e-4)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["mesh"] == {"dp": 1, "tp": 2} and summary["global_batch"] == 16
+    result = run_cli("train", "--resume", str(run_dir), "--nproc", "1", "--strategy", "single",
+                     "--tp", "1", "--max-steps", "12", "--no-progress")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 12
+
+
+def test_fsdp_by_tensor_parallel_on_a_2x2_mesh(gpt_single: list[float], tmp_path: Path) -> None:
+    measured = gpt_losses(tmp_path, "--nproc", "4", "--strategy", "fsdp", "--tp", "2",
+                          "--batch-size", "8")
+    assert measured == pytest.approx(gpt_single, abs=1e-4)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["mesh"] == {"dp": 2, "tp": 2} and summary["global_batch"] == 16
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"strategy": "ddp", "tp": 2}, "tensor parallelism composes with fsdp"),
+        ({"strategy": "tp", "tp": 3}, "--tp 3 does not divide"),
+        ({"strategy": "single"}, "--strategy single runs one process"),
+    ],
+)
+def test_bad_meshes_are_explained(values: dict, message: str) -> None:
+    with pytest.raises(UserError, match=message):
+        build_config({}, values).mesh_shape(2)

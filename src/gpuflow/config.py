@@ -13,7 +13,7 @@ from gpuflow.errors import UserError
 Precision = Literal["fp32", "tf32", "bf16", "fp16"]
 OptimizerName = Literal["adamw", "sgd"]
 Schedule = Literal["cosine", "constant"]
-Strategy = Literal["single", "ddp", "fsdp"]
+Strategy = Literal["single", "ddp", "fsdp", "tp"]
 DataSource = Literal["real", "synthetic"]
 
 
@@ -52,6 +52,7 @@ class TrainConfig:
     progress: bool = True
     strategy: Strategy | None = None
     reshard_after_forward: bool = True
+    tp: int = 1
     nproc: int = 1
     nnodes: int = 1
     node_rank: int = 0
@@ -68,7 +69,7 @@ class TrainConfig:
         if self.strategy is not None:
             _check_choice("strategy", self.strategy, Strategy)
         for name in ("batch_size", "grad_accum", "log_every", "keep_checkpoints",
-                     "max_nonfinite_steps", "nproc", "nnodes"):
+                     "max_nonfinite_steps", "nproc", "nnodes", "tp"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{_flag(name)} must be at least 1 (got {getattr(self, name)}).")
         for name in ("eval_every", "checkpoint_every", "num_workers", "warmup_steps",
@@ -85,6 +86,25 @@ class TrainConfig:
             raise UserError("Give either --max-steps or --epochs, not both.")
         if self.clip_grad is not None and self.clip_grad <= 0:
             raise UserError(f"--clip-grad must be positive (got {self.clip_grad}).")
+
+    def mesh_shape(self, world_size: int) -> tuple[int, int]:
+        """(data-parallel, tensor-parallel) degrees; their product is the world size."""
+        strategy = self.resolved_strategy(world_size)
+        tp = world_size if strategy == "tp" and self.tp == 1 else self.tp
+        if world_size % tp:
+            raise UserError(f"--tp {tp} does not divide the {world_size} processes of this job.")
+        dp = world_size // tp
+        if strategy == "tp" and dp != 1:
+            raise UserError(
+                f"--strategy tp with --tp {tp} on {world_size} processes leaves {dp} "
+                "data-parallel replicas: use --strategy fsdp --tp N for FSDP x TP."
+            )
+        if tp > 1 and strategy in ("ddp", "single"):
+            raise UserError(
+                f"--tp {tp} with --strategy {strategy}: tensor parallelism composes with fsdp "
+                "(--strategy fsdp --tp N) or runs alone (--strategy tp)."
+            )
+        return dp, tp
 
     def resolved_strategy(self, world_size: int) -> str:
         """Data-parallel by default when there is more than one process."""

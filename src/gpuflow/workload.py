@@ -34,8 +34,9 @@ class Workload:
 
     Datasets yield ``(inputs, target)`` pairs. ``inputs`` is a tensor, a tuple of tensors
     (passed to the model positionally) or a dict of tensors (passed as keyword arguments).
-    ``repeated_blocks`` names the modules activation checkpointing wraps (and, later,
-    the units that sharding and pipelining split on).
+    ``repeated_blocks`` names the modules activation checkpointing wraps and FSDP shards;
+    ``tensor_parallel_plan`` maps module names relative to each block to DTensor parallel
+    styles (``ColwiseParallel``/``RowwiseParallel``) for ``--strategy tp``.
     """
 
     name: str
@@ -48,6 +49,7 @@ class Workload:
     example_batch: Batch | None = None
     tokens_per_sample: int | None = None
     repeated_blocks: Callable[[nn.Module], Sequence[nn.Module]] | None = None
+    tensor_parallel_plan: Mapping[str, Any] | None = None
 
     def blocks(self) -> list[nn.Module]:
         """The modules that repeat in the model, e.g. transformer layers."""

@@ -129,3 +129,29 @@ def killed_mlp() -> gpuflow.Workload:
     workload.example_batch = workload.collate([workload.train_dataset[i] for i in range(8)])
     workload.train_dataset = KillOnceDataset(workload.train_dataset)
     return workload
+
+
+def _lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+
+
+def tiny_gpt() -> gpuflow.Workload:
+    """A small GPT on a repeating byte pattern, with the Megatron tensor-parallel plan."""
+    from gpuflow.models.gpt import GPT, GPTConfig
+    from gpuflow.parallel.tensor import transformer_plan
+
+    generator = torch.Generator().manual_seed(0)
+    seq = 32
+    text = torch.randint(0, 64, (4096 + 1,), generator=generator)
+    starts = torch.arange(0, 4096 - seq, seq)
+    inputs = torch.stack([text[s:s + seq] for s in starts])
+    targets = torch.stack([text[s + 1:s + seq + 1] for s in starts])
+    return gpuflow.Workload(
+        name="tiny-gpt",
+        model=GPT(GPTConfig(vocab_size=64, seq_len=seq, layers=2, dim=32, heads=4)),
+        train_dataset=TensorDataset(inputs, targets),
+        loss_fn=_lm_loss,
+        metrics={},
+        tokens_per_sample=seq,
+        tensor_parallel_plan=transformer_plan(),
+    )

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -35,7 +36,7 @@ def apply_ddp(model: nn.Module, device: torch.device,
 
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], param_dtype: torch.dtype | None,
-               reshard_after_forward: bool) -> nn.Module:
+               reshard_after_forward: bool, mesh: DeviceMesh | None = None) -> nn.Module:
     """Shard each block, then the root; low-precision params with fp32 gradient reduction.
 
     ``reshard_after_forward=True`` frees gathered parameters after forward and gathers them
@@ -48,8 +49,9 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], param_dtype: torch.dty
         )
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for block in blocks:
-        fully_shard(block, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=mesh, mp_policy=policy,
+                    reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     return model
 
 

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 
 from gpuflow.config import TrainConfig
 from gpuflow.data.loader import (
@@ -40,6 +41,7 @@ from gpuflow.errors import NonFiniteLossError, UserError
 from gpuflow.hardware import device_name, peak_flops, resolve_device
 from gpuflow.parallel.data_parallel import apply_ddp, apply_fsdp, set_gradient_sync
 from gpuflow.parallel.env import init_distributed
+from gpuflow.parallel.tensor import apply_tensor_parallel
 from gpuflow.precision import make_policy
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.flops import count_flops
@@ -130,12 +132,16 @@ class Trainer:
         seed_everything(config.seed)
         device = resolve_device(config.device)
         self.dist = init_distributed(device.type == "cuda",
-                                     force=config.strategy in ("ddp", "fsdp"))
+                                     force=config.strategy in ("ddp", "fsdp", "tp"))
         if device.type == "cuda" and self.dist.world_size > 1:
             device = torch.device("cuda", self.dist.local_rank)
         self.device = device
         self.strategy = config.resolved_strategy(self.dist.world_size)
         self.world = self.dist.world_size
+        self.dp, self.tp = config.mesh_shape(self.world)
+        self.dp_rank = self.dist.rank // self.tp
+        self.mesh = (init_device_mesh(self.device.type, (self.dp, self.tp),
+                                      mesh_dim_names=("dp", "tp")) if self.tp > 1 else None)
         self.is_main = self.dist.is_main
         self.policy = make_policy(config.precision, self.device)
         if self.strategy == "fsdp" and self.policy.loss_scaling:
@@ -145,12 +151,9 @@ class Trainer:
         self.model = workload.model.to(self.device)
         self.model.train()
 
-        if config.activation_checkpointing:
-            apply_activation_checkpointing(self.model, workload.blocks())
-
         self.micro_batch = config.batch_size
         self.per_epoch_batches = batches_per_epoch(workload.train_dataset, config.batch_size,
-                                                   self.world)
+                                                   self.dp)
         self.steps_per_epoch = max(1, self.per_epoch_batches // config.grad_accum)
         if config.max_steps is not None:
             self.total_steps = config.max_steps
@@ -159,7 +162,7 @@ class Trainer:
             self.total_steps = max(1, math.ceil(epochs * self.steps_per_epoch))
 
         example = move_to_device(workload.get_example_batch(), self.device)
-        self.flops_per_step = self._count_step_flops(example) * self.world
+        self.flops_per_step = self._count_step_flops(example) * self.dp
         self.timer = StepTimer(self.device)
         self.forward_model: nn.Module = self._parallelize()
         self.compiled = False
@@ -218,13 +221,22 @@ class Trainer:
         return round(per_sample * self.micro_batch * self.config.grad_accum)
 
     def _parallelize(self) -> nn.Module:
-        """Wrap for data parallelism; returns the module the step calls."""
+        """Apply the plan in PyTorch's order: TP, activation checkpointing, then DDP or FSDP.
+
+        Returns the module the step calls.
+        """
+        if self.mesh is not None:
+            apply_tensor_parallel(self.workload.blocks(), self.workload.tensor_parallel_plan,
+                                  self.mesh["tp"])
+        if self.config.activation_checkpointing:
+            apply_activation_checkpointing(self.model, self.workload.blocks())
         if self.strategy == "ddp":
             return apply_ddp(self.model, self.device, on_bucket_ready=self.timer.comm.begin)
         if self.strategy == "fsdp":
             param_dtype = self.policy.autocast_dtype
             apply_fsdp(self.model, self.workload.blocks(), param_dtype,
-                       self.config.reshard_after_forward)
+                       self.config.reshard_after_forward,
+                       mesh=self.mesh["dp"] if self.mesh is not None else None)
         return self.model
 
     def _compile(self, example: Batch) -> None:
@@ -285,7 +297,7 @@ class Trainer:
                 self.workload.train_dataset, config.batch_size, self.workload.collate,
                 seed=config.seed, start_batch=self.batches_consumed,
                 num_workers=config.num_workers, pin_memory=self.device.type == "cuda",
-                rank=self.dist.rank, world_size=self.world,
+                rank=self.dp_rank, world_size=self.dp,
                 batched_indexing=supports_batched_indexing(self.workload.train_dataset,
                                                            self.workload.collate_fn),
             )
@@ -330,7 +342,7 @@ class Trainer:
         self._optimizer_step(math.isfinite(loss_value))
         timer.optimizer.end()
         self.step += 1
-        step_samples = self.micro_batch * accum * self.world
+        step_samples = self.micro_batch * accum * self.dp
         self.samples_seen += step_samples
         window = timer.window
         window.steps += 1
@@ -414,12 +426,13 @@ class Trainer:
     def _banner(self) -> str:
         config = self.config
         resumed = f", resumed at step {self.step}" if self.step else ""
-        ranks = f" x {self.world} ranks ({self.strategy})" if self.world > 1 else ""
-        global_batch = self.micro_batch * config.grad_accum * self.world
+        ranks = (f" x {self.world} ranks ({self.strategy}, dp {self.dp} x tp {self.tp})"
+                 if self.world > 1 else "")
+        global_batch = self.micro_batch * config.grad_accum * self.dp
         return (
             f"gpuflow: {self.workload.name} on {device_name(self.device)} ({self.device}){ranks}, "
             f"{self.policy.describe()}, global batch {global_batch} = micro-batch "
-            f"{self.micro_batch} x accum {config.grad_accum} x data-parallel {self.world}, "
+            f"{self.micro_batch} x accum {config.grad_accum} x data-parallel {self.dp}, "
             f"{self.total_steps} steps{resumed}{', compiled' if self.compiled else ''}; "
             f"run dir {self.run_dir}"
         )
@@ -519,7 +532,7 @@ class Trainer:
 
     def _write_summary(self, final: dict[str, float]) -> dict[str, Any]:
         peak_mem, mem_kind = peak_memory_bytes(self.device)
-        global_batch = self.micro_batch * self.config.grad_accum * self.world
+        global_batch = self.micro_batch * self.config.grad_accum * self.dp
         summary = {
             "format_version": RUN_FORMAT_VERSION,
             "workload": self.workload.name,
@@ -543,6 +556,7 @@ class Trainer:
             "global_batch": global_batch,
             "strategy": self.strategy,
             "world_size": self.world,
+            "mesh": {"dp": self.dp, "tp": self.tp},
             "versions": {
                 "torch": torch.__version__,
                 "cuda": torch.version.cuda,
