@@ -98,9 +98,14 @@ def busy_cpu_seconds() -> float | None:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-def own_cpu_seconds() -> float:
+def own_cpu_seconds(include_children: bool = False) -> float:
+    """This process's CPU seconds; with ``include_children``, also those of the child
+    processes it has waited for (and, through them, their own waited-for children)."""
     times = os.times()
-    return times.user + times.system
+    own = times.user + times.system
+    if include_children:
+        own += times.children_user + times.children_system
+    return own
 
 
 class ForeignLoad:
@@ -110,8 +115,11 @@ class ForeignLoad:
     torch threads, so a result carries this figure to say how far it can be trusted.
     """
 
-    def __init__(self) -> None:
-        self._busy, self._own = busy_cpu_seconds(), own_cpu_seconds()
+    def __init__(self, include_children: bool = False) -> None:
+        # Benchmarks that run their work in subprocesses count those as their own: read
+        # share() only after the children have been waited for.
+        self._children = include_children
+        self._busy, self._own = busy_cpu_seconds(), own_cpu_seconds(include_children)
         self._start = time.perf_counter()
 
     def share(self) -> float | None:
@@ -119,8 +127,27 @@ class ForeignLoad:
         if busy is None or self._busy is None:
             return None
         wall = time.perf_counter() - self._start
-        foreign = (busy - self._busy) - (own_cpu_seconds() - self._own)
+        foreign = (busy - self._busy) - (own_cpu_seconds(self._children) - self._own)
         return max(0.0, foreign / (wall * (os.cpu_count() or 1))) if wall > 0 else 0.0
+
+
+def wait_for_idle(max_wait_s: float, threshold: float = 0.1, sample_s: float = 2.0,
+                  log: Any = None) -> float | None:
+    """Wait (up to ``max_wait_s``) until other processes use under ``threshold`` of the CPUs.
+
+    Timings taken beside another job say little, so a benchmark that can wait a little
+    for a quiet machine should. Returns the last sampled foreign share (None if unknown).
+    """
+    deadline = time.perf_counter() + max_wait_s
+    while True:
+        probe = ForeignLoad()
+        time.sleep(sample_s)
+        share = probe.share()
+        if share is None or share < threshold or time.perf_counter() >= deadline:
+            return share
+        if log is not None:
+            log(f"  other processes use {100 * share:.0f}% of the CPUs; waiting for a quiet "
+                "machine ...")
 
 
 def timestamp() -> str:
