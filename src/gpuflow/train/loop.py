@@ -1,4 +1,4 @@
-"""The training engine on one device: a lean step loop with telemetry and exact resume."""
+"""The training engine: a lean step loop with telemetry, parallelism and exact resume."""
 
 from __future__ import annotations
 
