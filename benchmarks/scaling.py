@@ -41,7 +41,14 @@ import _common  # noqa: E402
 WORKLOAD = "scaling_workload:build"
 TARGET = 0.90
 FOREIGN_LOAD_WARN = 0.05
-STRATEGIES = ("ddp", "fsdp")
+# The parallel configurations and their `gpuflow train` flags; fsdp-zero2 keeps gathered
+# parameters from forward to backward (one all-gather per block per step instead of two).
+PARALLEL = {
+    "ddp": ["--strategy", "ddp"],
+    "fsdp": ["--strategy", "fsdp"],
+    "fsdp-zero2": ["--strategy", "fsdp", "--no-reshard-after-forward"],
+}
+DEFAULT_STRATEGIES = ("ddp", "fsdp")
 CONTROL = "independent"
 # comm_s (DDP communication left exposed after backward) is null under fsdp, and absent
 # from gpuflow versions that do not measure it.
@@ -60,12 +67,13 @@ class Settings:
     skip_windows: int
 
 
-def cli_command(strategy: str, nproc: int, settings: Settings, run_dir: Path) -> list[str]:
+def cli_command(flags: list[str], nproc: int, settings: Settings, run_dir: Path
+                ) -> list[str]:
     """The exact `gpuflow train` command line a user would type for this configuration."""
     command = [sys.executable, "-m", "gpuflow.cli", "train", "--workload", WORKLOAD,
                "--batch-size", str(settings.batch_size), "--max-steps", str(settings.steps),
                "--log-every", str(settings.log_every), "--eval-every", "0", "--no-progress",
-               "--strategy", strategy, "--run-dir", str(run_dir)]
+               *flags, "--run-dir", str(run_dir)]
     if nproc > 1:
         command += ["--nproc", str(nproc)]
     return command
@@ -130,13 +138,14 @@ def run_config(name: str, settings: Settings, workdir: Path, round_index: int
 
     The control starts N single-process runs together and adds their throughputs.
     """
-    strategy, nproc, copies = {
-        "single": ("single", 1, 1),
-        CONTROL: ("single", 1, settings.nproc),
-    }.get(name, (name, settings.nproc, 1))
+    if name in PARALLEL:
+        flags, nproc, copies = PARALLEL[name], settings.nproc, 1
+    else:
+        flags, nproc = ["--strategy", "single"], 1
+        copies = settings.nproc if name == CONTROL else 1
     base = workdir / f"round{round_index}-{name}"
     run_dirs = [base] if copies == 1 else [base / f"proc{i}" for i in range(copies)]
-    commands = [cli_command(strategy, nproc, settings, run_dir) for run_dir in run_dirs]
+    commands = [cli_command(flags, nproc, settings, run_dir) for run_dir in run_dirs]
     env = cli_env(single_thread=nproc == 1)
     foreign = _common.ForeignLoad(include_children=True)
     started = time.perf_counter()
@@ -151,10 +160,13 @@ def run_config(name: str, settings: Settings, workdir: Path, round_index: int
         try:
             returncode = proc.wait(timeout=RUN_TIMEOUT_S)
         except subprocess.TimeoutExpired:
+            returncode = None
+        if returncode != 0:
             for other, _ in procs:
                 other.kill()
-            raise SystemExit(f"error: the {name} run took over {RUN_TIMEOUT_S} s") from None
-        if returncode != 0:
+                other.wait()
+            if returncode is None:
+                raise SystemExit(f"error: the {name} run took over {RUN_TIMEOUT_S} s")
             fail(name, log, returncode)
     wall = time.perf_counter() - started
     parts = [read_run(run_dir, settings.skip_windows) for run_dir in run_dirs]
@@ -181,6 +193,8 @@ def check_threads(run: dict[str, Any]) -> str | None:
     threads = run["torch_threads"]
     if threads == 1:
         return None
+    if threads is None:
+        return f"could not tell how many torch threads {run['config']} trained with"
     return (f"{run['config']} trained with {threads} torch thread(s) per process, not 1"
             + (" (gpuflow gives each rank os.cpu_count() // nproc threads)"
                if run["world_size"] > 1 else ""))
@@ -267,8 +281,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--log-every", type=int, default=5, help="steps per logged window")
     parser.add_argument("--skip-windows", type=int, default=2,
                         help="warm-up windows left out of each run's median")
-    parser.add_argument("--strategies", default=",".join(STRATEGIES),
-                        help="comma-separated subset of ddp, fsdp")
+    parser.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
+                        help=f"comma-separated, of {', '.join(PARALLEL)} (default: "
+                             f"{','.join(DEFAULT_STRATEGIES)})")
     parser.add_argument("--control", action=argparse.BooleanOptionalAction, default=None,
                         help=f"the control: N {CONTROL} single processes at once, no "
                              "communication (default: on, off with --quick)")
@@ -289,7 +304,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.control is None:
         args.control = not args.quick
     args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    unknown = [s for s in args.strategies if s not in STRATEGIES]
+    unknown = [s for s in args.strategies if s not in PARALLEL]
     if unknown:
         parser.error(f"unknown strategy: {', '.join(unknown)}")
     if min(args.rounds, args.batch_size, args.steps, args.log_every) < 1 or args.nproc < 2:
@@ -330,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"round {index + 1}/{args.rounds} {name}: {run['samples_per_s']:.0f} "
                     f"samples/s (wall {run['wall_s']:.1f} s{other})")
                 problem = check_threads(run)
-                if problem and name in ("single", CONTROL):
+                if problem and run["torch_threads"] and name in ("single", CONTROL):
                     raise SystemExit(f"error: {problem}; the baseline must be one thread")
                 if problem:
                     log(f"  warning: {problem}")

@@ -1,4 +1,4 @@
-"""The scaling benchmark in its quick mode.
+"""The scaling benchmark: its quick mode end to end, and its efficiency arithmetic.
 
 It checks that the script drives `gpuflow train` for 1 and 2 processes under ddp and fsdp and
 writes the documented result. Whether the efficiency target is met is the benchmark's
