@@ -15,7 +15,8 @@ control runs N independent single processes at once (no communication): its effi
 the most this machine's cores allow, so the gap between it and ddp/fsdp is what
 communication and synchronisation cost.
 
-Run: ``python benchmarks/scaling.py`` (about 4-6 minutes on 2 cores), or ``--quick``.
+Run: ``python benchmarks/scaling.py`` (about 8 minutes on 2 cores), or ``--quick`` (under a
+minute; no control).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -317,6 +320,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # This process only waits on the runs; at one thread, the machine record shows the
+    # thread count every trained process uses.
+    torch.set_num_threads(1)
     settings = Settings(args.nproc, args.batch_size, args.steps, args.log_every,
                         args.skip_windows)
     configs = ["single", *args.strategies] + ([CONTROL] if args.control else [])
