@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -77,17 +78,27 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
                       help="restart failed workers this often, resuming from the last checkpoint")
 
 
+# Subcommands that live in their own module under gpuflow.commands: each module has
+# `register(commands)`, which adds its parser and sets `handler(args, argv) -> exit code`.
+_COMMAND_MODULES: tuple[str, ...] = ()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpuflow", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train a workload",
                                 argument_default=argparse.SUPPRESS)
     _add_train_flags(train)
+    train.set_defaults(handler=_train)
     export = commands.add_parser("export", help="write a run's weights as one safetensors file")
     export.add_argument("run_dir", help="a gpuflow run dir")
     export.add_argument("--out", required=True, help="output .safetensors file")
+    export.set_defaults(handler=_export)
     env = commands.add_parser("env", help="devices, versions and the peak FLOP/s used for MFU")
     env.add_argument("--json", action="store_true", help="print JSON")
+    env.set_defaults(handler=_env)
+    for name in _COMMAND_MODULES:
+        importlib.import_module(f"gpuflow.commands.{name}").register(commands)
     return parser
 
 
@@ -98,7 +109,8 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from gpuflow.train.progress import print_summary
     from gpuflow.workload import resolve_workload
 
-    flags: dict[str, Any] = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+    flags: dict[str, Any] = {k: v for k, v in vars(args).items()
+                             if k not in ("command", "config", "handler")}
     base: dict[str, Any] = {}
     if flags.get("resume"):
         resume = flags["resume"]
@@ -158,7 +170,7 @@ def _saved_config(run_dir: Path) -> dict[str, Any]:
     return saved
 
 
-def _export(args: argparse.Namespace) -> int:
+def _export(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from gpuflow.export import export_model
 
     path, step = export_model(Path(args.run_dir), Path(args.out))
@@ -166,7 +178,7 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _env(args: argparse.Namespace) -> int:
+def _env(args: argparse.Namespace, argv: Sequence[str]) -> int:
     import torch
 
     from gpuflow.hardware import environment_report, peak_flops, resolve_device
@@ -212,11 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from gpuflow.parallel.launch import WorkerFailedError
 
     try:
-        if args.command == "train":
-            return _train(args, argv)
-        if args.command == "export":
-            return _export(args)
-        return _env(args)
+        return int(args.handler(args, argv))
     except UserError as exc:
         print(f"gpuflow: {_who()}error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
