@@ -1,0 +1,237 @@
+"""Which part of the step to fix first: rules over the measured step-time breakdown.
+
+Each rule reads the per-step medians telemetry wrote (``summary.json``'s ``median``) and the
+run's settings and, when its figure crosses a threshold, names the bottleneck, the number
+that shows it and the flags to try, tailored to what the run already uses. Findings are
+ranked by the share of the step they put at stake, so the first one is the one to fix first.
+What cannot be judged (MFU without a known peak, memory without a known capacity,
+communication under FSDP) becomes a note that says so, never a guess.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gpuflow.gpu_specs import lookup_gpu
+
+INPUT_WAIT_FRAC = 0.10
+HOST_FRAC = 0.15
+COMM_FRAC = 0.10
+MEMORY_FRAC = 0.85
+LOW_MFU = 0.40
+COMPUTE_DOMINANT_FRAC = 0.50
+
+INPUT = "input-bound"
+HOST = "host/launch-bound"
+COMM = "communication-bound"
+MEMORY = "memory-bound"
+LOW_MFU_COMPUTE = "compute-bound with low MFU"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One bottleneck: what it is, the measured figure behind it, and what to try."""
+
+    bottleneck: str
+    evidence: str
+    suggestions: tuple[str, ...]
+    severity: float  # the share of the step (or of memory) at stake, 0..1, for ranking
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """Findings, most severe first, and notes on what could not be assessed."""
+
+    findings: tuple[Finding, ...]
+    notes: tuple[str, ...]
+
+    @property
+    def top(self) -> Finding | None:
+        return self.findings[0] if self.findings else None
+
+
+def _ms(seconds: float) -> str:
+    return f"{1e3 * seconds:.2f} ms"
+
+
+def _share(median: Mapping[str, Any], key: str) -> float | None:
+    step, value = median.get("step_time_s"), median.get(key)
+    if step is None or value is None or step <= 0:
+        return None
+    return value / step
+
+
+def _memory_capacity(summary: Mapping[str, Any]) -> tuple[int | None, str]:
+    """Device memory in bytes and where the figure comes from (None when unknown)."""
+    if summary.get("device_memory_bytes"):
+        return int(summary["device_memory_bytes"]), "recorded by the run"
+    if str(summary.get("device", "")).startswith("cuda"):
+        spec = lookup_gpu(str(summary.get("device_name", "")))
+        if spec is not None:
+            return int(spec.memory_gib * 2**30), f"{spec.name} datasheet capacity"
+    return None, "unknown"
+
+
+def _memory_use(summary: Mapping[str, Any]) -> float | None:
+    capacity, _ = _memory_capacity(summary)
+    peak = summary.get("peak_mem_bytes")
+    return None if capacity is None or peak is None else peak / capacity
+
+
+def _input_bound(summary: Mapping[str, Any]) -> Finding | None:
+    median, config = summary["median"], summary.get("config", {})
+    share = median.get("data_wait_frac")
+    share = _share(median, "data_wait_s") if share is None else share
+    if share is None or share < INPUT_WAIT_FRAC:
+        return None
+    workers = int(config.get("num_workers", 0))
+    suggestions = [f"--num-workers {max(2, 2 * workers)} (now {workers}): load and collate "
+                   "batches in worker processes while the step runs",
+                   "cache or precompute expensive per-sample transforms"]
+    if config.get("data", "real") == "real":
+        suggestions.append("--data synthetic: the step time without the input pipeline, "
+                           "to confirm the data is what holds the step back")
+    return Finding(INPUT, f"data wait is {share:.0%} of the step "
+                          f"({_ms(median['data_wait_s'])} of {_ms(median['step_time_s'])})",
+                   tuple(suggestions), share)
+
+
+def _host_bound(summary: Mapping[str, Any]) -> Finding | None:
+    median, config = summary["median"], summary.get("config", {})
+    share = _share(median, "host_s")
+    if share is None or share < HOST_FRAC:
+        return None
+    suggestions = []
+    if not summary.get("compiled", config.get("compile", False)):
+        suggestions.append("--compile: fused kernels, fewer launches and less Python per step")
+    if str(summary.get("device", "")).startswith("cuda"):
+        suggestions.append("CUDA graphs (torch.compile mode=\"reduce-overhead\"): replay the "
+                           "step's kernels with one launch")
+    batch = int(config.get("batch_size", 0))
+    if batch:
+        suggestions.append(f"a larger micro-batch (--batch-size {2 * batch}, now {batch}): "
+                           "the fixed per-step cost spread over more samples")
+    return Finding(HOST, f"host/other time is {share:.0%} of the step "
+                         f"({_ms(median['host_s'])} of {_ms(median['step_time_s'])}) outside "
+                         "data wait, compute, communication and optimizer",
+                   tuple(suggestions), share)
+
+
+def _comm_bound(summary: Mapping[str, Any]) -> Finding | None:
+    median, config = summary["median"], summary.get("config", {})
+    share = _share(median, "comm_s")
+    if share is None or share < COMM_FRAC:
+        return None
+    accum = int(config.get("grad_accum", 1))
+    suggestions = [f"--grad-accum {2 * accum} (now {accum}): one gradient reduction per "
+                   f"{2 * accum} micro-batches"]
+    strategy = summary.get("strategy")
+    if strategy == "ddp":
+        suggestions.append("larger DDP gradient buckets (bucket_cap_mb; DDP's default is 25 "
+                           "MB): fewer all-reduces, and more of them overlap backward")
+    if strategy == "fsdp":
+        if config.get("reshard_after_forward", True):
+            suggestions.append("--no-reshard-after-forward: keep gathered parameters for "
+                               "backward, one all-gather per block instead of two")
+        suggestions.append("FSDP prefetch (set_modules_to_forward_prefetch / "
+                           "set_modules_to_backward_prefetch): start the next block's "
+                           "all-gather earlier")
+        if summary.get("precision") in ("fp32", "tf32"):
+            suggestions.append("--precision bf16: parameters all-gathered in bf16, half "
+                               "the bytes")
+    return Finding(COMM, f"exposed communication is {share:.0%} of the step "
+                         f"({_ms(median['comm_s'])} of {_ms(median['step_time_s'])}) after "
+                         "backward's compute ended", tuple(suggestions), share)
+
+
+def _memory_bound(summary: Mapping[str, Any]) -> Finding | None:
+    use = _memory_use(summary)
+    if use is None or use < MEMORY_FRAC:
+        return None
+    config = summary.get("config", {})
+    capacity, source = _memory_capacity(summary)
+    suggestions = []
+    if not summary.get("activation_checkpointing", config.get("activation_checkpointing")):
+        suggestions.append("--activation-checkpointing: recompute the blocks' activations in "
+                           "backward instead of keeping them")
+    if summary.get("precision") in ("fp32", "tf32"):
+        suggestions.append("--precision bf16: activations at half the size")
+    world = int(summary.get("world_size", 1))
+    if world > 1 and summary.get("strategy") != "fsdp":
+        suggestions.append(f"--strategy fsdp: parameters, gradients and optimizer state "
+                           f"sharded over the {world} processes")
+    suggestions.append("a smaller --batch-size with a larger --grad-accum: the same global "
+                       "batch in less memory")
+    return Finding(MEMORY, f"peak memory {summary['peak_mem_bytes'] / 2**30:.1f} GiB is "
+                           f"{use:.0%} of the device's {capacity / 2**30:.0f} GiB ({source})",
+                   tuple(suggestions), use)
+
+
+def _low_mfu(summary: Mapping[str, Any]) -> Finding | None:
+    median, config = summary["median"], summary.get("config", {})
+    mfu, share = median.get("mfu"), _share(median, "compute_s")
+    if mfu is None or share is None or share < COMPUTE_DOMINANT_FRAC or mfu >= LOW_MFU:
+        return None
+    suggestions = []
+    if summary.get("precision") in ("fp32", "tf32"):
+        suggestions.append("--precision bf16: matmuls on the bf16 units (tensor cores, AMX)")
+    if not summary.get("compiled", config.get("compile", False)):
+        suggestions.append("--compile: fused elementwise kernels around the matmuls")
+    use, batch = _memory_use(summary), int(config.get("batch_size", 0))
+    if batch and (use is None or use < MEMORY_FRAC):
+        headroom = "" if use is None else f"; {1 - use:.0%} of memory is free"
+        suggestions.append(f"a larger micro-batch (--batch-size {2 * batch}, now {batch}): "
+                           f"larger matmuls keep the units busier{headroom}")
+    if summary.get("activation_checkpointing", config.get("activation_checkpointing")):
+        suggestions.append("drop --activation-checkpointing if memory allows: recomputation "
+                           "is work MFU does not count")
+    peak = summary.get("peak_flops")
+    against = "" if peak is None else f" of {peak / 1e12:.3g} TFLOP/s"
+    source = summary.get("peak_flops_source", "unknown")
+    return Finding(LOW_MFU_COMPUTE,
+                   f"compute (forward+backward) is {share:.0%} of the step at {mfu:.1%} "
+                   f"MFU{against} (peak: {source})",
+                   tuple(suggestions), share * (1 - mfu))
+
+
+RULES = (_input_bound, _host_bound, _comm_bound, _memory_bound, _low_mfu)
+
+
+def _notes(summary: Mapping[str, Any]) -> list[str]:
+    median, notes = summary["median"], []
+    if median.get("mfu") is None:
+        notes.append("MFU unknown: no peak FLOP/s for "
+                     f"{summary.get('device_name', 'this device')} "
+                     f"({summary.get('peak_flops_source', 'no source')}); compute "
+                     "efficiency not assessed")
+    if median.get("comm_s") is None and int(summary.get("world_size", 1)) > 1:
+        notes.append(f"exposed communication is not measured under "
+                     f"{summary.get('strategy', 'this strategy')}; communication-bound "
+                     "cannot be ruled out")
+    peak = summary.get("peak_mem_bytes")
+    if peak is not None and _memory_use(summary) is None:
+        notes.append(f"peak memory {peak / 2**20:,.0f} MiB "
+                     f"({summary.get('peak_mem_kind', 'kind unknown')}); the device's "
+                     "capacity is unknown, so memory pressure is not assessed")
+    return notes
+
+
+def diagnose(summary: Mapping[str, Any]) -> Diagnosis:
+    """Run every rule over a summary (``summary.json``'s fields; ``median`` is required)."""
+    findings = [finding for rule in RULES if (finding := rule(summary)) is not None]
+    findings.sort(key=lambda finding: finding.severity, reverse=True)
+    return Diagnosis(tuple(findings), tuple(_notes(summary)))
+
+
+def headline(diagnosis: Diagnosis, median: Mapping[str, Any]) -> list[str]:
+    """The top bottleneck and what to try, as the terminal prints it."""
+    top = diagnosis.top
+    if top is None:
+        compute, mfu = _share(median, "compute_s"), median.get("mfu")
+        where = "" if compute is None else f": compute is {compute:.0%} of the step"
+        at = "" if mfu is None else f" at {mfu:.1%} MFU"
+        return [f"bottleneck: none above the thresholds{where}{at}"]
+    return [f"bottleneck: {top.bottleneck}: {top.evidence}",
+            *(f"  try {suggestion}" for suggestion in top.suggestions)]
