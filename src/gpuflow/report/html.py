@@ -101,7 +101,8 @@ def _summary_table(runs: Sequence[Run]) -> str:
     rows = []
     for label, get in rows_spec:
         values = [get(f) for f in facts]
-        row = [escape(label), *(_num(v) for v in values)]
+        indent = len(label) - len(label.lstrip())
+        row = ["&emsp;" * indent + escape(label.lstrip()), *(_num(v) for v in values)]
         if len(runs) == 2:
             a, b = values
             row.append(f"{b / a:.3f}" if isinstance(a, int | float) and isinstance(

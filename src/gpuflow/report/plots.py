@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import matplotlib
 from matplotlib.figure import Figure

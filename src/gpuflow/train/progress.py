@@ -10,6 +10,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from gpuflow.report.diagnose import diagnose, headline
+
 PLAIN_LINES = 20
 
 
@@ -117,4 +119,10 @@ def summary_table(summary: dict[str, Any]) -> Table:
 
 
 def print_summary(summary: dict[str, Any], console: Console | None = None) -> None:
-    (console or Console(file=sys.stdout)).print(summary_table(summary))
+    """The summary table, then the top bottleneck and what to try (`gpuflow report` has all)."""
+    console = console or Console(file=sys.stdout)
+    console.print(summary_table(summary))
+    for line in headline(diagnose(summary), summary["median"]):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+    console.print(f"full report: gpuflow report {summary['run_dir']}", markup=False,
+                  highlight=False)
