@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, TensorDataset
 
 from gpuflow.data.sampler import ResumableSampler
+from gpuflow.data.streaming import StreamingDataset
 from gpuflow.errors import UserError
 
 
@@ -29,12 +30,31 @@ def train_batches(dataset: Dataset, batch_size: int, collate: Any, seed: int,
     """Endless stream of batches across epochs, starting after ``start_batch`` batches.
 
     The last partial batch of each epoch is dropped, so every step sees a full batch and
-    the position is just a batch count: epoch = count // batches_per_epoch.
+    the position is just a batch count: epoch = count // batches_per_epoch. A packed set
+    (``StreamingDataset``) is streamed in its own shuffled order; any other dataset is
+    indexed through a ``ResumableSampler``. Either way the batches depend only on the seed
+    and the position, not on ``num_workers``.
     ``batched_indexing`` fetches a whole batch with one ``dataset[indices]`` call, which
     in-memory tensor datasets answer with a single gather instead of one item at a time
     and a stack; the batches are identical.
     """
     per_epoch = batches_per_epoch(dataset, batch_size, world_size)
+    workers: dict[str, Any] = {
+        "num_workers": num_workers,
+        "pin_memory": pin_memory,
+        "prefetch_factor": 4 if num_workers > 0 else None,
+    }
+    if isinstance(dataset, StreamingDataset):
+        stream = dataset.batches(seed, batch_size, per_epoch, start_batch, collate, rank,
+                                 world_size)
+        return iter(DataLoader(stream, batch_size=None, **workers))
+    return _indexed_batches(dataset, batch_size, collate, seed, start_batch, per_epoch,
+                            rank, world_size, batched_indexing, workers)
+
+
+def _indexed_batches(dataset: Dataset, batch_size: int, collate: Any, seed: int,
+                     start_batch: int, per_epoch: int, rank: int, world_size: int,
+                     batched_indexing: bool, workers: dict[str, Any]) -> Iterator[Any]:
     sampler = ResumableSampler(len(dataset), seed, rank=rank,  # type: ignore[arg-type]
                                world_size=world_size)
     batching: dict[str, Any] = (
@@ -45,10 +65,8 @@ def train_batches(dataset: Dataset, batch_size: int, collate: Any, seed: int,
     loader = DataLoader(
         dataset,
         **batching,
-        num_workers=num_workers,
-        pin_memory=pin_memory,
-        persistent_workers=num_workers > 0,
-        prefetch_factor=4 if num_workers > 0 else None,
+        **workers,
+        persistent_workers=workers["num_workers"] > 0,
         generator=torch.Generator().manual_seed(seed),
     )
     epoch, offset = divmod(start_batch, per_epoch)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch.utils.data import TensorDataset
 
+from gpuflow.data.streaming import open_packed
+from gpuflow.errors import UserError
 from gpuflow.models.cnn import SmallCNN
 from gpuflow.workload import Workload
 
@@ -29,7 +31,18 @@ def synthetic_tensors(count: int = 1797, seed: int = 0) -> tuple[torch.Tensor, t
             torch.randint(0, 10, (count,), generator=generator))
 
 
-def build(width: int = 32, depth: int = 2, data: str = "real") -> Workload:
+def build(width: int = 32, depth: int = 2, data: str = "real",
+          data_dir: str | None = None) -> Workload:
+    """The bundled digits, or a packed copy of them in ``data_dir`` (streamed)."""
+    model = SmallCNN(in_channels=1, num_classes=10, width=width, depth=depth)
+    packed = open_packed(data_dir, "digits") if data == "real" else None
+    if packed is not None:
+        return Workload(name="digits", model=model, train_dataset=packed.train,
+                        val_dataset=packed.val, example_batch=packed.example)
+    if data_dir is not None and data == "real":
+        raise UserError(f"--data-dir {data_dir} holds no packed set; the digits workload "
+                        "reads scikit-learn's bundled scans, or a set made by "
+                        "`gpuflow data pack --workload digits --out DIR`.")
     images, labels = load_digits_tensors() if data == "real" else synthetic_tensors()
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(SPLIT_SEED))
     n_val = int(len(labels) * VAL_FRACTION)
@@ -38,7 +51,7 @@ def build(width: int = 32, depth: int = 2, data: str = "real") -> Workload:
     images = (images - mean) / std
     return Workload(
         name="digits",
-        model=SmallCNN(in_channels=1, num_classes=10, width=width, depth=depth),
+        model=model,
         train_dataset=TensorDataset(images[train_idx], labels[train_idx]),
         val_dataset=TensorDataset(images[val_idx], labels[val_idx]),
     )

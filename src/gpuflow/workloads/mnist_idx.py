@@ -8,6 +8,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from gpuflow.data.idx import find_split, read_idx
+from gpuflow.data.streaming import open_packed
 from gpuflow.errors import UserError
 from gpuflow.models.cnn import SmallCNN
 from gpuflow.workload import Workload
@@ -76,6 +77,14 @@ def _synthetic(count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 def build(data_dir: str | None = None, data: str = "real",
           model_size: str | None = None) -> Workload:
     width, depth = parse_model_size(model_size)
+    packed = open_packed(data_dir, "mnist-idx") if data == "real" else None
+    if packed is not None:
+        return Workload(
+            name="mnist-idx",
+            model=SmallCNN(in_channels=1, num_classes=max(packed.meta["num_classes"], 2),
+                           width=width, depth=depth, stem_stride=2),
+            train_dataset=packed.train, val_dataset=packed.val, example_batch=packed.example,
+        )
     if data == "synthetic":
         (train_x, train_y), (test_x, test_y) = (_synthetic(SYNTHETIC_TRAIN, 0),
                                                 _synthetic(SYNTHETIC_TEST, 1))

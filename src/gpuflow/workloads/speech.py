@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import Dataset
 
 from gpuflow.data.audio import find_clips, read_wav
+from gpuflow.data.streaming import open_packed
 from gpuflow.errors import UserError
 from gpuflow.models.speech import SpeechClassifier
 from gpuflow.workload import Workload
@@ -143,6 +144,25 @@ def load_recordings(data_dir: str | Path) -> tuple[WaveformDataset, WaveformData
     return WaveformDataset(*splits[False]), WaveformDataset(*splits[True])
 
 
+def raw_splits(data: str, data_dir: str | None) -> tuple[WaveformDataset | SyntheticWaveforms,
+                                                         WaveformDataset | SyntheticWaveforms]:
+    """Train and test clips: random (``synthetic``) or read from WAV files (``real``)."""
+    if data == "synthetic":
+        return (SyntheticWaveforms(SYNTHETIC_COUNTS[0], 1),
+                SyntheticWaveforms(SYNTHETIC_COUNTS[1], 2))
+    if data != "real":
+        raise UserError(f"speech: --data must be real or synthetic (got {data!r}).")
+    if data_dir is None:
+        raise UserError(
+            "The speech workload reads the Free Spoken Digit Dataset: 8 kHz mono WAV files "
+            "named {digit}_{speaker}_{take}.wav. Get it with `git clone "
+            f"{DATASET_URL}` (Jakobovski/free-spoken-digit-dataset) and pass its "
+            "recordings folder: --data-dir free-spoken-digit-dataset/recordings. "
+            "Or use --data synthetic for a throughput run on random clips."
+        )
+    return load_recordings(data_dir)
+
+
 def build(data_dir: str | None = None, data: str = "real",
           model_size: str | None = None) -> Workload:
     """The `speech` workload: a log-mel transformer classifier on spoken-digit WAV files."""
@@ -152,21 +172,12 @@ def build(data_dir: str | None = None, data: str = "real",
             f"speech: unknown --model-size {model_size!r}; choose one of "
             f"{', '.join(MODEL_SIZES)} (default {DEFAULT_MODEL_SIZE})."
         )
-    if data == "synthetic":
-        train: WaveformDataset | SyntheticWaveforms = SyntheticWaveforms(SYNTHETIC_COUNTS[0], 1)
-        test: WaveformDataset | SyntheticWaveforms = SyntheticWaveforms(SYNTHETIC_COUNTS[1], 2)
-    elif data == "real":
-        if data_dir is None:
-            raise UserError(
-                "The speech workload reads the Free Spoken Digit Dataset: 8 kHz mono WAV files "
-                "named {digit}_{speaker}_{take}.wav. Get it with `git clone "
-                f"{DATASET_URL}` (Jakobovski/free-spoken-digit-dataset) and pass its "
-                "recordings folder: --data-dir free-spoken-digit-dataset/recordings. "
-                "Or use --data synthetic for a throughput run on random clips."
-            )
-        train, test = load_recordings(data_dir)
+    packed = open_packed(data_dir, "speech") if data == "real" else None
+    if packed is not None:
+        train, test, example = packed.train, packed.val, packed.example
     else:
-        raise UserError(f"speech: --data must be real or synthetic (got {data!r}).")
+        raw_train, test = raw_splits(data, data_dir)
+        train, example = raw_train, example_batch(raw_train)
     return Workload(
         name="speech",
         model=SpeechClassifier(num_classes=NUM_CLASSES, sample_rate=SAMPLE_RATE,
@@ -174,5 +185,5 @@ def build(data_dir: str | None = None, data: str = "real",
         train_dataset=train,
         val_dataset=test,
         collate_fn=collate_waveforms,
-        example_batch=example_batch(train),
+        example_batch=example,
     )

@@ -16,7 +16,9 @@ from dataclasses import fields, replace
 
 import torch
 from torch.nn import functional as F
+from torch.utils.data import Dataset
 
+from gpuflow.data.streaming import open_packed
 from gpuflow.data.text import ByteWindows, RandomBytes, load_split
 from gpuflow.errors import UserError
 from gpuflow.models.gpt import GPT, GPTConfig
@@ -114,15 +116,20 @@ def build(data_dir: str | None = None, data: str = "real",
         raise UserError(f"--data must be real or synthetic (got {data!r}).")
     config = parse_model_size(model_size)
     seq = config.seq_len
-    if data == "synthetic":
-        train: ByteWindows | RandomBytes = RandomBytes(SYNTHETIC_TRAIN_ITEMS, seq, seed=1)
-        val: ByteWindows | RandomBytes = RandomBytes(SYNTHETIC_VAL_ITEMS, seq, seed=2)
+    packed = open_packed(data_dir, "textlm", seq_len=seq) if data == "real" else None
+    train: Dataset
+    val: Dataset | None
+    if packed is not None:
+        train, val = packed.train, packed.val
+    elif data == "synthetic":
+        train = RandomBytes(SYNTHETIC_TRAIN_ITEMS, seq, seed=1)
+        val = RandomBytes(SYNTHETIC_VAL_ITEMS, seq, seed=2)
     else:
         split = load_split(data_dir)
         source = "the Python documentation" if data_dir is None else f"--data-dir {data_dir}"
         train = ByteWindows(split.train, seq, label=f"training text of {source}")
         val = ByteWindows(split.val, seq, label=f"held-out text of {source}")
-    count = min(EXAMPLE_ITEMS, len(train))
+    count = min(EXAMPLE_ITEMS, len(train))  # type: ignore[arg-type]
     example = tuple(torch.stack(items) for items in zip(*(train[i] for i in range(count)),
                                                         strict=True))
     return Workload(

@@ -1,0 +1,47 @@
+"""`gpuflow data pack`: convert a data set into shards that training streams."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+
+def register(commands: Any) -> None:
+    data = commands.add_parser("data", help="prepare data sets (pack into shards)")
+    actions = data.add_subparsers(dest="data_command", required=True)
+    pack = actions.add_parser(
+        "pack", help="convert a workload's data set into checksummed shards",
+        description="Convert a workload's data set into fixed-size shards with an index and "
+                    "a manifest; `gpuflow train --data-dir OUT` then streams them. An "
+                    "interrupted pack continues where it stopped when run again.")
+    pack.add_argument("src", nargs="?",
+                      help="the workload's raw data (its --data-dir); omit for its default "
+                           "(digits: the bundled scans, textlm: the Python documentation)")
+    pack.add_argument("--out", required=True, help="folder to write the packed set to")
+    pack.add_argument("--workload", required=True,
+                      help="digits, mnist-idx, textlm, speech, or pkg.module:factory")
+    pack.add_argument("--shard-size-mb", type=float,
+                      help="target size of each shard in MiB (default 64)")
+    pack.add_argument("--force", action="store_true",
+                      help="pack again over a finished set in --out")
+    pack.add_argument("--no-progress", dest="progress", action="store_false",
+                      help="no progress bar")
+    data.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from gpuflow.data.pack import DEFAULT_SHARD_MB, pack
+    from gpuflow.errors import UserError
+
+    shard_mb = DEFAULT_SHARD_MB if args.shard_size_mb is None else args.shard_size_mb
+    if shard_mb <= 0:
+        raise UserError("--shard-size-mb must be positive.")
+    manifest = pack(args.workload, args.src, args.out, shard_mb=shard_mb,
+                    force=args.force, progress=args.progress and sys.stderr.isatty())
+    counts = ", ".join(f"{name} {manifest.count(name):,} "
+                       f"{'tokens' if manifest.kind == 'tokens' else 'samples'} in "
+                       f"{len(shards)} shard(s)" for name, shards in manifest.splits.items())
+    print(f"packed {manifest.workload} into {args.out}: {counts}")
+    return 0
