@@ -3,6 +3,7 @@ real browser rendering it, and the GPU benchmark script's syntax and CPU dry run
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 from conftest import ROOT, run_cli
 
+from gpuflow.cli import main as gpuflow_main
 from gpuflow.errors import UserError
 from gpuflow.report import diagnose as dx
 from gpuflow.report.html import render_report
@@ -30,6 +32,14 @@ CPU = {"device": "cpu", "device_name": "Test CPU", "peak_mem_kind": "process_pea
 H100 = {"device": "cuda:0", "device_name": "NVIDIA H100 80GB HBM3",
         "peak_mem_kind": "cuda_max_allocated", "peak_flops": 989e12,
         "peak_flops_source": "NVIDIA H100 datasheet"}
+
+
+def report_cli(*args: str) -> tuple[int, str, str]:
+    """`gpuflow report ARGS` in this process (a subprocess would import torch again)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = gpuflow_main(["report", *args])
+    return code, out.getvalue(), err.getvalue()
 
 
 def write_run(path: Path, regions_ms: dict[str, float | None], mfu: float | None = 0.5,
@@ -157,17 +167,17 @@ def test_unfinished_run_is_diagnosed_from_its_records(tmp_path: Path) -> None:
 def test_a_folder_that_is_not_a_run_dir_is_a_user_error(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="not a gpuflow run dir"):
         load_run(tmp_path)
-    result = run_cli("report", str(tmp_path))
-    assert result.returncode == 2
-    assert "not a gpuflow run dir" in result.stderr and "Traceback" not in result.stderr
+    code, _, stderr = report_cli(str(tmp_path))
+    assert code == 2
+    assert stderr == f"gpuflow: error: {tmp_path} is not a gpuflow run dir (no metrics.jsonl).\n"
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """One real short training run, and what `gpuflow train` printed."""
     run_dir = tmp_path_factory.mktemp("report") / "digits-run"
-    result = run_cli("train", "--workload", "digits", "--max-steps", "20", "--log-every", "5",
-                     "--eval-every", "10", "--no-progress", "--run-dir", str(run_dir))
+    result = run_cli("train", "--workload", "digits", "--max-steps", "12", "--log-every", "3",
+                     "--eval-every", "6", "--no-progress", "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stderr
     return run_dir, result.stdout
 
@@ -187,17 +197,17 @@ def comparison(trained: tuple[Path, str], tmp_path_factory: pytest.TempPathFacto
     other = write_run(tmp_path_factory.mktemp("other") / "slow-input", regions(data=12.0),
                       mfu=None, peak_flops=None, peak_flops_source="unknown device")
     out = other.parent / "compare.html"
-    result = run_cli("report", str(trained[0]), str(other), "--out", str(out))
-    assert result.returncode == 0, result.stderr
-    assert f"report written to {out}" in result.stdout
-    assert "bottleneck: input-bound" in result.stdout
+    code, stdout, stderr = report_cli(str(trained[0]), str(other), "--out", str(out))
+    assert code == 0, stderr
+    assert f"report written to {out}" in stdout
+    assert "bottleneck: input-bound" in stdout
     return out
 
 
 def test_report_of_one_run_has_every_section(trained: tuple[Path, str]) -> None:
     run_dir, _ = trained
-    result = run_cli("report", str(run_dir))
-    assert result.returncode == 0, result.stderr
+    code, _, stderr = report_cli(str(run_dir))
+    assert code == 0, stderr
     page = (run_dir / "report.html").read_text()
     summary = json.loads((run_dir / "summary.json").read_text())
     for heading in ("Bottleneck diagnosis", "Summary", "Loss", "Throughput", "MFU", "Memory",
