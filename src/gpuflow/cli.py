@@ -80,7 +80,7 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
 
 # Subcommands that live in their own module under gpuflow.commands: each module has
 # `register(commands)`, which adds its parser and sets `handler(args, argv) -> exit code`.
-_COMMAND_MODULES: tuple[str, ...] = ("report", "data")
+_COMMAND_MODULES: tuple[str, ...] = ("report", "data", "serve", "predict")
 
 
 def build_parser() -> argparse.ArgumentParser:

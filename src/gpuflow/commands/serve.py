@@ -1,0 +1,87 @@
+"""`gpuflow serve`: an HTTP server with dynamic batching for a run dir or an export."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from gpuflow.errors import UserError
+
+TOKEN_ENV = "GPUFLOW_TOKEN"
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "serve", help="serve a model over HTTP with dynamic batching",
+        description="Serve a run dir or an exported .safetensors file over HTTP "
+                    "(POST /v1/predict, /healthz, /readyz, /metrics; API docs at /docs).")
+    add = parser.add_argument
+    add("source", metavar="RUN_DIR|MODEL.safetensors", help="a gpuflow run dir or export")
+    add("--workload", help="rebuild the model with this workload instead of the saved one")
+    add("--host", default="127.0.0.1",
+        help="address to bind (default 127.0.0.1; any other needs --token)")
+    add("--port", type=int, default=8000, help="default 8000")
+    add("--max-batch-size", type=int, default=32, help="rows per batch (default 32)")
+    add("--max-wait-ms", type=float, default=5.0,
+        help="longest a request waits for its batch to fill (default 5)")
+    add("--max-queue", type=int, default=1024,
+        help="requests that may wait; more get 503 queue_full (default 1024)")
+    add("--timeout-ms", type=float, default=2000.0,
+        help="deadline of a request in the queue; 504 when it passes (default 2000)")
+    add("--max-body-bytes", type=int, default=8 << 20,
+        help="larger request bodies get 413 (default 8 MiB)")
+    add("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
+    add("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
+        help="inference autocast dtype (default fp32)")
+    add("--compile", action="store_true", help="torch.compile the model for each bucket")
+    add("--cuda-graphs", action="store_true",
+        help="CUDA only: capture CUDA graphs for the fixed buckets (implies --compile)")
+    add("--workers", type=int, default=1,
+        help="server processes, each with its own copy of the model (default 1)")
+    add("--token", help=f"bearer token every request must carry (or ${TOKEN_ENV})")
+    add("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.set_defaults(handler=run)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    import uvicorn
+
+    from gpuflow.serve.app import SETTINGS_ENV, ServeSettings, settings_json
+    from gpuflow.serve.model import check_source
+
+    token = args.token or os.environ.get(TOKEN_ENV) or None
+    if not _is_loopback(args.host) and token is None:
+        raise UserError(f"--host {args.host} exposes the server beyond this machine: give "
+                        f"--token TOKEN (or set {TOKEN_ENV}) so that every request must carry "
+                        "'Authorization: Bearer TOKEN'.")
+    for name in ("max_batch_size", "max_queue", "workers", "max_body_bytes"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1.")
+    if args.max_wait_ms < 0 or args.timeout_ms <= 0:
+        raise UserError("--max-wait-ms must be 0 or more and --timeout-ms positive.")
+    check_source(Path(args.source))  # exit code 2 on a wrong path, before uvicorn starts
+    settings = ServeSettings(
+        source=args.source, workload=args.workload, host=args.host, port=args.port,
+        max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms,
+        max_queue=args.max_queue, timeout_ms=args.timeout_ms,
+        max_body_bytes=args.max_body_bytes, device=args.device, precision=args.precision,
+        compile=args.compile or args.cuda_graphs, cuda_graphs=args.cuda_graphs, token=token)
+    os.environ[SETTINGS_ENV] = settings_json(settings)
+    print(f"gpuflow serve: http://{args.host}:{args.port} (API docs at /docs); "
+          f"{args.workers} worker(s), batches of up to {args.max_batch_size}, "
+          f"{args.precision}; /readyz turns 200 after warm-up")
+    uvicorn.run("gpuflow.serve.app:app_from_env", factory=True, host=args.host,
+                port=args.port, workers=args.workers, log_level=args.log_level)
+    return 0

@@ -1,0 +1,181 @@
+"""Dynamic batching on asyncio: a bounded queue, deadlines enforced while waiting.
+
+Requests carrying rows and a batching key wait in a FIFO queue. The batch is led by the
+oldest request: it waits at most ``max_wait_s`` for others of its key to fill up to
+``max_batch_size`` rows, then the whole batch runs in a worker thread (one at a time, so
+the event loop stays free to accept requests and fire deadlines). Unlike queues that check
+deadlines only on dequeue, each request's deadline is a timer: when it fires, the request
+leaves the queue at once and its caller gets ``DeadlineExceeded``. A caller that is
+cancelled (its client went away) also leaves the queue. A batch that raises fails only its
+own requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Hashable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+RunFn = Callable[[Hashable, list[Any]], list[Any]]
+
+
+class QueueFull(Exception):
+    """The queue holds ``max_queue`` requests already."""
+
+
+class DeadlineExceeded(Exception):
+    """The request's deadline passed while it waited in the queue."""
+
+
+class BatchFailed(Exception):
+    """The batch this request ran in raised; ``__cause__`` holds the error."""
+
+
+class Observer(Protocol):
+    def batch_formed(self, rows: int) -> None: ...
+    def queue_changed(self, depth: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class Result:
+    outputs: list[Any]
+    queue_s: float
+    compute_s: float
+    batch_rows: int
+
+
+@dataclass(eq=False)
+class _Pending:
+    key: Hashable
+    rows: list[Any]
+    future: asyncio.Future[Result]
+    enqueued: float = field(default_factory=time.monotonic)
+    timer: asyncio.TimerHandle | None = None
+
+
+class Batcher:
+    def __init__(self, run: RunFn, max_batch_size: int, max_wait_s: float, max_queue: int,
+                 observer: Observer | None = None) -> None:
+        self.run = run
+        self.max_batch_size = max_batch_size
+        self.max_wait_s = max_wait_s
+        self.max_queue = max_queue
+        self.observer = observer
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuflow-batch")
+        self._queue: dict[_Pending, None] = {}  # insertion-ordered, O(1) removal
+        self._arrived = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def depth(self) -> int:
+        return len(self._queue)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for pending in list(self._queue):
+            self._remove(pending)
+            pending.future.cancel()
+        self.executor.shutdown(wait=True)
+
+    async def submit(self, key: Hashable, rows: list[Any], timeout_s: float) -> Result:
+        """Queue ``rows`` and wait for their outputs; raises QueueFull, DeadlineExceeded,
+        BatchFailed. Cancelling the caller takes the request out of the queue."""
+        if not 0 < len(rows) <= self.max_batch_size:
+            raise ValueError(f"a request holds 1 to {self.max_batch_size} rows")
+        if len(self._queue) >= self.max_queue:
+            raise QueueFull
+        loop = asyncio.get_running_loop()
+        pending = _Pending(key, rows, loop.create_future())
+        pending.timer = loop.call_later(timeout_s, self._expire, pending)
+        self._queue[pending] = None
+        self._changed()
+        self._arrived.set()
+        try:
+            return await pending.future
+        finally:
+            self._remove(pending)
+
+    def _remove(self, pending: _Pending) -> None:
+        if pending.timer is not None:
+            pending.timer.cancel()
+        if pending in self._queue:
+            del self._queue[pending]
+            self._changed()
+
+    def _expire(self, pending: _Pending) -> None:
+        if pending in self._queue:
+            self._remove(pending)
+            if not pending.future.done():
+                pending.future.set_exception(DeadlineExceeded())
+
+    def _changed(self) -> None:
+        if self.observer is not None:
+            self.observer.queue_changed(len(self._queue))
+
+    def _ready_rows(self, key: Hashable) -> int:
+        return sum(len(p.rows) for p in self._queue if p.key == key)
+
+    async def _loop(self) -> None:
+        while True:
+            if not self._queue:
+                self._arrived.clear()
+                await self._arrived.wait()
+                continue
+            first = next(iter(self._queue))
+            closes = first.enqueued + self.max_wait_s
+            while first in self._queue and self._ready_rows(first.key) < self.max_batch_size:
+                remaining = closes - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._arrived.clear()
+                try:
+                    await asyncio.wait_for(self._arrived.wait(), remaining)
+                except TimeoutError:
+                    break
+            if first in self._queue:
+                await self._execute(first.key, self._take(first.key))
+
+    def _take(self, key: Hashable) -> list[_Pending]:
+        batch, rows = [], 0
+        for pending in list(self._queue):
+            if pending.key == key and rows + len(pending.rows) <= self.max_batch_size:
+                self._remove(pending)
+                batch.append(pending)
+                rows += len(pending.rows)
+        return batch
+
+    async def _execute(self, key: Hashable, batch: list[_Pending]) -> None:
+        rows = [row for pending in batch for row in pending.rows]
+        if self.observer is not None:
+            self.observer.batch_formed(len(rows))
+        start = time.monotonic()
+        try:
+            outputs = await asyncio.get_running_loop().run_in_executor(
+                self.executor, self.run, key, rows)
+            if len(outputs) != len(rows):
+                raise RuntimeError(f"the model returned {len(outputs)} outputs for "
+                                   f"{len(rows)} rows")
+        except Exception as exc:
+            for pending in batch:
+                if not pending.future.done():
+                    error = BatchFailed(f"{type(exc).__name__}: {exc}")
+                    error.__cause__ = exc
+                    pending.future.set_exception(error)
+            return
+        compute_s = time.monotonic() - start
+        offset = 0
+        for pending in batch:
+            count = len(pending.rows)
+            if not pending.future.done():  # its client may have gone meanwhile
+                pending.future.set_result(Result(outputs[offset:offset + count],
+                                                 start - pending.enqueued, compute_s,
+                                                 len(rows)))
+            offset += count

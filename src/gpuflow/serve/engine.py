@@ -1,0 +1,74 @@
+"""The model, its codec and its runner together: what the server and offline predict share."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpuflow.serve.codecs import Codec, make_codec
+from gpuflow.serve.model import LoadedModel, Runner, load_model
+
+
+def batch_buckets(max_batch_size: int) -> list[int]:
+    """Batch sizes a static-shape model is compiled for: powers of two, then the maximum."""
+    sizes, size = [], 1
+    while size < max_batch_size:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, max_batch_size]
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    device: str = "auto"
+    precision: str = "fp32"
+    compile: bool = False
+    cuda_graphs: bool = False
+    max_batch_size: int = 32
+
+
+class Engine:
+    """Runs batches of decoded rows, padded to fixed batch buckets when shapes must be static."""
+
+    def __init__(self, loaded: LoadedModel, options: EngineOptions) -> None:
+        self.loaded = loaded
+        self.options = options
+        self.codec: Codec = make_codec(loaded.workload, loaded.config)
+        self.runner = Runner(loaded.model, options.device, options.precision,
+                             options.compile, options.cuda_graphs)
+        self.buckets = batch_buckets(options.max_batch_size)
+
+    @classmethod
+    def load(cls, source: str | Path, options: EngineOptions,
+             workload: str | None = None) -> Engine:
+        return cls(load_model(source, workload), options)
+
+    def describe(self) -> dict[str, Any]:
+        return {"workload": self.loaded.workload.name, "step": self.loaded.step,
+                "source": str(self.loaded.source), "inputs": list(self.codec.accepted()),
+                "runs_on": self.runner.describe()}
+
+    def run(self, key: Hashable, rows: list[Any]) -> list[Any]:
+        """Outputs for ``rows``, in chunks of at most the maximum batch size; a static-shape
+        model gets each chunk padded to its batch bucket."""
+        limit = self.options.max_batch_size
+        outputs: list[Any] = []
+        for start in range(0, len(rows), limit):
+            chunk = rows[start:start + limit]
+            count = len(chunk)
+            if self.runner.static_shapes:
+                size = next(b for b in self.buckets if b >= count)
+                chunk = chunk + [chunk[-1]] * (size - count)
+            outputs += self.codec.run(self.runner, key, chunk)[:count]
+        return outputs
+
+    def warm_up(self) -> float:
+        """Run every (input bucket, batch bucket) once, compiling each shape; seconds taken."""
+        start = time.perf_counter()
+        for key, row in self.codec.warmup_rows():
+            for size in self.buckets:
+                self.codec.run(self.runner, key, [row] * size)
+        return time.perf_counter() - start

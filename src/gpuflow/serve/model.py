@@ -1,0 +1,179 @@
+"""Load a trained model for inference from a run dir or an exported safetensors file.
+
+Both carry the run's configuration as JSON (``config.json``, or the export's metadata): the
+workload's factory rebuilds the network from it and the weights are loaded by name. Nothing
+is unpickled. The run dir is read through its documented format (docs/run-dir.md), so
+serving depends on the format, not on the training code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from torch import nn
+
+from gpuflow.config import TrainConfig
+from gpuflow.errors import UserError
+from gpuflow.hardware import resolve_device
+from gpuflow.precision import PrecisionPolicy, make_policy
+from gpuflow.workload import BUILTIN_WORKLOADS, Workload, resolve_workload
+
+RUN_DIR_FORMAT = 1
+
+
+@dataclass
+class LoadedModel:
+    """A workload's model with trained weights, in eval mode, and where it came from."""
+
+    workload: Workload
+    config: dict[str, Any]
+    step: int
+    source: Path
+
+    @property
+    def model(self) -> nn.Module:
+        return self.workload.model
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def newest_run_weights(run_dir: Path) -> tuple[dict[str, torch.Tensor], int]:
+    """Weights of the newest checkpoint whose manifest and weight checksum verify."""
+    folders = sorted((run_dir / "checkpoints").glob("step-*"), reverse=True)
+    for folder in folders:
+        try:
+            manifest = json.loads((folder / "manifest.json").read_text())
+            expected = manifest["files"]["model.safetensors"]
+            if manifest.get("format_version") != RUN_DIR_FORMAT:
+                raise ValueError(f"format version {manifest.get('format_version')}")
+            if _sha256(folder / "model.safetensors") != expected:
+                raise ValueError("model.safetensors fails its checksum")
+            return load_file(str(folder / "model.safetensors")), int(manifest["step"])
+        except (OSError, KeyError, ValueError) as exc:
+            warnings.warn(f"Skipping checkpoint {folder}: {exc}.", stacklevel=2)
+    raise UserError(f"{run_dir} has no valid checkpoint; train it first.")
+
+
+def check_source(path: Path) -> None:
+    """Fail early, without reading weights, on a path that cannot hold a model."""
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UserError(f"{path} is not a gpuflow run dir (no config.json).")
+    elif path.suffix != ".safetensors" or not path.is_file():
+        raise UserError(f"{path} is neither a gpuflow run dir nor a .safetensors export.")
+
+
+def read_source(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], int]:
+    """(run config, weights, step) from a run dir or a ``gpuflow export`` file."""
+    check_source(path)
+    if path.is_dir():
+        weights, step = newest_run_weights(path)
+        return json.loads((path / "config.json").read_text()), weights, step
+    try:
+        with safe_open(str(path), "pt") as handle:
+            metadata = handle.metadata() or {}
+    except Exception as exc:  # safetensors raises its own error types for corrupt headers
+        raise UserError(f"{path} is not a readable safetensors file ({exc}).") from None
+    if "config" not in metadata:
+        raise UserError(f"{path} has no gpuflow config in its metadata; export it with "
+                        "`gpuflow export RUN_DIR --out FILE.safetensors`.")
+    return json.loads(metadata["config"]), load_file(str(path)), int(metadata.get("step", 0))
+
+
+def build_workload(config: dict[str, Any], workload: str | None = None) -> Workload:
+    """The run's workload, rebuilt with the options it was trained with.
+
+    A built-in workload whose training data is not on this machine is rebuilt from its
+    synthetic data instead: the network's shape depends on the options, not the data.
+    """
+    known = {f.name for f in fields(TrainConfig)} - {"extra"}
+    train_config = TrainConfig(**{k: v for k, v in config.items() if k in known})
+    spec = workload or train_config.workload
+    options = train_config.workload_options()
+    try:
+        return resolve_workload(spec, options)
+    except UserError:
+        if spec not in BUILTIN_WORKLOADS or options.get("data") == "synthetic":
+            raise
+        return resolve_workload(spec, {**options, "data": "synthetic"})
+
+
+def load_model(path: str | Path, workload: str | None = None) -> LoadedModel:
+    """Rebuild the run's model and load its weights; ``workload`` overrides the saved one."""
+    source = Path(path)
+    config, weights, step = read_source(source)
+    built = build_workload(config, workload)
+    try:
+        built.model.load_state_dict(weights, strict=True)
+    except RuntimeError as exc:
+        raise UserError(f"The weights in {source} do not fit workload "
+                        f"{workload or config.get('workload')!r}: {exc}") from None
+    built.model.eval()
+    return LoadedModel(built, config, step, source)
+
+
+class Runner:
+    """Calls the model on a device, in a precision, under ``torch.inference_mode``.
+
+    ``compile`` uses ``torch.compile``; on CUDA with ``cuda_graphs`` it compiles with
+    ``mode="reduce-overhead"``, which captures a CUDA graph per input shape, so the fixed
+    batch buckets replay as graphs. On a CPU there are no CUDA graphs and the model runs
+    without them (``describe()`` says so).
+    """
+
+    def __init__(self, model: nn.Module, device: str = "auto", precision: str = "fp32",
+                 compile: bool = False, cuda_graphs: bool = False) -> None:
+        self.device = resolve_device(device)
+        self.policy: PrecisionPolicy = make_policy(precision, self.device)
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self.notes: list[str] = []
+        if cuda_graphs and not self.cuda_graphs:
+            self.notes.append("CUDA graphs need a CUDA device; running without them")
+        if self.device.type == "cpu" and precision == "fp16":
+            self.notes.append("fp16 autocast on a CPU without native fp16 is slower than fp32")
+        model = model.to(self.device)
+        self.compiled = compile or self.cuda_graphs
+        if self.compiled:
+            mode = "reduce-overhead" if self.cuda_graphs else None
+            model = torch.compile(model, mode=mode, dynamic=False)  # type: ignore[assignment]
+        self.model = model
+
+    @property
+    def static_shapes(self) -> bool:
+        """Compiled models and graphs want few distinct shapes: pad batches to buckets."""
+        return self.compiled
+
+    def describe(self) -> str:
+        """What actually runs, e.g. ``cpu, bf16 autocast over fp32 weights, compiled``."""
+        dtype = self.policy.autocast_dtype
+        text = f"{self.device}, " + ("fp32" if dtype is None
+                                      else f"{self.policy.name} autocast over fp32 weights")
+        if self.compiled:
+            text += ", compiled" + (" with CUDA graphs" if self.cuda_graphs else "")
+        return "; ".join([text, *self.notes])
+
+    @contextlib.contextmanager
+    def context(self) -> Iterator[None]:
+        with torch.inference_mode(), self.policy.autocast():
+            yield
+
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+        moved = [t.to(self.device, non_blocking=True) for t in inputs]
+        with self.context():
+            return self.model(*moved).float()

@@ -1,0 +1,141 @@
+"""Offline batch prediction over files and folders, resumable, with the loader in workers.
+
+Each input file becomes one JSON line ``{"input": PATH, "predictions": [...]}`` (or
+``"error"`` for a file the model cannot take). Lines are appended only after their batch
+has run, so an interrupted run resumes by skipping the inputs already in the output file.
+Files are read and decoded in DataLoader worker processes; the model runs in this process,
+on batches of files that share a batching key (e.g. the same padded length).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from torch.utils.data import DataLoader, Dataset
+
+from gpuflow.errors import UserError
+from gpuflow.serve.codecs import Codec, Decoded, InputError, PredictRequest
+from gpuflow.serve.engine import Engine
+
+
+def collect_inputs(inputs: Iterable[str], suffixes: tuple[str, ...]) -> list[Path]:
+    """Files as given, and the files under folders whose suffix the model can read."""
+    found: list[Path] = []
+    for item in inputs:
+        path = Path(item)
+        if path.is_dir():
+            found += sorted(p for p in path.rglob("*")
+                            if p.is_file() and p.suffix.lower() in suffixes)
+        elif path.is_file():
+            found.append(path)
+        else:
+            raise UserError(f"Input {item} does not exist.")
+    return list(dict.fromkeys(found))
+
+
+def finished_inputs(out: Path) -> set[str]:
+    """Inputs already in ``out``; a torn last line (killed mid-write) is cut off."""
+    if not out.is_file():
+        return set()
+    data = out.read_bytes()
+    complete = data[: data.rfind(b"\n") + 1]
+    if len(complete) != len(data):
+        with out.open("r+b") as handle:
+            handle.truncate(len(complete))
+    done = set()
+    for line in complete.splitlines():
+        try:
+            done.add(json.loads(line)["input"])
+        except (ValueError, KeyError, TypeError):
+            raise UserError(f"{out} has a line that is not a prediction: {line[:80]!r}. "
+                            "Give another --out file.") from None
+    return done
+
+
+class _Files(Dataset):
+    """Decodes one file per item in a loader worker: ``(path, Decoded | error message)``."""
+
+    def __init__(self, paths: list[Path], codec: Codec, defaults: dict[str, Any]) -> None:
+        self.paths, self.codec, self.defaults = paths, codec, defaults
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> tuple[str, Decoded | str]:
+        path = self.paths[index]
+        try:
+            return str(path), self.codec.decode_file(path, self.defaults)
+        except InputError as exc:
+            return str(path), str(exc)
+
+
+def _as_is(item: Any) -> Any:
+    return item
+
+
+@dataclass(frozen=True)
+class PredictStats:
+    files: int
+    skipped: int
+    failed: int
+    rows: int
+    seconds: float
+
+
+def predict_files(engine: Engine, paths: list[Path], out: Path, *, num_workers: int = 2,
+                  defaults: dict[str, Any] | None = None,
+                  progress: bool = True) -> PredictStats:
+    """Predict every path not yet in ``out`` and append one line per file."""
+    defaults = defaults or {}
+    request = PredictRequest(**defaults)
+    done = finished_inputs(out)
+    todo = [p for p in paths if str(p) not in done]
+    loader = DataLoader(_Files(todo, engine.codec, defaults), batch_size=None,
+                        num_workers=num_workers, collate_fn=_as_is)
+    groups: dict[Hashable, list[tuple[str, Decoded]]] = {}
+    failed = rows = 0
+    start = time.perf_counter()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    bar = Progress(TextColumn("predict"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("{task.fields[rate]}"), TimeRemainingColumn(),
+                   disable=not progress)
+    with out.open("a", encoding="utf-8") as sink, bar:
+        task = bar.add_task("predict", total=len(todo), rate="")
+        written = [0]
+
+        def write(lines: list[dict[str, Any]]) -> None:
+            sink.write("".join(json.dumps(line) + "\n" for line in lines))
+            sink.flush()
+            written[0] += len(lines)
+            rate = written[0] / max(time.perf_counter() - start, 1e-9)
+            bar.update(task, completed=written[0], rate=f"{rate:.1f} files/s")
+
+        def flush(key: Hashable) -> None:
+            nonlocal rows
+            files = groups.pop(key)
+            batch = [row for _, decoded in files for row in decoded.rows]
+            outputs = iter(engine.run(key, batch))
+            rows += len(batch)
+            write([{"input": path, "predictions": [engine.codec.format(next(outputs), request)
+                                                   for _ in decoded.rows]}
+                   for path, decoded in files])
+
+        for path, decoded in loader:
+            if isinstance(decoded, str):
+                failed += 1
+                write([{"input": path, "error": decoded}])
+                continue
+            group = groups.setdefault(decoded.key, [])
+            group.append((path, decoded))
+            if sum(len(d.rows) for _, d in group) >= engine.options.max_batch_size:
+                flush(decoded.key)
+        for key in list(groups):
+            flush(key)
+    return PredictStats(len(todo), len(paths) - len(todo), failed, rows,
+                        time.perf_counter() - start)

@@ -1,0 +1,422 @@
+"""The HTTP server: real uvicorn on a free loopback port, driven by httpx in the same loop."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+import wave
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import uvicorn
+from conftest import ROOT, run_cli
+from fastapi import FastAPI
+from PIL import Image
+from safetensors.torch import load_file
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from gpuflow.cli import main
+from gpuflow.models.gpt import GPT, GPTConfig
+from gpuflow.models.speech import SpeechClassifier
+from gpuflow.serve.app import ServeSettings, create_app
+from gpuflow.serve.codecs import PredictRequest, SpeechCodec, TextCodec
+from gpuflow.serve.engine import Engine, EngineOptions
+from gpuflow.serve.model import LoadedModel, Runner
+from gpuflow.workload import Workload
+from gpuflow.workloads import digits
+
+
+@asynccontextmanager
+async def serving(app: FastAPI, ready: bool = True) -> AsyncIterator[httpx.AsyncClient]:
+    """Serve ``app`` with uvicorn on a socket bound before the server starts (so no polling
+    for the port), in this event loop; optionally wait until the model is warmed up."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}",
+                                     timeout=30) as client:
+            if ready:
+                await asyncio.wait_for(app.state.serve.ready.wait(), 60)
+            yield client
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
+
+
+async def eventually(condition: Callable[[], bool], timeout: float = 10) -> None:
+    """Wait for a state the server reaches on its own (e.g. a queue depth)."""
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.005)
+
+
+def metric(text: str, name: str) -> float:
+    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    assert found, f"{name} not in /metrics"
+    return float(found.group(1))
+
+
+class Probe(nn.Module):
+    """A 4-feature classifier that records the rows it sees, can hold a batch at a gate,
+    and raises on a batch holding a row whose first feature is -1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+        self.seen: list[float] = []
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen += x[:, 0].tolist()
+        self.entered.set()
+        assert self.gate.wait(30)
+        if bool((x[:, 0] == -1).any()):
+            raise RuntimeError("poisoned row")
+        return self.linear(x)
+
+
+def probe_engine(probe: Probe, options: EngineOptions) -> Engine:
+    data = TensorDataset(torch.zeros(2, 4), torch.zeros(2, dtype=torch.int64))
+    return Engine(LoadedModel(Workload("probe", probe.eval(), data), {}, 0, Path("probe")),
+                  options)
+
+
+def probe_app(probe: Probe, **settings: Any) -> FastAPI:
+    serve = ServeSettings(**{"source": "probe", "device": "cpu", "max_batch_size": 8,
+                             **settings})
+    return create_app(serve, load=lambda: probe_engine(probe, serve.engine_options()))
+
+
+def rows(*first: float) -> dict[str, Any]:
+    return {"inputs": [[value, 0.0, 0.0, 0.0] for value in first]}
+
+
+def run(scenario: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(scenario())
+
+
+@pytest.fixture(scope="session")
+def digits_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A digits model trained by the CLI, as a user would."""
+    run_dir = tmp_path_factory.mktemp("serve") / "digits"
+    done = run_cli("train", "--workload", "digits", "--max-steps", "12", "--eval-every", "0",
+                   "--log-every", "4", "--no-progress", "--run-dir", str(run_dir))
+    assert done.returncode == 0, done.stderr
+    return run_dir
+
+
+def test_served_predictions_match_the_trained_model_run_directly(digits_run: Path) -> None:
+    workload = digits.build()
+    [checkpoint] = (digits_run / "checkpoints").iterdir()
+    workload.model.load_state_dict(load_file(checkpoint / "model.safetensors"))
+    images = torch.stack([workload.val_dataset[i][0] for i in range(6)])
+    with torch.inference_mode():
+        expected = torch.softmax(workload.model.eval()(images), dim=-1)
+    raw_pixels, _ = digits.load_digits_tensors()
+    pixels = (raw_pixels[0, 0] * 255).round()
+    png = io.BytesIO()
+    Image.fromarray(pixels.numpy().astype(np.uint8)).save(png, format="PNG")
+
+    async def scenario() -> None:
+        app = create_app(ServeSettings(str(digits_run), device="cpu", max_batch_size=8))
+        async with serving(app) as client:
+            reply = (await client.post("/v1/predict",
+                                       json={"inputs": images.tolist(), "top_k": 10})).json()
+            by_pixels = (await client.post("/v1/predict",
+                                           json={"pixels": pixels.tolist()})).json()
+            by_png = (await client.post("/v1/predict", json={
+                "image": base64.b64encode(png.getvalue()).decode()})).json()
+            ready = (await client.get("/readyz")).json()
+        assert ready["ready"] and ready["workload"] == "digits" and ready["runs_on"] == "cpu, fp32"
+        assert reply["model"] == {"workload": "digits", "step": 12}
+        assert reply["queue_ms"] >= 0 and reply["compute_ms"] > 0
+        for prediction, probs in zip(reply["predictions"], expected, strict=True):
+            assert prediction["index"] == int(probs.argmax())
+            served = torch.zeros(10)
+            for entry in prediction["top"]:
+                served[entry["index"]] = entry["probability"]
+            torch.testing.assert_close(served, probs, atol=1e-5, rtol=1e-4)
+        assert by_png["predictions"][0]["index"] == by_pixels["predictions"][0]["index"]
+        assert by_png["predictions"][0]["probability"] == pytest.approx(
+            by_pixels["predictions"][0]["probability"], abs=1e-5)
+
+    run(scenario)
+
+
+def test_concurrent_requests_are_batched_and_measured() -> None:
+    async def scenario() -> None:
+        app = probe_app(Probe(), max_wait_ms=10_000)
+        async with serving(app) as client:
+            replies = await asyncio.gather(*(client.post("/v1/predict", json=rows(i))
+                                             for i in range(8)))
+            text = (await client.get("/metrics")).text
+        assert [r.status_code for r in replies] == [200] * 8
+        assert {r.json()["batch_rows"] for r in replies} == {8}
+        assert metric(text, "gpuflow_batch_size_count") == 1
+        assert metric(text, "gpuflow_batch_size_sum") == 8
+        assert metric(text, 'gpuflow_requests_total{status="200"}') == 8
+        assert metric(text, "gpuflow_request_latency_seconds_count") == 8
+        assert metric(text, "gpuflow_queue_time_seconds_count") == 8
+        assert metric(text, "gpuflow_compute_time_seconds_count") == 8
+        assert metric(text, "gpuflow_queue_depth") == 0
+        assert metric(text, "gpuflow_in_flight_requests") == 0
+
+    run(scenario)
+
+
+def test_a_full_queue_answers_503_with_retry_after() -> None:
+    probe = Probe()
+
+    async def scenario() -> None:
+        app = probe_app(probe, max_queue=1, max_wait_ms=0)
+        async with serving(app) as client:
+            probe.entered.clear()
+            probe.gate.clear()
+            running = asyncio.create_task(client.post("/v1/predict", json=rows(1)))
+            assert await asyncio.to_thread(probe.entered.wait, 10)
+            queued = asyncio.create_task(client.post("/v1/predict", json=rows(2)))
+            await eventually(lambda: app.state.serve.batcher.depth == 1)
+            refused = await client.post("/v1/predict", json=rows(3))
+            probe.gate.set()
+            assert (await running).status_code == 200 and (await queued).status_code == 200
+        assert refused.status_code == 503
+        assert refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "queue_full"
+        assert "queue is full" in refused.json()["error"]["message"]
+        assert 3.0 not in probe.seen
+
+    run(scenario)
+
+
+def test_a_deadline_passing_in_the_queue_gives_504_and_the_model_never_sees_it() -> None:
+    probe = Probe()
+
+    async def scenario() -> None:
+        app = probe_app(probe, max_wait_ms=0)
+        async with serving(app) as client:
+            probe.seen.clear()
+            probe.entered.clear()
+            probe.gate.clear()
+            running = asyncio.create_task(client.post("/v1/predict", json=rows(1)))
+            assert await asyncio.to_thread(probe.entered.wait, 10)
+            late = await client.post("/v1/predict", json={**rows(7), "timeout_ms": 50})
+            # The first batch still holds the model: the deadline fired while waiting.
+            assert late.status_code == 504 and not probe.gate.is_set()
+            assert app.state.serve.batcher.depth == 0
+            probe.gate.set()
+            assert (await running).status_code == 200
+            after = await client.post("/v1/predict", json=rows(2))
+            text = (await client.get("/metrics")).text
+        assert late.json()["error"]["code"] == "deadline_exceeded"
+        assert after.status_code == 200
+        assert probe.seen == [1.0, 2.0]
+        assert metric(text, 'gpuflow_requests_total{status="504"}') == 1
+
+    run(scenario)
+
+
+def test_a_client_that_disconnects_leaves_the_queue() -> None:
+    probe = Probe()
+
+    async def scenario() -> None:
+        app = probe_app(probe, max_wait_ms=0)
+        async with serving(app) as client:
+            probe.seen.clear()
+            probe.entered.clear()
+            probe.gate.clear()
+            running = asyncio.create_task(client.post("/v1/predict", json=rows(1)))
+            assert await asyncio.to_thread(probe.entered.wait, 10)
+            leaving = asyncio.create_task(client.post("/v1/predict", json=rows(5)))
+            await eventually(lambda: app.state.serve.batcher.depth == 1)
+            leaving.cancel()  # closes its connection
+            await eventually(lambda: app.state.serve.batcher.depth == 0)
+            probe.gate.set()
+            assert (await running).status_code == 200
+            text = (await client.get("/metrics")).text
+        assert probe.seen == [1.0]
+        assert metric(text, 'gpuflow_requests_total{status="499"}') == 1
+
+    run(scenario)
+
+
+def test_a_failing_batch_fails_only_its_requests_and_serving_goes_on() -> None:
+    probe = Probe()
+
+    async def scenario() -> None:
+        app = probe_app(probe, max_wait_ms=0)
+        async with serving(app) as client:
+            probe.entered.clear()
+            probe.gate.clear()
+            healthy = asyncio.create_task(client.post("/v1/predict", json=rows(1)))
+            assert await asyncio.to_thread(probe.entered.wait, 10)
+            # Queued together behind the held batch, so they form the next batch.
+            poisoned = [asyncio.create_task(client.post("/v1/predict", json=rows(value)))
+                        for value in (-1, 4)]
+            await eventually(lambda: app.state.serve.batcher.depth == 2)
+            probe.gate.set()
+            first = await healthy
+            failed = await asyncio.gather(*poisoned)
+            after = await client.post("/v1/predict", json=rows(2))
+        assert first.status_code == 200 and after.status_code == 200
+        assert [r.status_code for r in failed] == [500, 500]
+        body = failed[0].json()["error"]
+        assert body["code"] == "batch_failed" and "poisoned row" in body["message"]
+
+    run(scenario)
+
+
+def test_token_and_body_limit() -> None:
+    async def scenario() -> None:
+        app = probe_app(Probe(), token="s3cret", max_body_bytes=200)
+        async with serving(app) as client:
+            missing = await client.post("/v1/predict", json=rows(1))
+            wrong = await client.get("/healthz", headers={"Authorization": "Bearer nope"})
+            auth = {"Authorization": "Bearer s3cret"}
+            good = await client.post("/v1/predict", json=rows(1), headers=auth)
+            big = await client.post("/v1/predict", json=rows(*range(40)), headers=auth)
+
+            async def chunks() -> AsyncIterator[bytes]:
+                for _ in range(10):
+                    yield b" " * 50
+
+            chunked = await client.post("/v1/predict", content=chunks(),
+                                        headers={**auth, "Content-Type": "application/json"})
+            bad = await client.post("/v1/predict", json={"inputs": [[1, 2]]}, headers=auth)
+        assert missing.status_code == 401 and wrong.status_code == 401
+        assert missing.json()["error"]["code"] == "unauthorized"
+        assert good.status_code == 200
+        assert big.status_code == 413 and chunked.status_code == 413
+        assert big.json()["error"]["code"] == "body_too_large"
+        assert bad.status_code == 422 and "[N, 4]" in bad.json()["error"]["message"]
+
+    run(scenario)
+
+
+def test_readyz_turns_200_only_after_loading_and_warm_up() -> None:
+    probe = Probe()
+    loading = threading.Event()
+
+    def load() -> Engine:
+        assert loading.wait(30)
+        return probe_engine(probe, EngineOptions(device="cpu", max_batch_size=4))
+
+    async def scenario() -> None:
+        app = create_app(ServeSettings("probe", max_batch_size=4), load=load)
+        async with serving(app, ready=False) as client:
+            alive = await client.get("/healthz")
+            before = await client.get("/readyz")
+            early = await client.post("/v1/predict", json=rows(1))
+            probe.seen.clear()
+            loading.set()
+            await asyncio.wait_for(app.state.serve.ready.wait(), 30)
+            after = await client.get("/readyz")
+            docs = await client.get("/openapi.json")
+        assert alive.status_code == 200
+        assert before.status_code == 503 and before.json()["state"] == "loading"
+        assert early.status_code == 503 and early.json()["error"]["code"] == "not_ready"
+        assert after.status_code == 200 and after.json()["warmup_s"] >= 0
+        # One row to count the classes, then a batch per bucket (1, 2, 4), all before ready.
+        assert len(probe.seen) == 1 + 1 + 2 + 4
+        assert "/v1/predict" in docs.json()["paths"]
+
+    run(scenario)
+
+
+def test_half_precision_and_cuda_graphs_fall_back_clearly_on_a_cpu() -> None:
+    model = digits.build().model.eval()
+    x = torch.randn(4, 1, 8, 8)
+    bf16 = Runner(model, device="cpu", precision="bf16", cuda_graphs=True)
+    assert bf16.describe() == ("cpu, bf16 autocast over fp32 weights; "
+                               "CUDA graphs need a CUDA device; running without them")
+    assert not bf16.static_shapes
+    with torch.inference_mode():
+        reference = model(x)
+    out = bf16(x)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, reference, atol=0.1, rtol=0.05)
+    assert "slower than fp32" in Runner(model, device="cpu", precision="fp16").describe()
+
+
+def test_text_generation_batches_prompts_of_different_lengths_exactly() -> None:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, seq_len=64, layers=2, dim=32, heads=2)).eval()
+    codec, runner = TextCodec(seq_len=64), Runner(model, device="cpu")
+    requests = [PredictRequest(text="def f(x):", max_new_tokens=6),
+                PredictRequest(text="a much longer prompt than the first one", max_new_tokens=3)]
+    decoded = [codec.decode(r) for r in requests]
+    assert decoded[0].key == ("text", 16) and decoded[1].key == ("text", 64)
+    alone = [codec.run(runner, d.key, d.rows)[0] for d in decoded]
+    together = codec.run(runner, ("text", 64), [d.rows[0] for d in decoded])
+    for (tokens, probs), (tokens2, probs2) in zip(alone, together, strict=True):
+        assert tokens == tokens2
+        torch.testing.assert_close(probs, probs2, atol=1e-5, rtol=1e-4)
+    prompt = list(b"def f(x):")
+    with torch.inference_mode():
+        for _ in range(6):
+            prompt.append(int(model(torch.tensor([prompt]))[0, -1].argmax()))
+    assert alone[0][0] == prompt[-6:]
+    reply = codec.format(alone[0], requests[0])
+    assert reply["completion"] == bytes(prompt[-6:]).decode("utf-8", errors="replace")
+    assert len(reply["top"]) == 5
+
+
+def test_speech_takes_base64_wav_and_masks_padding() -> None:
+    torch.manual_seed(0)
+    model = SpeechClassifier(num_classes=10, dim=32, depth=1, heads=2).eval()
+    codec, runner = SpeechCodec(10, sample_rate=8000), Runner(model, device="cpu")
+    clip = (np.sin(np.arange(3000) / 7) * 12000).astype("<i2")
+    wav = io.BytesIO()
+    with wave.open(wav, "wb") as writer:
+        writer.setnchannels(1)
+        writer.setsampwidth(2)
+        writer.setframerate(8000)
+        writer.writeframes(clip.tobytes())
+    decoded = codec.decode(PredictRequest(audio=base64.b64encode(wav.getvalue()).decode()))
+    assert decoded.key == ("audio", 4096)
+    torch.testing.assert_close(decoded.rows[0], torch.from_numpy(clip / 32768.0).float())
+    with torch.inference_mode():
+        direct = torch.softmax(model(decoded.rows[0][None], torch.tensor([3000])), dim=-1)[0]
+    served = codec.run(runner, decoded.key, decoded.rows)[0]
+    torch.testing.assert_close(served, direct, atol=1e-4, rtol=1e-3)
+
+
+def test_serve_refuses_a_public_address_without_a_token(
+        digits_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", str(digits_run), "--host", "0.0.0.0"]) == 2
+    assert "--token" in capsys.readouterr().err
+    assert main(["serve", str(digits_run / "nothing")]) == 2
+    assert "neither a gpuflow run dir" in capsys.readouterr().err
+
+
+def test_serving_benchmark_quick(tmp_path: Path) -> None:
+    out = tmp_path / "serving.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serving.py"), "--quick",
+                           "--out", str(out)], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    dynamic, single = result["runs"]["dynamic"], result["runs"]["max_batch_size_1"]
+    for figures in (dynamic, single):
+        assert figures["requests"] > 0 and figures["errors"] == 0
+        assert figures["p50_ms"] <= figures["p99_ms"]
+    assert single["mean_batch_rows"] == 1
+    assert result["machine"]["usable_cores"] >= 1 and result["versions"]["torch"]
