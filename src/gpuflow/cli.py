@@ -63,10 +63,18 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
     add("--no-progress", dest="progress", action="store_false", default=argparse.SUPPRESS,
         help="no live progress output")
     dist = parser.add_argument_group("distributed (torch.distributed, elastic launcher)")
-    dist.add_argument("--strategy", choices=["single", "ddp", "fsdp", "tp"],
+    dist.add_argument("--strategy", choices=["single", "ddp", "fsdp", "tp", "pp"],
                       help="default: single for one process, ddp for several")
     dist.add_argument("--tp", type=int,
                       help="tensor-parallel degree (tp: all processes; fsdp: FSDP x TP mesh)")
+    dist.add_argument("--pp", type=int,
+                      help="pipeline stages (pp: all processes; fsdp: FSDP x PP mesh)")
+    dist.add_argument("--dp", type=int,
+                      help="data-parallel degree, checked: dp x tp x pp = processes")
+    dist.add_argument("--pp-schedule", choices=["gpipe", "1f1b", "interleaved-1f1b"],
+                      help="pipeline schedule (default 1f1b; interleaved: 2 stages per rank)")
+    dist.add_argument("--microbatches", type=int,
+                      help="pipeline micro-batches per --batch-size batch (default 2 x pp)")
     dist.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction,
                       help="fsdp: free gathered params after forward (ZeRO-3-like, default) "
                            "or keep them for backward (ZeRO-2-like)")

@@ -13,7 +13,8 @@ from gpuflow.errors import UserError
 Precision = Literal["fp32", "tf32", "bf16", "fp16"]
 OptimizerName = Literal["adamw", "sgd"]
 Schedule = Literal["cosine", "constant"]
-Strategy = Literal["single", "ddp", "fsdp", "tp"]
+Strategy = Literal["single", "ddp", "fsdp", "tp", "pp"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
 DataSource = Literal["real", "synthetic"]
 
 
@@ -53,6 +54,10 @@ class TrainConfig:
     strategy: Strategy | None = None
     reshard_after_forward: bool = True
     tp: int = 1
+    pp: int = 1
+    dp: int | None = None
+    pp_schedule: PipelineSchedule = "1f1b"
+    microbatches: int | None = None
     nproc: int = 1
     nnodes: int = 1
     node_rank: int = 0
@@ -66,10 +71,11 @@ class TrainConfig:
         _check_choice("optimizer", self.optimizer, OptimizerName)
         _check_choice("schedule", self.schedule, Schedule)
         _check_choice("data", self.data, DataSource)
+        _check_choice("pp_schedule", self.pp_schedule, PipelineSchedule)
         if self.strategy is not None:
             _check_choice("strategy", self.strategy, Strategy)
         for name in ("batch_size", "grad_accum", "log_every", "keep_checkpoints",
-                     "max_nonfinite_steps", "nproc", "nnodes", "tp"):
+                     "max_nonfinite_steps", "nproc", "nnodes", "tp", "pp"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{_flag(name)} must be at least 1 (got {getattr(self, name)}).")
         for name in ("eval_every", "checkpoint_every", "num_workers", "warmup_steps",
@@ -86,25 +92,47 @@ class TrainConfig:
             raise UserError("Give either --max-steps or --epochs, not both.")
         if self.clip_grad is not None and self.clip_grad <= 0:
             raise UserError(f"--clip-grad must be positive (got {self.clip_grad}).")
+        for name in ("dp", "microbatches"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise UserError(f"--{_flag(name)} must be at least 1 (got {value}).")
 
-    def mesh_shape(self, world_size: int) -> tuple[int, int]:
-        """(data-parallel, tensor-parallel) degrees; their product is the world size."""
+    def mesh_shape(self, world_size: int) -> tuple[int, int, int]:
+        """(data-parallel, tensor-parallel, pipeline-parallel) degrees; their product is the
+        world size. ``tp`` and ``pp`` alone take every process unless given."""
         strategy = self.resolved_strategy(world_size)
         tp = world_size if strategy == "tp" and self.tp == 1 else self.tp
-        if world_size % tp:
-            raise UserError(f"--tp {tp} does not divide the {world_size} processes of this job.")
-        dp = world_size // tp
-        if strategy == "tp" and dp != 1:
+        pp = world_size if strategy == "pp" and self.pp == 1 else self.pp
+        if tp > 1 and pp > 1:
             raise UserError(
-                f"--strategy tp with --tp {tp} on {world_size} processes leaves {dp} "
-                "data-parallel replicas: use --strategy fsdp --tp N for FSDP x TP."
+                f"--tp {tp} with --pp {pp}: tensor parallelism inside pipeline stages is not "
+                "supported; compose pipeline parallelism with fsdp (--strategy fsdp --pp N)."
             )
-        if tp > 1 and strategy in ("ddp", "single"):
+        if world_size % (tp * pp):
             raise UserError(
-                f"--tp {tp} with --strategy {strategy}: tensor parallelism composes with fsdp "
-                "(--strategy fsdp --tp N) or runs alone (--strategy tp)."
+                f"--tp {tp} x --pp {pp} does not divide the {world_size} processes of this job."
             )
-        return dp, tp
+        dp = world_size // (tp * pp)
+        if self.dp is not None and self.dp != dp:
+            raise UserError(
+                f"--dp {self.dp} x --tp {tp} x --pp {pp} must equal the {world_size} processes "
+                f"of this job (dp would be {dp})."
+            )
+        if strategy in ("tp", "pp") and dp != 1:
+            model_parallel = tp if strategy == "tp" else pp
+            raise UserError(
+                f"--strategy {strategy} with --{strategy} {model_parallel} on {world_size} "
+                f"processes leaves {dp} data-parallel replicas: use --strategy fsdp "
+                f"--{strategy} N to shard data across them."
+            )
+        if (tp > 1 or pp > 1) and strategy in ("ddp", "single"):
+            flag = f"--tp {tp}" if tp > 1 else f"--pp {pp}"
+            raise UserError(
+                f"{flag} with --strategy {strategy}: model parallelism composes with fsdp "
+                f"(--strategy fsdp {flag.split()[0]} N) or runs alone (--strategy "
+                f"{'tp' if tp > 1 else 'pp'})."
+            )
+        return dp, tp, pp
 
     def resolved_strategy(self, world_size: int) -> str:
         """Data-parallel by default when there is more than one process."""
@@ -188,6 +216,8 @@ def _check_types(config: TrainConfig) -> None:
             expected = int
         elif f.name in ("strategy", "rdzv_endpoint", "data_dir", "model_size"):
             expected = str
+        elif f.name in ("dp", "microbatches"):
+            expected = int
         elif f.name in ("epochs", "clip_grad"):
             expected = float
         if expected is float and isinstance(value, int) and not isinstance(value, bool):

@@ -82,9 +82,16 @@ def init_distributed(use_cuda: bool, force: bool = False) -> DistContext:
     dist.init_process_group(backend=backend, rank=found.rank, world_size=found.world_size,
                             store=_attempt_store(found.world_size))
     if not use_cuda:
-        cores = os.cpu_count() or 1
-        torch.set_num_threads(max(1, cores // found.local_world_size))
+        torch.set_num_threads(max(1, usable_cores() // found.local_world_size))
     return found
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (a container or `taskset` can allow fewer than exist)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def _attempt_store(world_size: int) -> dist.Store | None:

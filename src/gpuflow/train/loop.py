@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from gpuflow.config import TrainConfig
 from gpuflow.data.loader import (
@@ -41,6 +41,7 @@ from gpuflow.errors import NonFiniteLossError, UserError
 from gpuflow.hardware import device_name, peak_flops, resolve_device
 from gpuflow.parallel.data_parallel import apply_ddp, apply_fsdp, set_gradient_sync
 from gpuflow.parallel.env import init_distributed
+from gpuflow.parallel.pipeline import Pipeline, resize_rows, stages_per_rank
 from gpuflow.parallel.tensor import apply_tensor_parallel
 from gpuflow.precision import make_policy
 from gpuflow.train import checkpoint as ckpt
@@ -132,20 +133,21 @@ class Trainer:
         seed_everything(config.seed)
         device = resolve_device(config.device)
         self.dist = init_distributed(device.type == "cuda",
-                                     force=config.strategy in ("ddp", "fsdp", "tp"))
+                                     force=config.strategy in ("ddp", "fsdp", "tp", "pp"))
         if device.type == "cuda" and self.dist.world_size > 1:
             device = torch.device("cuda", self.dist.local_rank)
         self.device = device
         self.strategy = config.resolved_strategy(self.dist.world_size)
         self.world = self.dist.world_size
-        self.dp, self.tp = config.mesh_shape(self.world)
-        self.dp_rank = self.dist.rank // self.tp
-        self.mesh = (init_device_mesh(self.device.type, (self.dp, self.tp),
-                                      mesh_dim_names=("dp", "tp")) if self.tp > 1 else None)
+        self.dp, self.tp, self.pp = config.mesh_shape(self.world)
+        self.mesh = self._device_mesh()
+        self.dp_rank = self.mesh["dp"].get_local_rank() if self.mesh else self.dist.rank
         self.is_main = self.dist.is_main
         self.policy = make_policy(config.precision, self.device)
-        if self.strategy == "fsdp" and self.policy.loss_scaling:
-            raise UserError("--strategy fsdp supports fp32, tf32 and bf16; use --precision bf16.")
+        if self.policy.loss_scaling and (self.strategy == "fsdp" or self.pp > 1):
+            raise UserError(f"--strategy {self.strategy} supports fp32, tf32 and bf16; "
+                            "use --precision bf16.")
+        self.microbatches = self._pipeline_microbatches()
         self.run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(workload.name)
         self.checkpoint_dir = self.run_dir / "checkpoints"
         self.model = workload.model.to(self.device)
@@ -164,7 +166,8 @@ class Trainer:
         example = move_to_device(workload.get_example_batch(), self.device)
         self.flops_per_step = self._count_step_flops(example) * self.dp
         self.timer = StepTimer(self.device)
-        self.forward_model: nn.Module = self._parallelize()
+        self.pipeline: Pipeline | None = None
+        self.forward_model: nn.Module = self._parallelize(example)
         self.compiled = False
         if config.compile:
             self._compile(example)
@@ -220,11 +223,44 @@ class Trainer:
         per_sample = flops / batch_size_of(example)
         return round(per_sample * self.micro_batch * self.config.grad_accum)
 
-    def _parallelize(self) -> nn.Module:
-        """Apply the plan in PyTorch's order: TP, activation checkpointing, then DDP or FSDP.
+    def _device_mesh(self) -> DeviceMesh | None:
+        """(dp, tp) with tensor parallelism innermost, or (pp, dp) with pipeline stages
+        outermost, as torchtitan lays them out; None for data parallelism alone."""
+        if self.tp > 1:
+            return init_device_mesh(self.device.type, (self.dp, self.tp),
+                                    mesh_dim_names=("dp", "tp"))
+        if self.pp > 1:
+            return init_device_mesh(self.device.type, (self.pp, self.dp),
+                                    mesh_dim_names=("pp", "dp"))
+        return None
 
-        Returns the module the step calls.
-        """
+    def _pipeline_microbatches(self) -> int:
+        if self.pp == 1:
+            return 1
+        config = self.config
+        count = config.microbatches or 2 * self.pp
+        if config.batch_size % count:
+            raise UserError(
+                f"--batch-size {config.batch_size} does not split into --microbatches {count}; "
+                "pick a batch size that is a multiple of it."
+            )
+        if count < self.pp * stages_per_rank(config.pp_schedule) and \
+                config.pp_schedule != "gpipe":
+            raise UserError(
+                f"--pp-schedule {config.pp_schedule} needs at least as many micro-batches as "
+                f"pipeline stages ({self.pp * stages_per_rank(config.pp_schedule)}); "
+                f"got --microbatches {count}."
+            )
+        if config.compile:
+            raise UserError("--compile is not supported with pipeline parallelism yet; "
+                            "drop --compile or use fsdp/tp.")
+        return count
+
+    def _parallelize(self, example: Batch) -> nn.Module:
+        """Apply the plan in PyTorch's order: PP split, TP, activation checkpointing, then
+        DDP or FSDP. Returns the module the step calls."""
+        if self.pp > 1:
+            return self._pipeline(example)
         if self.mesh is not None:
             apply_tensor_parallel(self.workload.blocks(), self.workload.tensor_parallel_plan,
                                   self.mesh["tp"])
@@ -238,6 +274,29 @@ class Trainer:
                        self.config.reshard_after_forward,
                        mesh=self.mesh["dp"] if self.mesh is not None else None)
         return self.model
+
+    def _pipeline(self, example: Batch) -> nn.Module:
+        """Split the model into stages; this rank keeps its own, under FSDP when asked."""
+        assert self.mesh is not None
+        inputs = resize_rows(example[0], self.config.batch_size // self.microbatches)
+        self.pipeline = Pipeline(self.model, self.workload.blocks(), inputs, self.mesh["pp"],
+                                 self.config.pp_schedule, self.microbatches,
+                                 self._policy_loss, self.device)
+        self.model = self.pipeline.parts
+        stages = self.pipeline.stages
+        if self.config.activation_checkpointing:
+            apply_activation_checkpointing(
+                self.model, [block for stage in stages for block in self.pipeline.blocks_of(stage)])
+        if self.strategy == "fsdp":
+            for stage in stages:
+                apply_fsdp(stage.submod, self.pipeline.blocks_of(stage),
+                           self.policy.autocast_dtype, self.config.reshard_after_forward,
+                           mesh=self.mesh["dp"])
+            self.pipeline.grad_shards = (self.dp, self.dp_rank)
+        return self.model
+
+    def _policy_loss(self, outputs: Any, target: torch.Tensor) -> torch.Tensor:
+        return self.workload.loss_fn(outputs, target)
 
     def _compile(self, example: Batch) -> None:
         compiled = torch.compile(self.forward_model)
@@ -266,14 +325,17 @@ class Trainer:
             )
         checkpoint, model_state, state = found
         try:
-            set_model_state_dict(self.model, model_state, options=FULL_STATE)
-        except RuntimeError as exc:
+            if self.pipeline is not None:
+                self.pipeline.load(model_state, self.optimizer, state["optimizer"])
+            else:
+                set_model_state_dict(self.model, model_state, options=FULL_STATE)
+                set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
+                                         options=FULL_STATE)
+        except (RuntimeError, KeyError, ValueError) as exc:
             raise UserError(
-                f"--resume: the weights in {checkpoint.path} do not fit this workload's model "
-                f"({str(exc).splitlines()[0]}). Resume with the workload that wrote them."
+                f"--resume: the state in {checkpoint.path} does not fit this workload's model "
+                f"({str(exc).splitlines()[0]}). Resume with the workload that wrote it."
             ) from None
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
-                                 options=FULL_STATE)
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
@@ -322,22 +384,30 @@ class Trainer:
             inputs, target = next(batches)
             timer.wait_end()
             timer.compute.begin()
-            with self._grad_sync(micro):
+            if self.pipeline is not None:
                 with self.policy.autocast():
-                    loss = self.workload.loss_fn(call_model(self.forward_model, inputs), target)
-                scaled = loss / accum if accum > 1 else loss
-                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+                    loss = self.pipeline.forward_backward(inputs, target, 1 / accum)
+            else:
+                with self._grad_sync(micro):
+                    with self.policy.autocast():
+                        loss = self.workload.loss_fn(call_model(self.forward_model, inputs),
+                                                     target)
+                    scaled = loss / accum if accum > 1 else loss
+                    (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             timer.comm.end_if_begun()
             timer.compute.end()
             losses.append(loss.detach())
         self.batches_consumed += accum
         timer.optimizer.begin()
+        if self.pipeline is not None:
+            self.pipeline.sync_tied_grads()
         loss = losses[0] if accum == 1 else torch.stack(losses).mean()
         if self.world > 1:
-            # Every rank must agree on skipping a non-finite step, and logs the global mean.
+            # Every rank must agree on skipping a non-finite step, and logs the global mean
+            # (under pipelining only last stages hold a loss; the others add zeros).
             loss = loss.clone()
             dist.all_reduce(loss)
-            loss /= self.world
+            loss /= self.world // self.pp
         loss_value = loss.item()
         self._optimizer_step(math.isfinite(loss_value))
         timer.optimizer.end()
@@ -361,7 +431,7 @@ class Trainer:
             if self.scaler is not None:
                 if self.config.clip_grad:
                     self.scaler.unscale_(self.optimizer)
-                    nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad)
+                    self._clip_gradients(self.config.clip_grad)
                 scale = self.scaler.get_scale()
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
@@ -369,7 +439,7 @@ class Trainer:
                 self.skipped_steps += not stepped
             else:
                 if self.config.clip_grad:
-                    nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad)
+                    self._clip_gradients(self.config.clip_grad)
                 self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if stepped:
@@ -379,6 +449,12 @@ class Trainer:
             # The schedule still advances on a skipped step; torch warns about that order.
             warnings.filterwarnings("ignore", "Detected call of `lr_scheduler")
             self.scheduler.step()
+
+    def _clip_gradients(self, max_norm: float) -> None:
+        if self.pipeline is not None:
+            self.pipeline.clip_grad_norm(max_norm)
+        else:
+            nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
     def run_steps(self, count: int) -> None:
         """Run up to ``count`` steps with everything a step entails: logging, evaluation
@@ -426,8 +502,10 @@ class Trainer:
     def _banner(self) -> str:
         config = self.config
         resumed = f", resumed at step {self.step}" if self.step else ""
-        ranks = (f" x {self.world} ranks ({self.strategy}, dp {self.dp} x tp {self.tp})"
-                 if self.world > 1 else "")
+        pipeline = (f" x pp {self.pp} ({config.pp_schedule}, {self.microbatches} "
+                    "micro-batches)" if self.pp > 1 else "")
+        ranks = (f" x {self.world} ranks ({self.strategy}, dp {self.dp} x tp {self.tp}"
+                 f"{pipeline})" if self.world > 1 else "")
         global_batch = self.micro_batch * config.grad_accum * self.dp
         return (
             f"gpuflow: {self.workload.name} on {device_name(self.device)} ({self.device}){ranks}, "
@@ -453,10 +531,10 @@ class Trainer:
             "data_wait_s": window["data_wait_s"],
             "compute_s": window["compute_s"],
             "optimizer_s": window["optimizer_s"],
-            "comm_s": None if self.strategy == "fsdp" else window["comm_s"],
+            "comm_s": window["comm_s"] if self._comm_measured else None,
             "host_s": window["host_s"],
             "data_wait_frac": window["data_wait_frac"],
-            "comm_frac": None if self.strategy == "fsdp" else window["comm_frac"],
+            "comm_frac": window["comm_frac"] if self._comm_measured else None,
             "flops_per_step": self.flops_per_step,
             "achieved_flops": achieved,
             "mfu": achieved / (self.peak.flops * self.world) if self.peak.flops else None,
@@ -469,12 +547,18 @@ class Trainer:
         self.metrics.write(record)
         self.progress.update(self.step, record)
 
+    @property
+    def _comm_measured(self) -> bool:
+        """Exposed communication is timed for DDP (and is nil for one process); FSDP, TP and
+        pipeline collectives run inside forward and backward and are reported as unknown."""
+        return self.strategy in ("single", "ddp")
+
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Loss and the workload's metrics over the validation set, sample-weighted.
 
         Every rank evaluates the whole set (FSDP needs all ranks in each forward), so each
-        holds the same result.
+        holds the same result; under pipelining the last stage computes it and hands it on.
         """
         dataset = self.workload.val_dataset
         if dataset is None:
@@ -486,17 +570,21 @@ class Trainer:
         count = 0
         for batch in loader:
             inputs, target = move_to_device(batch, self.device, non_blocking=True)
+            size = batch_size_of((inputs, target))
             with self.policy.autocast():
-                outputs = call_model(self.model, inputs)
+                outputs = self._eval_outputs(inputs, target)
+                if outputs is None:
+                    continue
                 values = {"loss": self.workload.loss_fn(outputs, target)}
                 values.update({name: fn(outputs, target)
                                for name, fn in self.workload.metrics.items()})
-            size = batch_size_of((inputs, target))
             for name, value in values.items():
                 totals[name] = totals.get(name, 0.0) + float(value) * size
             count += size
         self.model.train()
         result = {f"val_{name}": total / count for name, total in totals.items()}
+        if self.pipeline is not None:
+            result = self.pipeline.broadcast_from_last(result)
         self.metrics.write({"event": "eval", "step": self.step, **result})
         self.progress.message(
             f"eval @ step {self.step}: "
@@ -504,23 +592,49 @@ class Trainer:
         )
         return result
 
-    def trainer_state(self) -> dict[str, Any]:
+    def _eval_outputs(self, inputs: Any, target: torch.Tensor) -> Any:
+        """The model's outputs for one batch; None on pipeline stages that hold none.
+
+        A pipeline runs full batches only: a short last batch is padded and the padding's
+        outputs dropped.
+        """
+        if self.pipeline is None:
+            return call_model(self.model, inputs)
+        size = int(target.shape[0])
+        full = self.config.batch_size
+        outputs = self.pipeline.forward(resize_rows(inputs, full), resize_rows(target, full))
+        return None if outputs is None else outputs[:size]
+
+    def full_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Model and optimizer state by parameter name, unsharded, complete on rank 0
+        (a collective: every rank must call it)."""
+        if self.pipeline is None:
+            return (get_model_state_dict(self.model, options=FULL_STATE),
+                    get_optimizer_state_dict(self.model, self.optimizer, options=FULL_STATE))
+        stage_state = (self.pipeline.model_state(),
+                       self.pipeline.optimizer_state(self.optimizer))
+        gathered: list[Any] | None = [None] * self.world if self.is_main else None
+        dist.gather_object(stage_state if self.dp_rank == 0 else None, gathered, dst=0)
+        if gathered is None:
+            return {}, {}
+        return merge_stage_states([part for part in gathered if part is not None])
+
+    def trainer_state(self, optimizer_state: dict[str, Any]) -> dict[str, Any]:
         return {
             "step": self.step,
             "batches_consumed": self.batches_consumed,
             "skipped_steps": self.skipped_steps,
             "samples_seen": self.samples_seen,
-            "optimizer": get_optimizer_state_dict(self.model, self.optimizer,
-                                                  options=FULL_STATE),
+            "optimizer": optimizer_state,
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "rng": ckpt.capture_rng_state(),
         }
 
     def save_checkpoint(self) -> ckpt.Checkpoint:
-        """Gather the full state on every rank (a collective under FSDP); rank 0 writes."""
-        model_state = get_model_state_dict(self.model, options=FULL_STATE)
-        trainer_state = self.trainer_state()
+        """Gather the full state (a collective under FSDP and pipelining); rank 0 writes."""
+        model_state, optimizer_state = self.full_state()
+        trainer_state = self.trainer_state(optimizer_state)
         path = self.checkpoint_dir / f"{ckpt.PREFIX}{self.step:08d}"
         if self.is_main:
             path = ckpt.save_checkpoint(self.checkpoint_dir, self.step, model_state,
@@ -556,7 +670,7 @@ class Trainer:
             "global_batch": global_batch,
             "strategy": self.strategy,
             "world_size": self.world,
-            "mesh": {"dp": self.dp, "tp": self.tp},
+            "mesh": {"dp": self.dp, "tp": self.tp, "pp": self.pp},
             "versions": {
                 "torch": torch.__version__,
                 "cuda": torch.version.cuda,
@@ -571,6 +685,22 @@ class Trainer:
             tmp.write_text(json.dumps(summary, indent=2))
             tmp.replace(self.run_dir / "summary.json")
         return summary
+
+
+def merge_stage_states(parts: list[tuple[dict[str, torch.Tensor], dict[str, Any]]]
+                       ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """One full model and optimizer state from the per-stage states of a pipeline."""
+    model: dict[str, torch.Tensor] = {}
+    state: dict[str, Any] = {}
+    groups: list[dict[str, Any]] = []
+    for model_part, optimizer_part in parts:
+        model.update(model_part)
+        state.update(optimizer_part["state"])
+        for index, group in enumerate(optimizer_part["param_groups"]):
+            if index == len(groups):
+                groups.append({**group, "params": []})
+            groups[index]["params"].extend(group["params"])
+    return model, {"state": state, "param_groups": groups}
 
 
 def train(workload: Workload, config: TrainConfig | None = None,

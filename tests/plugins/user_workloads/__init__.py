@@ -136,7 +136,7 @@ def _lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def tiny_gpt() -> gpuflow.Workload:
-    """A small GPT on a repeating byte pattern, with the Megatron tensor-parallel plan."""
+    """A small 4-block GPT on random bytes, with the Megatron tensor-parallel plan."""
     from gpuflow.models.gpt import GPT, GPTConfig
     from gpuflow.parallel.tensor import transformer_plan
 
@@ -148,8 +148,9 @@ def tiny_gpt() -> gpuflow.Workload:
     targets = torch.stack([text[s + 1:s + seq + 1] for s in starts])
     return gpuflow.Workload(
         name="tiny-gpt",
-        model=GPT(GPTConfig(vocab_size=64, seq_len=seq, layers=2, dim=32, heads=4)),
+        model=GPT(GPTConfig(vocab_size=64, seq_len=seq, layers=4, dim=32, heads=4)),
         train_dataset=TensorDataset(inputs, targets),
+        val_dataset=TensorDataset(inputs[:20], targets[:20]),
         loss_fn=_lm_loss,
         metrics={},
         tokens_per_sample=seq,

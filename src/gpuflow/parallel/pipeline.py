@@ -1,0 +1,333 @@
+"""Pipeline parallelism with ``torch.distributed.pipelining``.
+
+The model is traced once (``pipeline()``, torch.export underneath) and cut at the beginning
+of evenly spaced repeated blocks, so any workload whose forward exports can be pipelined
+without touching its code. Each rank keeps its stage(s) and a schedule (GPipe, 1F1B or
+interleaved 1F1B with two stages per rank) moves micro-batches between them.
+
+Parameters used by more than one stage (a language model's head tied to its embedding)
+are copied into each stage by the tracer; their gradients are summed across the pipeline
+before the optimizer step, so the copies stay identical, as the tie would keep them.
+Checkpoints use the original parameter names, so a pipelined run saves and loads the same
+full state as any other strategy.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    SplitPoint,
+    pipeline,
+)
+from torch.distributed.tensor import DTensor
+
+from gpuflow.errors import UserError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+# Full tensors on every rank of a stage: a stage's rank 0 of the data-parallel group is not
+# global rank 0, so the rank-0-only gathering of the other strategies would miss it.
+_FULL = StateDictOptions(full_state_dict=True)
+_PART = "parts."
+
+
+def stages_per_rank(schedule: str) -> int:
+    return 2 if schedule == "interleaved-1f1b" else 1
+
+
+class StageParts(nn.Module):
+    """This rank's stage modules under one root, for the optimizer and state dicts."""
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(modules)
+
+
+def _original_name(local: str) -> str:
+    """'parts.1.blocks.3.mlp.fc.weight' -> 'blocks.3.mlp.fc.weight'."""
+    return local[len(_PART):].split(".", 1)[1]
+
+
+def _as_call(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if isinstance(inputs, dict):
+        return (), dict(inputs)
+    if isinstance(inputs, tuple | list):
+        return tuple(inputs), {}
+    return (inputs,), {}
+
+
+class Pipeline:
+    """This rank's share of a pipelined model and the schedule that drives it."""
+
+    def __init__(self, model: nn.Module, blocks: Sequence[nn.Module], example_inputs: Any,
+                 mesh: DeviceMesh, schedule: str, microbatches: int,
+                 loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+                 device: torch.device) -> None:
+        self.size = mesh.size()
+        self.rank = mesh.get_local_rank()
+        self.group = mesh.get_group()
+        self.microbatches = microbatches
+        self._loss_fn = loss_fn
+        self._loss_scale = 1.0
+        self._losses: list[torch.Tensor] = []
+        self.canonical = _canonical_names(model)
+        self.block_names = _block_names(model, blocks)
+        self._tied_shapes = {name: param.shape for name, param in model.named_parameters()}
+
+        total_stages = self.size * stages_per_rank(schedule)
+        split_spec = _split_points(self.block_names, total_stages)
+        args, kwargs = _as_call(example_inputs)
+        try:
+            with warnings.catch_warnings():
+                # torch's own tracing machinery warns about its own deprecated pytree calls.
+                warnings.filterwarnings("ignore", ".*LeafSpec", FutureWarning)
+                pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs or None,
+                                split_spec=split_spec)
+                local = list(range(self.rank, total_stages, self.size))
+                self.stages = [pipe.build_stage(index, device, group=self.group)
+                               for index in local]
+        except UserError:
+            raise
+        except Exception as exc:
+            raise UserError(
+                "Pipeline parallelism traces the model with torch.export, and tracing failed "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0]}). Make the forward "
+                "exportable (no data-dependent Python control flow), or use fsdp/tp."
+            ) from None
+        self.first = 0 in local
+        self.last = total_stages - 1 in local
+        self.parts = StageParts([stage.submod for stage in self.stages])
+        self._tied = self._tied_copies(pipe.replicated_params, local)
+        # (data-parallel size, rank) once FSDP shards the stages: tied gradients are shards.
+        self.grad_shards: tuple[int, int] | None = None
+        schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
+                          "interleaved-1f1b": ScheduleInterleaved1F1B}[schedule]
+        stage_arg: Any = self.stages if schedule == "interleaved-1f1b" else self.stages[0]
+        self.schedule = schedule_class(stage_arg, microbatches, loss_fn=self._scaled_loss,
+                                       scale_grads=False)
+        self._last_rank = (total_stages - 1) % self.size
+
+    def blocks_of(self, stage: Any) -> list[nn.Module]:
+        """The repeated blocks inside one of this rank's stages (for FSDP and checkpointing)."""
+        found = []
+        for name in self.block_names:
+            try:
+                found.append(stage.submod.get_submodule(name))
+            except AttributeError:
+                continue
+        return found
+
+    def _tied_copies(self, replicated: list[dict[str, str]], local: list[int]
+                     ) -> list[tuple[str, list[tuple[nn.Module, str]]]]:
+        """For each parameter the tracer copied into several stages: its name, and where
+        this rank holds copies (none on a middle stage). Looked up by name at each use,
+        since FSDP replaces the parameter objects."""
+        by_index = dict(zip(local, self.stages, strict=True))
+        tied = []
+        for mapping in replicated:
+            name = self.canonical[next(iter(mapping.values()))]
+            copies = [(by_index[_stage_index(submod)].submod, fqn)
+                      for submod, fqn in mapping.items() if _stage_index(submod) in by_index]
+            tied.append((name, copies))
+        return tied
+
+    def _scaled_loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        loss = self._loss_fn(output, target)
+        self._losses.append(loss.detach())
+        return loss * self._loss_scale
+
+    # --- steps --------------------------------------------------------------------------
+
+    def forward_backward(self, inputs: Any, target: torch.Tensor, scale: float
+                         ) -> torch.Tensor:
+        """Run one batch through the schedule; gradients accumulate scaled by ``scale`` /
+        micro-batches. Returns the batch's mean loss on the last stage, 0 elsewhere."""
+        self._loss_scale = scale / self.microbatches
+        self._losses = []
+        args, kwargs = _as_call(inputs) if self.first else ((), {})
+        self.schedule.step(*args, target=target if self.last else None, **kwargs)
+        if not self.last:
+            return torch.zeros((), device=target.device)
+        return torch.stack(self._losses).mean()
+
+    @torch.no_grad()
+    def forward(self, inputs: Any, target: torch.Tensor) -> Any:
+        """Outputs of a whole batch (on the last stage; None elsewhere), no gradients."""
+        args, kwargs = _as_call(inputs) if self.first else ((), {})
+        self._losses = []
+        outputs = self.schedule.eval(*args, target=target if self.last else None, **kwargs)
+        return outputs if self.last else None
+
+    def broadcast_from_last(self, value: Any) -> Any:
+        """Hand an object computed on the last stage to every stage of this pipeline."""
+        box = [value]
+        dist.broadcast_object_list(box, group=self.group, group_src=self._last_rank)
+        return box[0]
+
+    def sync_tied_grads(self) -> None:
+        """Sum the gradients of parameter copies that live in several stages."""
+        for canonical, copies in self._tied:
+            local_params = [module.get_parameter(fqn) for module, fqn in copies]
+            grads = [p.grad for p in local_params if p.grad is not None]
+            if grads:
+                total = torch.stack([_local(g) for g in grads]).sum(0)
+            else:
+                total = torch.zeros(self._grad_shape(canonical), device=self.stages[0].device)
+            dist.all_reduce(total, group=self.group)
+            for param in local_params:
+                if param.grad is None:
+                    continue
+                _local(param.grad).copy_(total)
+
+    def _grad_shape(self, name: str) -> torch.Size:
+        shape = self._tied_shapes[name]
+        if self.grad_shards is None:
+            return shape
+        size, rank = self.grad_shards
+        chunks = torch.empty(shape, device="meta").chunk(size)
+        return chunks[rank].shape if rank < len(chunks) else torch.Size([0, *shape[1:]])
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip by the norm over the whole model: every stage, each tied copy counted once."""
+        unique = [p for name, p in self.parts.named_parameters()
+                  if p.grad is not None and self._is_canonical_copy(name)]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in unique])
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        squared = norm.float() ** 2
+        dist.all_reduce(squared, group=self.group)
+        total = squared.sqrt()
+        torch.nn.utils.clip_grads_with_norm_(list(self.parts.parameters()), max_norm, total)
+        return total
+
+    def _is_canonical_copy(self, local: str) -> bool:
+        name = _original_name(local)
+        return self.canonical.get(name, name) == name
+
+    # --- state --------------------------------------------------------------------------
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """This rank's stage weights under their original names."""
+        state = get_model_state_dict(self.parts, options=_FULL)
+        return {_original_name(name): tensor.cpu() for name, tensor in state.items()}
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """This rank's optimizer state by original parameter name, tied copies once."""
+        state = get_optimizer_state_dict(self.parts, optimizer, options=_FULL)
+        keep = {name for name in state["state"] if self._is_canonical_copy(name)}
+        return {
+            "state": {_original_name(name): _to_cpu(value)
+                      for name, value in state["state"].items() if name in keep},
+            "param_groups": [
+                {**group, "params": [_original_name(n) for n in group["params"] if n in keep]}
+                for group in state["param_groups"]
+            ],
+        }
+
+    def load(self, model_state: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
+             optimizer_state: dict[str, Any] | None) -> None:
+        """Load a full (all-stage) state saved by any strategy into this rank's stages."""
+        local_model = {}
+        for local in get_model_state_dict(self.parts, options=_FULL):
+            name = _original_name(local)
+            source = name if name in model_state else self.canonical.get(name, name)
+            if source not in model_state:
+                raise UserError(f"The checkpoint has no weights for {name!r}.")
+            local_model[local] = model_state[source]
+        set_model_state_dict(self.parts, local_model, options=_FULL)
+        if optimizer_state is None:
+            return
+        current = get_optimizer_state_dict(self.parts, optimizer, options=_FULL)
+        saved_state = optimizer_state["state"]
+        states = {}
+        for local in current["state"] or [n for g in current["param_groups"] for n in g["params"]]:
+            name = self.canonical.get(_original_name(local), _original_name(local))
+            if name in saved_state:
+                states[local] = saved_state[name]
+        groups = [
+            {**saved, "params": group["params"]}
+            for saved, group in zip(optimizer_state["param_groups"], current["param_groups"],
+                                    strict=True)
+        ]
+        set_optimizer_state_dict(self.parts, optimizer, {"state": states, "param_groups": groups},
+                                 options=_FULL)
+
+
+def resize_rows(tree: Any, rows: int) -> Any:
+    """Every tensor in ``tree`` cut or padded (repeating its last row) to ``rows`` rows.
+
+    A traced pipeline runs fixed micro-batch shapes: the trace needs an example of exactly
+    one micro-batch, and a short last evaluation batch is padded up to a full one.
+    """
+    def resize(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.shape[0] >= rows:
+            return tensor[:rows]
+        padding = tensor[-1:].expand(rows - tensor.shape[0], *tensor.shape[1:])
+        return torch.cat([tensor, padding])
+
+    return torch.utils._pytree.tree_map_only(torch.Tensor, resize, tree)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _to_cpu(item) for key, item in value.items()}
+    return value.cpu() if isinstance(value, torch.Tensor) else value
+
+
+def _canonical_names(model: nn.Module) -> dict[str, str]:
+    """Every parameter name -> the name ``named_parameters()`` reports for that tensor."""
+    first: dict[int, str] = {}
+    names = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names[name] = first.setdefault(id(param), name)
+    return names
+
+
+def _block_names(model: nn.Module, blocks: Sequence[nn.Module]) -> list[str]:
+    if not blocks:
+        raise UserError(
+            "Pipeline parallelism splits the workload's repeated blocks, and it has none: "
+            "give the model an nn.ModuleList attribute `blocks`, or set "
+            "Workload(repeated_blocks=...)."
+        )
+    names = {id(module): name for name, module in model.named_modules()}
+    try:
+        return [names[id(block)] for block in blocks]
+    except KeyError:
+        raise UserError("The workload's repeated blocks are not submodules of its model.") from None
+
+
+def _split_points(block_names: list[str], stages: int) -> dict[str, SplitPoint]:
+    """Cut before evenly spaced blocks so each stage holds a near-equal share."""
+    if len(block_names) < stages:
+        raise UserError(
+            f"{stages} pipeline stages need at least {stages} repeated blocks; the model has "
+            f"{len(block_names)}. Lower --pp, or use --pp-schedule 1f1b (one stage per rank)."
+        )
+    count = len(block_names)
+    return {block_names[round(i * count / stages)]: SplitPoint.BEGINNING
+            for i in range(1, stages)}
+
+
+def _stage_index(submod_name: str) -> int:
+    """Stage submodules are named ``submod_pp_<index>`` (``submod_<index>`` in older releases)."""
+    return int(submod_name.rsplit("_", 1)[1])
