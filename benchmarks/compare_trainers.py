@@ -1,0 +1,307 @@
+"""gpuflow against a plain PyTorch loop, Lightning Fabric and Hugging Face Accelerate.
+
+The same model, data, precision, batch size and step count are trained four ways on the CPU:
+``gpuflow.Trainer`` (telemetry and metrics.jsonl on), a hand-written loop, Fabric and
+Accelerate. Timing: the loops take turns in rounds inside one process, in a rotating order,
+so machine drift hits all alike (the loops themselves are ``overhead.py``'s, plus one for
+Accelerate). Memory: each framework trains again in a fresh process of its own, which
+reports its peak resident memory and how much it grew while training, since one shared
+process cannot tell the frameworks' memory apart.
+
+Fabric and Accelerate are measured only when installed; they are never gpuflow
+dependencies: ``pip install lightning accelerate``. A framework that is absent is skipped
+with a line that says so.
+
+Run: ``python benchmarks/compare_trainers.py`` (about 3-5 minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import _common  # noqa: E402
+import overhead  # noqa: E402
+
+FRAMEWORKS = ("plain", "gpuflow", "fabric", "accelerate")
+RATIO_TARGET = 1.01
+MEMORY_STEPS = 50
+
+
+def import_accelerate() -> tuple[Any, str | None, str | None]:
+    """Accelerate's class and version, or None and why it cannot be measured."""
+    try:
+        from accelerate import Accelerator
+    except ImportError as exc:
+        return None, None, f"not importable ({exc})"
+    return Accelerator, _common.package_version("accelerate"), None
+
+
+class AccelerateLoop:
+    """The same loop through Accelerate's prepare() and backward()."""
+
+    name = "accelerate"
+
+    def __init__(self, accelerator_cls: Any, model: nn.Module, dataset: TensorDataset,
+                 batch_size: int, precision: str) -> None:
+        self.module = model.train()
+        self.accelerator = accelerator_cls(
+            cpu=True, mixed_precision="bf16" if precision == "bf16" else "no")
+        loader, sampler = overhead.plain_loader(dataset, batch_size)
+        self.model, self.optimizer, loader = self.accelerator.prepare(
+            model, overhead.adamw_like_gpuflow(model), loader)
+        self.batches = overhead.endless(loader, sampler)
+
+    def run(self, steps: int) -> None:
+        model, optimizer, accelerator = self.model, self.optimizer, self.accelerator
+        for _ in range(steps):
+            x, y = next(self.batches)
+            loss = F.cross_entropy(model(x).float(), y)
+            accelerator.backward(loss)
+            loss.item()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    def close(self) -> None:
+        pass
+
+
+def available() -> tuple[dict[str, Any], dict[str, str | None], dict[str, str]]:
+    """Framework classes that import, their versions, and why the others are skipped."""
+    classes: dict[str, Any] = {}
+    found: dict[str, str | None] = {}
+    skipped: dict[str, str] = {}
+    for name, importer in (("fabric", overhead.import_fabric), ("accelerate", import_accelerate)):
+        cls, version, reason = importer()
+        if cls is None:
+            skipped[name] = f"{reason}; install with: pip install lightning accelerate"
+        else:
+            classes[name], found[name] = cls, version
+    return classes, found, skipped
+
+
+def build_loop(name: str, classes: dict[str, Any], base: nn.Module, dataset: TensorDataset,
+               batch_size: int, precision: str, total_steps: int, run_dir: Path
+               ) -> overhead.Loop:
+    model = copy.deepcopy(base)
+    if name == "plain":
+        return overhead.PlainLoop(model, dataset, batch_size, precision)
+    if name == "gpuflow":
+        return overhead.GpuflowLoop(model, dataset, batch_size, precision, total_steps, run_dir)
+    if name == "fabric":
+        return overhead.FabricLoop(classes["fabric"], model, dataset, batch_size, precision)
+    return AccelerateLoop(classes["accelerate"], model, dataset, batch_size, precision)
+
+
+def case_inputs(model_name: str) -> tuple[overhead.ModelSpec, TensorDataset, nn.Module]:
+    spec = overhead.MODELS[model_name]
+    torch.manual_seed(overhead.SEED)
+    return spec, overhead.make_dataset(spec), spec.build()
+
+
+def resident_bytes() -> int:
+    """Current resident memory of this process (Linux)."""
+    pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def probe_memory(name: str, model_name: str, precision: str) -> dict[str, int]:
+    """In this (fresh) process: train ``name`` for MEMORY_STEPS and report its memory."""
+    from gpuflow.train.telemetry import peak_memory_bytes
+
+    classes, _, _ = available()
+    spec, dataset, base = case_inputs(model_name)
+    with tempfile.TemporaryDirectory(prefix="gpuflow-compare-") as workdir:
+        loop = build_loop(name, classes, base, dataset, spec.batch_size, precision,
+                          MEMORY_STEPS, Path(workdir) / "run")
+        gc.collect()
+        before = resident_bytes()
+        loop.run(MEMORY_STEPS)
+        loop.close()
+        peak, _ = peak_memory_bytes(torch.device("cpu"))
+    return {"peak_rss_bytes": peak, "growth_bytes": max(0, peak - before)}
+
+
+def measure_memory(names: list[str], model_name: str, precision: str, threads: int
+                   ) -> dict[str, dict[str, int]]:
+    out = {}
+    for name in names:
+        command = [sys.executable, __file__, "--probe-memory", name, "--models", model_name,
+                   "--precisions", precision, "--threads", str(threads)]
+        done = subprocess.run(command, capture_output=True, text=True, check=True)
+        out[name] = json.loads(done.stdout.strip().splitlines()[-1])
+    return out
+
+
+def run_case(model_name: str, precision: str, names: list[str], classes: dict[str, Any],
+             rounds: int, warmup_rounds: int, round_seconds: float, workdir: Path
+             ) -> dict[str, Any]:
+    """Interleaved timing rounds of every framework on one model and precision."""
+    spec, dataset, base = case_inputs(model_name)
+    steps = overhead.calibrate(base, dataset, spec.batch_size, precision, round_seconds)
+    total = (warmup_rounds + rounds) * steps
+    loops = [build_loop(name, classes, base, dataset, spec.batch_size, precision, total,
+                        workdir / f"{model_name}-{precision}") for name in names]
+    times: dict[str, list[float]] = {loop.name: [] for loop in loops}
+    gc.collect()
+    gc.freeze()
+    started, foreign = time.perf_counter(), _common.ForeignLoad()
+    for index in range(warmup_rounds + rounds):
+        shift = index % len(loops)
+        for loop in loops[shift:] + loops[:shift]:
+            begin = time.perf_counter()
+            loop.run(steps)
+            if index >= warmup_rounds:
+                times[loop.name].append(time.perf_counter() - begin)
+    wall, foreign_share = time.perf_counter() - started, foreign.share()
+    gc.unfreeze()
+    for loop in loops:
+        loop.close()
+    stats = overhead.summarize(times, steps)
+    step_ms = stats["median_step_ms"]
+    return {
+        "model": model_name, "about": spec.about, "precision": precision,
+        "batch_size": spec.batch_size, "steps_per_round": steps, "rounds": rounds,
+        "warmup_rounds": warmup_rounds, "wall_s": wall, "foreign_cpu_share": foreign_share,
+        "median_step_ms": step_ms,
+        "samples_per_s": {name: spec.batch_size / (ms / 1e3) for name, ms in step_ms.items()},
+        "vs_plain": {name: stats[name] for name in names if name != "plain"},
+        "round_times_s": times,
+    }
+
+
+def verdict(case: dict[str, Any]) -> dict[str, Any]:
+    """gpuflow the fastest framework, within 1% of the plain loop, at no more memory."""
+    step_ms, memory = case["median_step_ms"], case["memory"]
+    ratio = case["vs_plain"]["gpuflow"]["median_ratio"]
+    others = [name for name in step_ms if name not in ("plain", "gpuflow")]
+    fastest = all(step_ms["gpuflow"] <= step_ms[name] for name in others)
+    growth = {name: m["growth_bytes"] for name, m in memory.items()}
+    peak = {name: m["peak_rss_bytes"] for name, m in memory.items()}
+    return {
+        "fastest_framework": fastest, "frameworks_compared": others,
+        "within_1pct_of_plain": ratio <= RATIO_TARGET, "ratio": ratio,
+        "ratio_ci95": case["vs_plain"]["gpuflow"]["median_ratio_ci95"],
+        "no_more_memory_growth": growth["gpuflow"] <= growth["plain"],
+        "no_higher_peak_rss": peak["gpuflow"] <= peak["plain"],
+    }
+
+
+def format_table(cases: list[dict[str, Any]]) -> str:
+    lines = [f"{'case':<18}{'framework':<12}{'step ms':>9}{'samples/s':>11}{'vs plain':>10}"
+             f"{'peak RSS MiB':>14}{'growth MiB':>12}"]
+    lines.append("-" * len(lines[0]))
+    for case in cases:
+        label = f"{case['model']} {case['precision']}"
+        for name, ms in case["median_step_ms"].items():
+            ratio = 1.0 if name == "plain" else case["vs_plain"][name]["median_ratio"]
+            memory = case["memory"][name]
+            lines.append(f"{label:<18}{name:<12}{ms:>9.3f}{case['samples_per_s'][name]:>11,.0f}"
+                         f"{ratio:>10.4f}{memory['peak_rss_bytes'] / 2**20:>14,.1f}"
+                         f"{memory['growth_bytes'] / 2**20:>12,.1f}")
+            label = ""
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=20, help="timed rounds per case")
+    parser.add_argument("--warmup-rounds", type=int, default=2, help="untimed rounds first")
+    parser.add_argument("--round-seconds", type=float, default=0.2,
+                        help="calibration target: seconds per round for each framework")
+    parser.add_argument("--models", default="transformer",
+                        help=f"comma-separated subset of {', '.join(overhead.MODELS)}")
+    parser.add_argument("--precisions", default="fp32,bf16", help="comma-separated: fp32, bf16")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: the cores this process may use)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="result JSON (default: benchmarks/results/compare_trainers-"
+                             "<machine>.json)")
+    parser.add_argument("--probe-memory", choices=FRAMEWORKS, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.models = [m for m in args.models.split(",") if m]
+    args.precisions = [p for p in args.precisions.split(",") if p]
+    bad = [m for m in args.models if m not in overhead.MODELS]
+    bad += [p for p in args.precisions if p not in ("fp32", "bf16")]
+    if bad:
+        parser.error(f"unknown model or precision: {', '.join(bad)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    threads = args.threads or _common.usable_cores()
+    torch.set_num_threads(threads)
+    if args.probe_memory:
+        print(json.dumps(probe_memory(args.probe_memory, args.models[0], args.precisions[0])))
+        return 0
+    classes, found, skipped = available()
+    for name, reason in skipped.items():
+        print(f"skipping {name}: {reason}", file=sys.stderr)
+    names = [name for name in FRAMEWORKS if name in ("plain", "gpuflow") or name in classes]
+    cases = []
+    with tempfile.TemporaryDirectory(prefix="gpuflow-compare-") as workdir:
+        for model_name in args.models:
+            for precision in args.precisions:
+                print(f"running {model_name} {precision} ...", file=sys.stderr, flush=True)
+                case = run_case(model_name, precision, names, classes, args.rounds,
+                                args.warmup_rounds, args.round_seconds, Path(workdir))
+                case["memory"] = measure_memory(names, model_name, precision, threads)
+                case["target"] = verdict(case)
+                cases.append(case)
+    table = format_table(cases)
+    print(table)
+    print("\nstep ms: median over rounds; vs plain: median of per-round ratios; peak RSS: a "
+          f"fresh process per framework after {MEMORY_STEPS} steps; growth: RSS added by "
+          "training in that process")
+    for case in cases:
+        target = case["target"]
+        print(f"{case['model']} {case['precision']}: gpuflow/plain {target['ratio']:.4f} "
+              f"(95% CI {target['ratio_ci95'][0]:.4f}-{target['ratio_ci95'][1]:.4f}); "
+              f"fastest framework: {target['fastest_framework']}; within 1%: "
+              f"{target['within_1pct_of_plain']}; memory growth <= plain: "
+              f"{target['no_more_memory_growth']}; peak RSS <= plain: "
+              f"{target['no_higher_peak_rss']}")
+    shares = [c["foreign_cpu_share"] for c in cases if c["foreign_cpu_share"] is not None]
+    result = {
+        "benchmark": "compare_trainers",
+        "created": _common.timestamp(),
+        "command": _common.command_line(),
+        "machine": _common.machine_info(),
+        "versions": _common.versions(**{f"{name}_version": v for name, v in found.items()}),
+        "settings": {"rounds": args.rounds, "warmup_rounds": args.warmup_rounds,
+                     "round_seconds": args.round_seconds, "memory_steps": MEMORY_STEPS,
+                     "device": "cpu", "seed": overhead.SEED, "lr": overhead.LR,
+                     "optimizer": "adamw", "frameworks": names},
+        "skipped": skipped,
+        "max_foreign_cpu_share": max(shares, default=None),
+        "cases": cases,
+        "table": table.splitlines(),
+    }
+    out = args.out or _common.default_result_path("compare_trainers")
+    _common.write_json(out, result)
+    print(f"\nresult written to {out}")
+    if result["max_foreign_cpu_share"] and result["max_foreign_cpu_share"] > 0.05:
+        print(f"warning: other processes used up to {100 * result['max_foreign_cpu_share']:.0f}%"
+              " of the CPUs meanwhile; these timings are not trustworthy", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,129 @@
+"""Write docs/benchmarks.md from benchmarks/results/*.json, so the figures in the docs are
+always the latest measured ones, each with its command, machine and date.
+
+Every result file holds ``benchmark``, ``created``, ``command``, ``machine`` and
+``versions`` (benchmarks/_common.py); most hold a printed ``table`` too. A result without
+a table gets its headline figures listed instead.
+
+Run: ``python benchmarks/render_docs.py`` (``make bench`` runs it after the benchmarks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+DOC = HERE.parent / "docs" / "benchmarks.md"
+
+ABOUT = {
+    "overhead": "gpuflow's Trainer against a plain PyTorch loop (and Lightning Fabric): "
+                "per-step cost of the engine and its telemetry; bitwise-equal weights.",
+    "scaling": "data-parallel scaling through `gpuflow train`: 1 process vs N (ddp, fsdp).",
+    "compare_trainers": "the same training in gpuflow, a plain loop, Lightning Fabric and "
+                        "Hugging Face Accelerate: step time, throughput, memory.",
+    "gpu_suite": "matmul peak, textlm 124m/1b bf16 compiled training (tokens/s, MFU) and "
+                 "serving on one GPU.",
+    "serving": "dynamic batching against batch size 1 in `gpuflow serve`.",
+}
+
+
+def _machine(result: dict[str, Any]) -> str:
+    machine = result.get("machine", {})
+    parts = [machine.get("gpu") or machine.get("cpu_model") or machine.get("hostname", "?")]
+    if machine.get("usable_cores"):
+        parts.append(f"{machine['usable_cores']} usable cores")
+    if machine.get("torch_threads"):
+        parts.append(f"{machine['torch_threads']} torch threads")
+    return ", ".join(str(p) for p in parts)
+
+
+def _foreign_load(result: dict[str, Any]) -> float | None:
+    """The largest share of the CPUs other processes used while the benchmark ran."""
+    shares = [result.get("max_foreign_cpu_share")]
+    shares += [case.get("foreign_cpu_share") for case in result.get("cases", [])]
+    known = [share for share in shares if share is not None]
+    return max(known) if known else None
+
+
+def _gpu_suite_lines(result: dict[str, Any]) -> list[str]:
+    lines = ["| run | tokens/s | MFU | peak (source) | target |", "|---|---|---|---|---|"]
+    for run in result.get("train", []):
+        if "error" in run:
+            lines.append(f"| textlm {run['model_size']} | failed | | | |")
+            continue
+        mfu = "n/a" if run["mfu"] is None else f"{100 * run['mfu']:.1f}%"
+        target = run.get("target")
+        verdict = "" if target is None else (
+            f">= {100 * target['mfu_min']:.0f}%: {'met' if target['met'] else 'not met'}")
+        lines.append(f"| textlm {run['model_size']} | {run['tokens_per_s']:,.0f} | {mfu} | "
+                     f"{run['peak_flops_source']} | {verdict} |")
+    matmul = result.get("matmul", {})
+    if matmul:
+        lines += ["", f"bf16 matmul probe: {matmul['bf16_tflops']:.2f} TFLOP/s on "
+                      f"{matmul.get('device_name', '?')}."]
+    return lines
+
+
+def _scalars(result: dict[str, Any]) -> list[str]:
+    skip = {"benchmark", "created", "command", "machine", "versions", "settings"}
+    return [f"- `{key}`: {value}" for key, value in result.items()
+            if key not in skip and isinstance(value, int | float | str | bool)]
+
+
+def section(path: Path, result: dict[str, Any]) -> list[str]:
+    name = result.get("benchmark", path.stem)
+    versions = ", ".join(f"{k} {v}" for k, v in result.get("versions", {}).items() if v)
+    lines = [f"## {name} ({path.stem.removeprefix(name + '-')})", ""]
+    if name in ABOUT:
+        lines += [ABOUT[name], ""]
+    lines += [f"- command: `{result.get('command', '?')}`",
+              f"- machine: {_machine(result)}",
+              f"- date: {result.get('created', '?')}",
+              f"- versions: {versions or '?'}"]
+    load = _foreign_load(result)
+    if load is not None:
+        lines.append(f"- other processes' CPU share meanwhile: up to {100 * load:.0f}%"
+                     + (" (timings not trustworthy)" if load > 0.05 else ""))
+    if "all_targets_met" in result:
+        lines.append(f"- all targets met: {'yes' if result['all_targets_met'] else 'no'}")
+    if result.get("dry_run"):
+        lines.append("- dry run (CPU, tiny sizes): checks the script, not the GPU figures")
+    lines.append("")
+    if name == "gpu_suite":
+        lines += _gpu_suite_lines(result)
+    elif result.get("table"):
+        table = result["table"]
+        lines += ["```", *(table if isinstance(table, list) else [str(table)]), "```"]
+    else:
+        lines += _scalars(result)
+    lines += ["", f"Source: `benchmarks/results/{path.name}`.", ""]
+    return lines
+
+
+def render(results_dir: Path = RESULTS) -> str:
+    lines = ["# Benchmarks", "",
+             "The latest result of every benchmark in `benchmarks/`, generated by "
+             "`benchmarks/render_docs.py` from `benchmarks/results/*.json` (`make bench` "
+             "reruns the benchmarks and this page). Timings on a shared machine vary; each "
+             "section says how busy the machine was.", ""]
+    for path in sorted(results_dir.glob("*.json")):
+        lines += section(path, json.loads(path.read_text()))
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=DOC)
+    args = parser.parse_args(argv)
+    args.out.write_text(render(args.results))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
