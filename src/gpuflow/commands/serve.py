@@ -41,6 +41,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="CUDA only: capture CUDA graphs for the fixed buckets (implies --compile)")
     add("--workers", type=int, default=1,
         help="server processes, each with its own copy of the model (default 1)")
+    add("--threads", type=int,
+        help="torch intra-op threads per worker (default: torch's choice, one per core); "
+             "keep workers x threads within the cores")
     add("--token", help=f"bearer token every request must carry (or ${TOKEN_ENV})")
     add("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     parser.set_defaults(handler=run)
@@ -66,8 +69,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         raise UserError(f"--host {args.host} exposes the server beyond this machine: give "
                         f"--token TOKEN (or set {TOKEN_ENV}) so that every request must carry "
                         "'Authorization: Bearer TOKEN'.")
-    for name in ("max_batch_size", "max_queue", "workers", "max_body_bytes"):
-        if getattr(args, name) < 1:
+    for name in ("max_batch_size", "max_queue", "workers", "max_body_bytes", "threads"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1.")
     if args.max_wait_ms < 0 or args.timeout_ms <= 0:
         raise UserError("--max-wait-ms must be 0 or more and --timeout-ms positive.")
@@ -77,7 +80,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms,
         max_queue=args.max_queue, timeout_ms=args.timeout_ms,
         max_body_bytes=args.max_body_bytes, device=args.device, precision=args.precision,
-        compile=args.compile or args.cuda_graphs, cuda_graphs=args.cuda_graphs, token=token)
+        compile=args.compile or args.cuda_graphs, cuda_graphs=args.cuda_graphs, token=token,
+        threads=args.threads)
     os.environ[SETTINGS_ENV] = settings_json(settings)
     print(f"gpuflow serve: http://{args.host}:{args.port} (API docs at /docs); "
           f"{args.workers} worker(s), batches of up to {args.max_batch_size}, "

@@ -21,6 +21,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -56,6 +57,7 @@ class ServeSettings:
     compile: bool = False
     cuda_graphs: bool = False
     token: str | None = None
+    threads: int | None = None
     retry_after_s: int = 1
 
     def engine_options(self) -> EngineOptions:
@@ -164,6 +166,8 @@ def create_app(settings: ServeSettings, load: Callable[[], Engine] | None = None
 
     async def prepare() -> None:
         loop = asyncio.get_running_loop()
+        if settings.threads:
+            torch.set_num_threads(settings.threads)
         try:
             state.engine = await loop.run_in_executor(batcher.executor, load)
             state.warmup_s = await loop.run_in_executor(batcher.executor,
