@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import socket
 import statistics
@@ -193,6 +194,9 @@ def main() -> int:
                                                     "warmup_s", "window_s", "quick")},
         "runs": {name: merge(r) for name, r in rounds.items()},
         "machine": machine_info(),
+        # Other jobs on the machine slow both configurations: the 1-minute load average
+        # at the end says how busy it was (compare with usable_cores).
+        "load_average_1min": os.getloadavg()[0],
         "versions": versions(fastapi=package_version("fastapi"),
                              uvicorn=package_version("uvicorn"),
                              httpx=package_version("httpx")),
