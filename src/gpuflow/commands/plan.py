@@ -1,0 +1,165 @@
+"""`gpuflow plan`: predicted memory and step time of candidate plans, and the one to run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from gpuflow.errors import UserError
+
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+
+
+def register(commands: Any) -> None:
+    parser = commands.add_parser("plan", help="predict memory and step time of parallel plans")
+    add = parser.add_argument
+    add("--workload", default="textlm", help="built-in name or pkg.module:factory "
+        "(built on the meta device where possible: nothing is allocated)")
+    add("--model-size", help="the workload's model size preset or dimensions")
+    add("--data", default="synthetic", choices=["real", "synthetic"],
+        help="data the workload is built with (default synthetic: only shapes matter)")
+    add("--data-dir", help="the workload's data folder")
+    add("--transformer", help="plan a transformer by dimensions instead of a workload: "
+        "llama3-8b, or layers=L,dim=D,heads=H,vocab=V,seq=T[,kv_heads,ffn,gated,tied,bias]")
+    add("--gpus", type=int, default=8, help="GPUs per node (default 8)")
+    add("--nodes", type=int, default=1, help="nodes (default 1)")
+    add("--gpu-type", default="h100", help="h100, h200, a100-80g, ... (default h100)")
+    add("--gpu-mem-gib", type=float, help="memory per GPU, GiB (default: the datasheet's)")
+    add("--intra-bw", type=float, help="bandwidth inside a node, GB/s per GPU per direction")
+    add("--inter-bw", type=float, help="bandwidth between nodes, GB/s per GPU per direction")
+    add("--efficiency", type=float, help="fraction of the dense peak compute sustains")
+    add("--global-batch", type=int, help="samples per optimizer step (default 8 per GPU)")
+    add("--seq-len", type=int, help="tokens per sample (token models; default the model's)")
+    add("--precision", default="bf16",
+        help="comma-separated precisions to consider (default bf16)")
+    add("--optimizer", default="adamw", choices=["adamw", "sgd"])
+    add("--no-pipeline", dest="pipeline", action="store_false",
+        help="leave pipeline-parallel meshes out")
+    add("--measure", action="store_true",
+        help="calibrate efficiency and link bandwidth with short probes on this machine")
+    add("--all", action="store_true", help="show every row, not only the best 20")
+    add("--json", action="store_true", help="print JSON")
+    parser.set_defaults(handler=run)
+
+
+def _precisions(text: str) -> list[str]:
+    chosen = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in chosen if p not in PRECISIONS]
+    if unknown or not chosen:
+        raise UserError(f"--precision: unknown {', '.join(unknown) or 'empty'}; "
+                        f"choose from {', '.join(PRECISIONS)}.")
+    return chosen
+
+
+def _profiles(args: argparse.Namespace, precisions: list[str]) -> dict[str, Any]:
+    from gpuflow.planner.profile import parse_transformer, profile_workload
+
+    if args.transformer:
+        dims = parse_transformer(args.transformer)
+        if args.seq_len:
+            from dataclasses import replace
+            dims = replace(dims, seq=args.seq_len)
+        return {p: dims.profile(p) for p in precisions}
+    workload = _build_workload(args)
+    return {p: profile_workload(workload, p, args.seq_len) for p in precisions}
+
+
+def _build_workload(args: argparse.Namespace) -> Any:
+    """On the meta device when the factory allows it (no memory, no initialisation)."""
+    import torch
+
+    from gpuflow.workload import resolve_workload
+
+    options = {"data": args.data}
+    if args.model_size:
+        options["model_size"] = args.model_size
+    if args.data_dir:
+        options["data_dir"] = args.data_dir
+    try:
+        with torch.device("meta"):
+            return resolve_workload(args.workload, options)
+    except UserError:
+        raise
+    except Exception:
+        return resolve_workload(args.workload, options)
+
+
+def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from gpuflow.planner.hardware import gpu_hardware
+    from gpuflow.planner.search import recommendation, search
+
+    precisions = _precisions(args.precision)
+    hardware = gpu_hardware(args.gpu_type, args.gpus, args.nodes, args.gpu_mem_gib,
+                            args.intra_bw, args.inter_bw, args.efficiency)
+    notes: list[str] = []
+    if args.measure:
+        from gpuflow.planner.measure import calibrate
+        hardware, notes = calibrate(hardware, precisions[0])
+    global_batch = args.global_batch or 8 * hardware.devices
+    if global_batch < 1:
+        raise UserError(f"--global-batch must be at least 1 (got {global_batch}).")
+    profiles = _profiles(args, precisions)
+    plans = search(profiles, hardware, global_batch, pipeline=args.pipeline,
+                   optimizer=args.optimizer)
+    if not plans:
+        raise UserError(f"No mesh of {hardware.devices} devices divides a global batch of "
+                        f"{global_batch}; choose a multiple of the device count.")
+    reason = recommendation(plans, hardware)
+    profile = next(iter(profiles.values()))
+    if args.json:
+        print(json.dumps({
+            "hardware": {"name": hardware.name, "devices": hardware.devices,
+                         "memory_bytes": hardware.memory_bytes,
+                         "efficiency": hardware.efficiency,
+                         "intra": hardware.intra.__dict__, "inter": hardware.inter.__dict__,
+                         "peak_flops": hardware.peak_flops, "source": hardware.source},
+            "model": {k: v.__dict__ for k, v in profiles.items()},
+            "global_batch": global_batch, "calibration": notes,
+            "plans": [p.as_dict() for p in plans],
+            "recommended": plans[0].as_dict() if plans[0].fits else None,
+            "reason": reason,
+        }, indent=2))
+        return 0
+    _print_table(plans if args.all else plans[:20], hardware, profile, global_batch, notes)
+    print(reason)
+    return 0
+
+
+def _print_table(plans: Sequence[Any], hardware: Any, profile: Any, global_batch: int,
+                 notes: list[str]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    gib = 2**30
+    console = Console(width=None if sys.stdout.isatty() else 180)
+    console.print(
+        f"[bold]{profile.name}[/]: {profile.params / 1e6:,.1f}M parameters, "
+        f"{profile.layers} blocks, {profile.flops_per_sample / 1e9:,.1f} GFLOP per sample "
+        f"(fwd+bwd), activations {profile.source}; global batch {global_batch}")
+    console.print(
+        f"{hardware.devices} x {hardware.name} ({hardware.memory_bytes / gib:.0f} GiB; "
+        f"{hardware.intra.name} {hardware.intra.bandwidth / 1e9:.0f} GB/s inside a node, "
+        f"{hardware.inter.name} {hardware.inter.bandwidth / 1e9:.0f} GB/s between nodes); "
+        f"compute at {hardware.efficiency:.2f} of the dense peak")
+    for note in notes:
+        console.print(f"measured: {note}")
+    table = Table(title="Candidate plans (memory in GiB per device, time in s per step)")
+    for column in ("plan", "prec", "AC", "mb x acc", "params", "grads", "optim", "activ",
+                   "temp", "overh", "peak", "compute", "recomp", "comm", "exposed",
+                   "bubble", "step", "fits"):
+        table.add_column(column, justify="left" if column in ("plan", "fits") else "right")
+    for plan in plans:
+        m, t, lay = plan.memory, plan.time, plan.layout
+        table.add_row(
+            lay.describe(), lay.precision, "on" if lay.activation_checkpointing else "off",
+            f"{lay.micro_batch} x {lay.grad_accum}",
+            *(f"{v / gib:.2f}" for v in (m.parameters, m.gradients, m.optimizer,
+                                         m.activations, m.temporary, m.overhead, m.peak)),
+            *(f"{v:.3g}" for v in (t.compute_s, t.recompute_s, t.comm_s, t.exposed_comm_s,
+                                   t.bubble_s, t.step_s)),
+            "yes" if plan.fits else "[red]NO[/]",
+        )
+    console.print(table)

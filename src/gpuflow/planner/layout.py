@@ -1,0 +1,49 @@
+"""A candidate way to run a training step: the device mesh and everything memory depends on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+STRATEGIES = ("single", "ddp", "fsdp", "tp")
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "sgd": 4}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``dp`` x ``tp`` x ``pp`` ranks; ``strategy`` says how the ``dp`` replicas hold state.
+
+    ``strategy`` is ``single`` (one rank), ``ddp`` (replicas), ``fsdp`` (sharded across
+    ``dp``) or ``tp`` (tensor parallel alone); ``pp`` > 1 adds pipeline stages under any of
+    them. ``micro_batch`` is per data-parallel rank; ``grad_accum`` micro-batches make one
+    step (the pipeline's micro-batches when ``pp`` > 1).
+    """
+
+    strategy: str
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    reshard_after_forward: bool = True
+    precision: str = "fp32"
+    activation_checkpointing: bool = False
+    micro_batch: int = 1
+    grad_accum: int = 1
+    optimizer: str = "adamw"
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.grad_accum * self.dp
+
+    @property
+    def low_precision(self) -> bool:
+        return self.precision in ("bf16", "fp16")
+
+    def describe(self) -> str:
+        mesh = f"dp{self.dp}xtp{self.tp}xpp{self.pp}"
+        name = self.strategy
+        if self.strategy == "fsdp":
+            name += "" if self.reshard_after_forward else "(no-reshard)"
+        return f"{name} {mesh}"

@@ -1,0 +1,127 @@
+"""Predicted peak memory of one device (the most loaded rank) for a layout.
+
+Model state follows gpuflow's precision policy: fp32 master weights, fp32 gradients and fp32
+optimizer state in every precision (bf16/fp16 only change what autocast computes in).
+Activations come from the model's profile. The peak is the larger of two phases:
+
+* forward/backward: parameters, optimizer state, activations (while backward frees them it
+  fills gradients, so one step holds the larger of the two, or both when earlier
+  micro-batches already left gradients), and temporary buffers (low-precision weight copies
+  made by autocast, FSDP's gathered parameters and unsharded gradients, DDP's buckets, and
+  backward's first gradients, taken as twice the largest saved tensor);
+* optimizer step: parameters, gradients, optimizer state and the optimizer's temporaries.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from gpuflow.planner.layout import OPTIMIZER_STATE_BYTES, Layout
+from gpuflow.planner.profile import ModelProfile
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes on one device; ``peak`` is what must fit."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float
+    temporary: float
+    overhead: float
+    peak: float
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class LocalShare:
+    """How many parameters one rank holds, before any FSDP sharding."""
+
+    params: float
+    block_params: float
+    layers: float
+    stage_fraction: float
+
+
+def local_share(profile: ModelProfile, layout: Layout) -> LocalShare:
+    """The most loaded pipeline stage's share of the model, split by tensor parallelism.
+
+    Blocks are spread evenly over stages (the first ``layers % pp`` stages take one more);
+    the parameters outside the blocks (embeddings, head) sit on the first and last stage,
+    taken as half each when ``pp`` > 1.
+    """
+    layers = math.ceil(profile.layers / layout.pp) if profile.layers else 0
+    fraction = layers / profile.layers if profile.layers else 1.0 / layout.pp
+    tp_part = profile.tp_params * fraction / layout.tp
+    rest = (profile.block_params - profile.tp_params) * fraction
+    outer = (profile.params - profile.block_params) * (1.0 if layout.pp == 1 else 0.5)
+    return LocalShare(outer + tp_part + rest, tp_part + rest, layers, fraction)
+
+
+def model_state_bytes(params: float, dp: int, shard_optimizer: bool, shard_gradients: bool,
+                      shard_parameters: bool, param_bytes: float = FP32,
+                      grad_bytes: float = FP32, optimizer_bytes: float = 8) -> float:
+    """Parameters + gradients + optimizer state per rank, each sharded over ``dp`` or not:
+    the three ZeRO stages are (T, F, F), (T, T, F) and (T, T, T)."""
+    return params * (param_bytes / (dp if shard_parameters else 1)
+                     + grad_bytes / (dp if shard_gradients else 1)
+                     + optimizer_bytes / (dp if shard_optimizer else 1))
+
+
+def activation_bytes(profile: ModelProfile, layout: Layout, share: LocalShare) -> float:
+    """Saved activations of the in-flight micro-batches on the most loaded stage.
+
+    Tensor parallelism splits what its plan's layers save; activation checkpointing keeps
+    each block's input and re-creates one block's activations at a time in backward. A
+    1F1B pipeline's first stage holds ``pp`` micro-batches at once.
+    """
+    block = profile.act_block_per_sample
+    block_local = (block - profile.act_tp_per_sample
+                   + profile.act_tp_per_sample / layout.tp) * share.stage_fraction
+    outer = (profile.act_per_sample - block) * (1.0 if layout.pp == 1 else 0.5)
+    if layout.activation_checkpointing and share.layers:
+        block_local = (share.layers * profile.block_input_per_sample
+                       + block_local / share.layers)
+    in_flight = min(layout.pp, layout.grad_accum) if layout.pp > 1 else 1
+    return layout.micro_batch * in_flight * (block_local + outer)
+
+
+def predict_memory(profile: ModelProfile, layout: Layout, overhead: float = 0.0
+                   ) -> MemoryBreakdown:
+    """Peak bytes on the most loaded device of ``layout``."""
+    share = local_share(profile, layout)
+    fsdp = layout.strategy == "fsdp"
+    shard = layout.dp if fsdp else 1
+    params = FP32 * share.params / shard
+    grads = FP32 * share.params / shard
+    optimizer = OPTIMIZER_STATE_BYTES[layout.optimizer] * share.params / shard
+    activations = activation_bytes(profile, layout, share)
+
+    temporary = 2 * profile.largest_saved_per_sample * layout.micro_batch
+    compute_bytes = 2 if layout.low_precision else FP32
+    per_block = share.block_params / max(1.0, share.layers)
+    if fsdp:
+        outer = share.params - share.block_params
+        gathered = (share.params if not layout.reshard_after_forward
+                    else outer + 2 * per_block)
+        temporary += compute_bytes * gathered + FP32 * 2 * per_block
+    elif layout.low_precision:
+        temporary += profile.act_const * share.params / profile.params
+    if layout.strategy == "ddp":
+        temporary += FP32 * share.params
+    # foreach AdamW/SGD keeps about one parameter-sized intermediate alive while it updates.
+    optimizer_temporary = FP32 * share.params / shard
+
+    held_grads = grads if layout.grad_accum > 1 and not fsdp else 0.0
+    forward_backward = optimizer + max(activations + held_grads, grads) + temporary
+    optimizer_step = grads + optimizer + optimizer_temporary
+    if layout.strategy == "ddp":
+        optimizer_step += FP32 * share.params
+    peak = overhead + params + max(forward_backward, optimizer_step)
+    return MemoryBreakdown(params, grads, optimizer, activations, temporary, overhead, peak)

@@ -1,0 +1,386 @@
+"""What the planner knows about a model: parameters, FLOPs and saved activations per sample.
+
+A workload's model is profiled by running one forward and backward of its example batch on
+fake tensors (``FakeTensorMode``): shapes, dtypes and FLOPs are exact and no memory is used, so
+a model built on the meta device (a 1B GPT on a laptop) profiles as cheaply as a small one.
+``saved_tensors_hooks`` records every tensor autograd keeps for backward; hooks on the
+repeated blocks and on the tensor-parallel plan's layers say which of them a block, or a
+tensor-parallel shard, holds. Tracing at batch 1 and 2 separates what grows with the batch
+from what does not (low-precision copies of the weights); a token model is traced at the
+sequence length asked for (its example cut shorter), since fake tensors of any length are free.
+
+A transformer can also be described by its dimensions alone (:class:`TransformerDims`), for
+models gpuflow does not build, such as Llama 3.1 8B.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.func import functional_call
+from torch.utils import flop_counter
+
+from gpuflow.errors import UserError
+from gpuflow.train.flops import CUSTOM_FLOP_FORMULAS
+from gpuflow.workload import Workload
+
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """Per-sample figures of one model in one precision; bytes unless named otherwise."""
+
+    name: str
+    precision: str
+    params: int
+    block_params: int
+    tp_params: int
+    layers: int
+    flops_per_sample: float
+    act_per_sample: float
+    act_block_per_sample: float
+    act_tp_per_sample: float
+    block_input_per_sample: float
+    largest_saved_per_sample: float
+    act_const: float
+    tokens_per_sample: int | None
+    source: str
+
+
+# --- tracing ---------------------------------------------------------------------------------
+
+
+@dataclass
+class _Trace:
+    """One forward+backward: saved bytes by where they were saved, and FLOPs."""
+
+    total: float = 0.0
+    block: float = 0.0
+    sharded: float = 0.0
+    block_input: float = 0.0
+    largest: float = 0.0
+    flops: float = 0.0
+
+
+class _SavedTensorRecorder:
+    """Counts each storage autograd saves once, excluding the parameters' own storages."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.exclude = {_storage_key(p) for p in params}
+        self.seen: set[int] = set()
+        self.in_block = 0
+        self.sharded = False
+        self.trace = _Trace()
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(tensor)
+        if key not in self.exclude and key not in self.seen:
+            self.seen.add(key)
+            size = tensor.untyped_storage().nbytes()
+            self.trace.total += size
+            # Its gradient, in fp32 whatever autocast saved it in, sizes backward's transients.
+            self.trace.largest = max(self.trace.largest,
+                                     tensor.numel() * max(4, tensor.element_size()))
+            if self.in_block:
+                self.trace.block += size
+                if self.sharded:
+                    self.trace.sharded += size
+        return tensor
+
+    def hooks(self, workload: Workload) -> list[Any]:
+        """Block entry/exit, and the tensor-parallel region: from a column-wise layer's
+        output to a row-wise layer's output activations are split across ranks."""
+        handles = []
+        blocks = workload.blocks()
+        for index, block in enumerate(blocks):
+            handles.append(block.register_forward_pre_hook(self._enter(index == 0)))
+            handles.append(block.register_forward_hook(self._leave))
+            for name, style in (workload.tensor_parallel_plan or {}).items():
+                layer = block.get_submodule(name)
+                if isinstance(style, ColwiseParallel):
+                    handles.append(layer.register_forward_hook(self._set_sharded(True)))
+                elif isinstance(style, RowwiseParallel):
+                    handles.append(layer.register_forward_hook(self._set_sharded(False)))
+        return handles
+
+    def _enter(self, first: bool) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            self.in_block += 1
+            if first:
+                tensors = [a for a in args if isinstance(a, torch.Tensor)]
+                self.trace.block_input = sum(t.untyped_storage().nbytes() for t in tensors[:1])
+        return hook
+
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.in_block -= 1
+        self.sharded = False
+
+    def _set_sharded(self, value: bool) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            self.sharded = value
+        return hook
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage()._cdata
+
+
+def _map_tensors(value: Any, fn: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, tuple | list):
+        return type(value)(_map_tensors(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    return value
+
+
+def _call(model: nn.Module, state: dict[str, torch.Tensor], inputs: Any) -> Any:
+    if isinstance(inputs, dict):
+        return functional_call(model, state, (), inputs)
+    args = tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,)
+    return functional_call(model, state, args)
+
+
+@contextlib.contextmanager
+def _train_mode(model: nn.Module) -> Iterator[None]:
+    was_training = model.training
+    model.train()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def _trace_once(workload: Workload, inputs: Any, target: torch.Tensor, precision: str,
+                fake: bool, count_flops: bool = True) -> _Trace:
+    """One training forward+backward on copies of the parameters (fake or real)."""
+    model = workload.model
+    mode = (torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
+            if fake else contextlib.nullcontext())
+    with mode, _train_mode(model):
+        state: dict[str, torch.Tensor] = {}
+        for name, param in model.named_parameters():
+            state[name] = torch.zeros_like(param, device="cpu").requires_grad_(
+                param.requires_grad)
+        for name, buffer in model.named_buffers():
+            state[name] = (torch.empty_like(buffer, device="cpu") if fake
+                           else buffer.detach().clone().cpu())
+        inputs = _map_tensors(inputs, lambda t: t.to("cpu") if not fake
+                              else torch.zeros_like(t, device="cpu"))
+        target = target.to("cpu") if not fake else torch.zeros_like(target, device="cpu")
+        recorder = _SavedTensorRecorder(list(state.values()))
+        handles = recorder.hooks(workload)
+        counter = (flop_counter.FlopCounterMode(display=False,
+                                                custom_mapping=CUSTOM_FLOP_FORMULAS)
+                   if count_flops else None)
+        dtype = AUTOCAST.get(precision)
+        autocast = (torch.autocast("cpu", dtype=dtype) if dtype is not None
+                    else contextlib.nullcontext())
+        try:
+            with counter or contextlib.nullcontext():
+                saving = torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t)
+                with saving, autocast:
+                    loss = workload.loss_fn(_call(model, state, inputs), target)
+                loss.backward()
+        finally:
+            for handle in handles:
+                handle.remove()
+    recorder.trace.flops = counter.get_total_flops() if counter is not None else 0.0
+    return recorder.trace
+
+
+def _rows(value: Any, count: int, seq: int | None) -> Any:
+    """The first example repeated ``count`` times, cut to ``seq`` tokens if given."""
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        rows = t[:1] if seq is None else t[:1, :seq]
+        return rows.repeat(count, *[1] * (t.dim() - 1))
+    return _map_tensors(value, cut)
+
+
+def _check_seq(workload: Workload, inputs: Any, seq_len: int | None) -> None:
+    if seq_len is None:
+        return
+    tokens = workload.tokens_per_sample
+    if tokens is None or not isinstance(inputs, torch.Tensor) or inputs.dim() != 2:
+        raise UserError(f"--seq-len: workload {workload.name!r} has no [batch, tokens] input "
+                        "whose length the planner could change.")
+    if seq_len > inputs.shape[1]:
+        raise UserError(f"--seq-len {seq_len} is longer than {workload.name!r}'s context "
+                        f"({inputs.shape[1]} tokens); choose a model with a longer one "
+                        "(e.g. textlm --model-size 124m,seq=2048).")
+
+
+def profile_workload(workload: Workload, precision: str = "fp32",
+                     seq_len: int | None = None) -> ModelProfile:
+    """Profile ``workload``'s model in ``precision``, optionally at a shorter ``seq_len``.
+
+    Fake tensors cost nothing whatever their size, so the trace runs at the real sequence
+    length; the batch is traced at 1 and 2 samples and the difference is one sample's share.
+    A model fake tensors cannot run is traced for real on the CPU (if it is not on meta).
+    """
+    inputs, target = workload.get_example_batch()
+    _check_seq(workload, inputs, seq_len)
+    params = {id(p): p for p in workload.model.parameters()}
+
+    def trace(count: int, fake: bool) -> _Trace:
+        return _trace_once(workload, _rows(inputs, count, seq_len),
+                           _rows(target, count, seq_len), precision, fake,
+                           count_flops=count == 2)
+
+    fake = True
+    try:
+        one, two = trace(1, fake), trace(2, fake)
+    except Exception:
+        if any(p.is_meta for p in params.values()):
+            raise
+        fake = False
+        one, two = trace(1, fake), trace(2, fake)
+    per_sample = _Trace(**{f.name: getattr(two, f.name) - getattr(one, f.name)
+                           for f in fields(_Trace)})
+    block_ids = {id(p) for block in workload.blocks() for p in block.parameters()}
+    tp_ids = {id(p) for block in workload.blocks()
+              for name, style in (workload.tensor_parallel_plan or {}).items()
+              if isinstance(style, ColwiseParallel | RowwiseParallel)
+              for p in block.get_submodule(name).parameters()
+              if not (isinstance(style, RowwiseParallel) and p.dim() == 1)}
+    return ModelProfile(
+        name=workload.name, precision=precision,
+        params=sum(p.numel() for p in params.values()),
+        block_params=sum(p.numel() for i, p in params.items() if i in block_ids),
+        tp_params=sum(p.numel() for i, p in params.items() if i in tp_ids),
+        layers=len(workload.blocks()),
+        flops_per_sample=two.flops / 2,
+        act_per_sample=per_sample.total,
+        act_block_per_sample=per_sample.block,
+        act_tp_per_sample=per_sample.sharded,
+        block_input_per_sample=two.block_input / 2,
+        largest_saved_per_sample=per_sample.largest,
+        act_const=one.total - per_sample.total,
+        tokens_per_sample=seq_len or workload.tokens_per_sample,
+        source=f"traced ({'fake tensors' if fake else 'real CPU tensors'})",
+    )
+
+
+# --- a transformer described by its dimensions ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TransformerDims:
+    """A decoder-only transformer by its dimensions, profiled analytically.
+
+    ``gated`` MLPs (SwiGLU) have three matrices, plain ones two; ``kv_heads`` < ``heads`` is
+    grouped-query attention. Attention is assumed to be a fused (flash) kernel that saves
+    q, k, v, its output and a log-sum-exp, never the T x T scores.
+    """
+
+    layers: int
+    dim: int
+    heads: int
+    vocab: int
+    seq: int
+    kv_heads: int | None = None
+    ffn: int | None = None
+    gated: bool = False
+    tied: bool = True
+    bias: bool = True
+    learned_pos: bool = True
+    name: str = "transformer"
+
+    @property
+    def kv_dim(self) -> int:
+        return self.dim // self.heads * (self.kv_heads or self.heads)
+
+    @property
+    def ffn_dim(self) -> int:
+        return self.ffn or 4 * self.dim
+
+    def parameters(self) -> tuple[int, int, int]:
+        """(all, in blocks, split by tensor parallelism)."""
+        d, f, kv, v = self.dim, self.ffn_dim, self.kv_dim, self.vocab
+        b = int(self.bias)
+        norms = 2 * d * (1 + b)
+        attn = d * (d + 2 * kv) + b * (d + 2 * kv) + d * d + b * d
+        mlp = (3 if self.gated else 2) * d * f + b * (f + d)
+        tp = d * (d + 2 * kv) + b * (d + 2 * kv) + d * d + (3 if self.gated else 2) * d * f + b * f
+        block = norms + attn + mlp
+        outer = v * d + (self.seq * d if self.learned_pos else 0) + d * (1 + b)
+        outer += 0 if self.tied else v * d
+        return outer + self.layers * block, self.layers * block, self.layers * tp
+
+    def profile(self, precision: str) -> ModelProfile:
+        """Saved bytes per token: fp32 residual stream and norm inputs, the rest in the
+        compute dtype (autocast), a log-sum-exp per head, int64 tokens and targets, and
+        the fp32 log-softmax of the logits."""
+        d, f, kv, t = self.dim, self.ffn_dim, self.kv_dim, self.seq
+        a = 2 if precision in AUTOCAST else 4
+        r = 4
+        mlp = (4 if self.gated else 2) * f
+        # q, k, v; the attention output (laid out so the output projection reads it in
+        # place); the MLP's hidden activations.
+        sharded = a * ((d + 2 * kv) + d + mlp) + 4 * self.heads
+        per_layer = 2 * r * d + a * (2 * d) + sharded
+        outer = 16 + r * d + a * d + 4 * self.vocab
+        total, block, tp = self.parameters()
+        matmul = block - self.layers * (2 * d * (1 + int(self.bias)))
+        head = self.vocab * d
+        flops = 6 * (matmul + head) * t + 12 * self.layers * d * t * t
+        const = 0.0 if a == 4 else a * (matmul + head)
+        return ModelProfile(
+            name=self.name, precision=precision, params=total, block_params=block,
+            tp_params=tp, layers=self.layers, flops_per_sample=float(flops),
+            act_per_sample=float(t * (self.layers * per_layer + outer)),
+            act_block_per_sample=float(t * self.layers * per_layer),
+            act_tp_per_sample=float(t * self.layers * sharded),
+            block_input_per_sample=float(t * r * d),
+            largest_saved_per_sample=float(t * 4 * max(self.vocab, f)), act_const=const,
+            tokens_per_sample=t, source="analytic (dimensions)",
+        )
+
+
+TRANSFORMER_PRESETS: dict[str, TransformerDims] = {
+    # Llama 3.1 8B (Meta's model card / params.json): 32 x 4096, 32 heads, 8 KV heads,
+    # SwiGLU 14336, vocabulary 128256, untied head, RoPE, no biases; torchtitan trains at 8192.
+    "llama3-8b": TransformerDims(layers=32, dim=4096, heads=32, kv_heads=8, ffn=14336,
+                                 vocab=128256, seq=8192, gated=True, tied=False, bias=False,
+                                 learned_pos=False, name="llama3-8b"),
+}
+DIM_KEYS = {"layers": int, "dim": int, "heads": int, "kv_heads": int, "ffn": int,
+            "vocab": int, "seq": int, "gated": bool, "tied": bool, "bias": bool}
+
+
+def parse_transformer(spec: str) -> TransformerDims:
+    """``llama3-8b``, or ``layers=32,dim=4096,heads=32,vocab=128256,seq=8192[,...]``,
+    or a preset followed by overrides (``llama3-8b,seq=4096``)."""
+    parts = [p.strip() for p in spec.split(",") if p.strip()]
+    base: TransformerDims | None = None
+    if parts and "=" not in parts[0]:
+        name = parts.pop(0)
+        if name not in TRANSFORMER_PRESETS:
+            raise UserError(f"--transformer: unknown preset {name!r}; known: "
+                            f"{', '.join(TRANSFORMER_PRESETS)}, or give dimensions.")
+        base = TRANSFORMER_PRESETS[name]
+    values: dict[str, Any] = {}
+    for part in parts:
+        key, _, raw = part.partition("=")
+        if key not in DIM_KEYS:
+            raise UserError(f"--transformer: unknown key {key!r}; keys: {', '.join(DIM_KEYS)}.")
+        kind = DIM_KEYS[key]
+        try:
+            values[key] = raw.lower() in ("1", "true", "yes") if kind is bool else kind(raw)
+        except ValueError:
+            raise UserError(f"--transformer: {key}={raw!r} is not a {kind.__name__}.") from None
+    if base is not None:
+        return replace(base, **values)
+    missing = [k for k in ("layers", "dim", "heads", "vocab", "seq") if k not in values]
+    if missing:
+        raise UserError(f"--transformer needs {', '.join(missing)} (or a preset: "
+                        f"{', '.join(TRANSFORMER_PRESETS)}).")
+    return TransformerDims(**values)
