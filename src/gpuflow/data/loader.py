@@ -43,6 +43,8 @@ def train_batches(dataset: Dataset, batch_size: int, collate: Any, seed: int,
         "num_workers": num_workers,
         "pin_memory": pin_memory,
         "prefetch_factor": 4 if num_workers > 0 else None,
+        # The loader's own seed draw must not consume the global RNG that a resume restores.
+        "generator": torch.Generator().manual_seed(seed),
     }
     if isinstance(dataset, StreamingDataset):
         stream = dataset.batches(seed, batch_size, per_epoch, start_batch, collate, rank,
@@ -67,7 +69,6 @@ def _indexed_batches(dataset: Dataset, batch_size: int, collate: Any, seed: int,
         **batching,
         **workers,
         persistent_workers=workers["num_workers"] > 0,
-        generator=torch.Generator().manual_seed(seed),
     )
     epoch, offset = divmod(start_batch, per_epoch)
     while True:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import mmap
 import os
 import struct
 from collections import OrderedDict
@@ -45,7 +46,8 @@ MAGIC = b"GFSHARD1"
 _TRAILER = struct.Struct("<QQ8s")
 _LENGTH = struct.Struct("<I")
 _TENSOR_HEAD = struct.Struct("<BB")
-OPEN_SHARDS = 4  # per split and process: bounds open files and memory-mapped pages
+TOKEN_DTYPE = np.dtype(np.uint8)  # byte-level text: one token per byte
+OPEN_SHARDS = 8  # per split and process: bounds open files and memory-mapped pages
 
 _DTYPES: tuple[torch.dtype, ...] = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -77,7 +79,8 @@ def _leaves(item: Any) -> Iterator[torch.Tensor]:
         for part in item:
             yield from _leaves(part)
     else:
-        yield torch.as_tensor(item)
+        yield torch.tensor(item, dtype=torch.float64) if isinstance(item, float) else \
+            torch.as_tensor(item)
 
 
 def encode_record(item: Any) -> bytes:
@@ -277,7 +280,7 @@ def write_token_shard(path: Path, tokens: np.ndarray) -> ShardInfo:
     """A 1-D token array in numpy's .npy format, which ``np.load(mmap_mode='r')`` maps."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as handle:
-        np.save(handle, np.ascontiguousarray(tokens))
+        np.save(handle, np.ascontiguousarray(tokens, dtype=TOKEN_DTYPE))
     _commit(tmp, path)
     return ShardInfo(path.name, path.stat().st_size, sha256_file(path), len(tokens))
 
@@ -316,16 +319,22 @@ class RecordShard:
 
 
 class TokenShard:
-    """A memory-mapped token array; windows are copied out, so closing it unmaps it."""
+    """A memory-mapped token array. The data sits at the end of the .npy file, so the
+    manifest's sizes locate it without parsing the header; windows are copied out, and
+    closing the shard unmaps its pages."""
 
-    def __init__(self, path: Path) -> None:
-        self.tokens = np.load(path, mmap_mode="r")
+    def __init__(self, path: Path, shard: ShardInfo) -> None:
+        with open(path, "rb") as handle:
+            self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        offset = shard.bytes - shard.count * TOKEN_DTYPE.itemsize
+        self.tokens = np.frombuffer(self._map, TOKEN_DTYPE, shard.count, offset)
 
     def read(self, start: int, length: int) -> np.ndarray:
-        return np.array(self.tokens[start:start + length])
+        return self.tokens[start:start + length].copy()
 
     def close(self) -> None:
         del self.tokens
+        self._map.close()
 
 
 class SplitReader:
@@ -371,7 +380,8 @@ class SplitReader:
         opened = self._open.get(number)
         if opened is None:
             path = verify_shard(self.directory, self.manifest, self.shards[number])
-            opened = RecordShard(path) if self.manifest.kind == "records" else TokenShard(path)
+            opened = (RecordShard(path) if self.manifest.kind == "records"
+                      else TokenShard(path, self.shards[number]))
             self._open[number] = opened
             if len(self._open) > OPEN_SHARDS:
                 self._open.popitem(last=False)[1].close()

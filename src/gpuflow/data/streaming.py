@@ -27,7 +27,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 from gpuflow.data.shards import PACK_STATE, SplitReader, is_packed, load_manifest, read_example
 from gpuflow.errors import UserError
 
-DEFAULT_BUFFER = 16_384
+DEFAULT_BUFFER = 4096
 _DRAWS = 4096
 
 

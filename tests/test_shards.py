@@ -1,0 +1,329 @@
+"""Packed sets: the shard format, packing, streaming order and resume, and bounded memory."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, cli_env, run_cli
+from safetensors.torch import load_file
+from torch.utils.data import DataLoader, default_collate, get_worker_info
+
+from gpuflow.cli import main
+from gpuflow.data import pack as pack_module
+from gpuflow.data.loader import batches_per_epoch, train_batches
+from gpuflow.data.pack import pack
+from gpuflow.data.shards import (
+    Manifest,
+    RecordShard,
+    RecordShardWriter,
+    decode_record,
+    encode_record,
+    layout_of,
+    load_manifest,
+    write_manifest,
+)
+from gpuflow.data.streaming import epoch_order, open_packed
+from gpuflow.errors import UserError
+from gpuflow.train import checkpoint as ckpt
+from gpuflow.workloads import digits
+
+SMALL_SHARDS_MB = 0.05  # digits: 9 train shards of ~178 samples
+
+
+def write_id_set(directory: Path, counts: list[int]) -> None:
+    """A record set whose sample i is ``(tensor([i]), i)``, in shards of the given sizes."""
+    directory.mkdir(parents=True)
+    infos, sample = [], 0
+    for number, count in enumerate(counts):
+        writer = RecordShardWriter(directory / f"train-{number:05d}.rec")
+        for _ in range(count):
+            writer.write(encode_record((torch.tensor([sample]), sample)))
+            sample += 1
+        infos.append(writer.close())
+    write_manifest(directory, Manifest(workload="ids", kind="records", splits={"train": infos},
+                                       layout=layout_of((torch.tensor([0]), 0))))
+
+
+def leaves(item: object) -> list:
+    if isinstance(item, tuple | list):
+        return [leaf for part in item for leaf in leaves(part)]
+    return [item]
+
+
+def ids_of(batches: list) -> list[list[int]]:
+    return [batch[1].tolist() for batch in batches]
+
+
+@pytest.fixture(scope="module")
+def packed_digits(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("packed") / "digits"
+    pack("digits", None, out, shard_mb=SMALL_SHARDS_MB, progress=False)
+    return out
+
+
+def test_record_round_trip_keeps_dtypes_shapes_and_nesting(tmp_path: Path) -> None:
+    items = [
+        ((torch.randn(3, 5), torch.tensor(7)), 4),
+        (torch.arange(6, dtype=torch.int16).reshape(2, 3), torch.zeros(0), 0.1),
+        (torch.randn(4).to(torch.bfloat16), torch.tensor([True, False])),
+    ]
+    writer = RecordShardWriter(tmp_path / "a.rec")
+    for item in items:
+        writer.write(encode_record(item))
+    info = writer.close()
+    assert info.count == 3 and info.bytes == (tmp_path / "a.rec").stat().st_size
+    shard = RecordShard(tmp_path / "a.rec")
+    for index, item in enumerate(items):
+        back = decode_record(shard.read(index), layout_of(item))
+        for a, b in zip(leaves(item), leaves(back), strict=True):
+            if isinstance(a, torch.Tensor):
+                assert a.dtype == b.dtype and torch.equal(a, b)
+            else:
+                assert type(a) is type(b) and a == b
+    shard.close()
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_packed_digits_equal_the_raw_splits_and_refuse_overwrite(packed_digits: Path) -> None:
+    manifest = load_manifest(packed_digits)
+    raw = digits.build()
+    assert manifest.count("train") == len(raw.train_dataset) == 1438
+    assert manifest.count("val") == len(raw.val_dataset)
+    assert len(manifest.splits["train"]) > 1 and manifest.meta == {"num_classes": 10}
+    data = open_packed(packed_digits, "digits")
+    assert data is not None and data.val is not None
+    for index in (0, 700, 1437):
+        image, label = data.train[index]
+        assert torch.equal(image, raw.train_dataset[index][0])
+        assert label == raw.train_dataset[index][1]
+    assert torch.equal(data.val[358][0], raw.val_dataset[358][0])
+    with pytest.raises(UserError, match="already holds a finished packed set; add --force"):
+        pack("digits", None, packed_digits, shard_mb=SMALL_SHARDS_MB, progress=False)
+    with pytest.raises(UserError, match="packed for workload 'digits'.*--workload digits"):
+        open_packed(packed_digits, "mnist-idx")
+
+
+def test_interrupted_pack_continues_and_keeps_verified_shards(
+    tmp_path: Path, packed_digits: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "digits"
+    real_encode, written = pack_module.encode_record, []
+
+    def interrupt_after_400(item: object) -> bytes:
+        if len(written) == 400:
+            raise KeyboardInterrupt
+        written.append(1)
+        return real_encode(item)
+
+    monkeypatch.setattr(pack_module, "encode_record", interrupt_after_400)
+    with pytest.raises(KeyboardInterrupt):
+        pack("digits", None, out, shard_mb=SMALL_SHARDS_MB, progress=False)
+    monkeypatch.undo()
+    assert not (out / "manifest.json").exists()
+    with pytest.raises(UserError, match="did not finish"):
+        open_packed(out, "digits")
+    kept = {p.name: p.stat().st_mtime_ns for p in out.glob("train-0000[01].rec")}
+    assert len(kept) == 2  # 2 full shards of 178 before the interruption at 400
+    (out / "train-00001.rec").write_bytes(b"damaged")  # redone: fails its checksum
+
+    pack("digits", None, out, shard_mb=SMALL_SHARDS_MB, progress=False)
+    assert (out / "train-00000.rec").stat().st_mtime_ns == kept["train-00000.rec"]
+    assert (out / "train-00001.rec").stat().st_mtime_ns != kept["train-00001.rec"]
+    assert load_manifest(out).splits == load_manifest(packed_digits).splits
+    assert not (out / ".pack-state.json").exists()
+
+    pack("digits", None, out, shard_mb=SMALL_SHARDS_MB, progress=False, force=True)
+    assert load_manifest(out).splits == load_manifest(packed_digits).splits
+
+
+def test_corrupt_or_truncated_shards_are_named_with_the_fix(tmp_path: Path) -> None:
+    out = tmp_path / "ids"
+    write_id_set(out, [50, 50])
+    shard = out / "train-00001.rec"
+    data = bytearray(shard.read_bytes())
+    data[40] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    packed = open_packed(out, "ids")  # sizes are intact: opening succeeds
+    assert packed is not None
+    assert int(packed.train[10][1]) == 10
+    with pytest.raises(UserError, match=r"train-00001\.rec fails its checksum.*--force"):
+        packed.train[60]
+    shard.write_bytes(bytes(data[:-10]))
+    with pytest.raises(UserError, match=r"train-00001\.rec holds \d+ bytes, the manifest"):
+        open_packed(out, "ids")
+
+
+def test_epoch_order_is_a_seeded_permutation_that_changes_each_epoch() -> None:
+    counts = [40, 7, 33, 0, 20]
+    orders = [list(epoch_order(counts, seed=3, epoch=e, buffer_size=16)) for e in range(3)]
+    for order in orders:
+        assert sorted(order) == list(range(100))
+    assert len({tuple(order) for order in orders}) == 3
+    assert orders[1] == list(epoch_order(counts, seed=3, epoch=1, buffer_size=16))
+    assert orders[0] != list(epoch_order(counts, seed=4, epoch=0, buffer_size=16))
+
+
+def tagged_collate(items: list) -> tuple:
+    """A batch and the loader worker that built it."""
+    info = get_worker_info()
+    return (*default_collate(items), -1 if info is None else info.id)
+
+
+def test_ranks_and_workers_partition_each_epoch_and_resume_exactly(tmp_path: Path) -> None:
+    out = tmp_path / "ids"
+    write_id_set(out, [37, 50, 23, 41, 52])  # 203 samples
+    data = open_packed(out, "ids")
+    assert data is not None
+    dataset, batch, world = data.train, 8, 2
+    per_epoch = batches_per_epoch(dataset, batch, world)
+    assert per_epoch == 12  # 203 // 2 // 8: 192 samples per epoch, 11 dropped
+
+    def stream(rank: int, start: int, workers: int, count: int) -> list:
+        source = dataset.batches(seed=5, batch_size=batch, per_epoch=per_epoch,
+                                 start_batch=start, collate=tagged_collate, rank=rank,
+                                 world_size=world)
+        loader = iter(DataLoader(source, batch_size=None, num_workers=workers))
+        return [next(loader) for _ in range(count)]
+
+    epochs = {rank: stream(rank, 0, 0, 2 * per_epoch) for rank in range(world)}
+    for epoch in range(2):
+        seen = [i for rank in range(world)
+                for ids in ids_of(epochs[rank][epoch * per_epoch:(epoch + 1) * per_epoch])
+                for i in ids]
+        assert len(seen) == len(set(seen)) == per_epoch * batch * world
+    first = {i for ids in ids_of(epochs[0][:per_epoch]) for i in ids}
+    second = {i for ids in ids_of(epochs[0][per_epoch:]) for i in ids}
+    assert ids_of(epochs[0][:per_epoch]) != ids_of(epochs[0][per_epoch:]) and first != second
+
+    resumed = stream(1, per_epoch - 3, 2, 6)  # mid-epoch 0, into epoch 1, two workers
+    assert ids_of(resumed) == ids_of(epochs[1][per_epoch - 3:per_epoch + 3])
+    assert [b[2] for b in resumed] == [0, 1, 0, 1, 0, 1]  # each worker built every other
+
+
+def test_train_batches_streams_packed_sets_like_any_dataset(packed_digits: Path) -> None:
+    data = open_packed(packed_digits, "digits")
+    assert data is not None
+    common = dict(batch_size=32, collate=default_collate, seed=1, pin_memory=False)
+    whole = train_batches(data.train, start_batch=0, num_workers=0, **common)
+    reference = [next(whole) for _ in range(50)]  # crosses the epoch boundary at 44
+    later = train_batches(data.train, start_batch=41, num_workers=2, **common)
+    for expected in reference[41:]:
+        got = next(later)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def training_losses(run_dir: Path) -> list[float]:
+    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return [record["loss"] for record in records if "event" not in record]
+
+
+def test_train_from_packed_digits_and_resume_reproduces_the_run(tmp_path: Path) -> None:
+    packed = tmp_path / "packed"
+    result = run_cli("data", "pack", "--out", str(packed), "--workload", "digits",
+                     "--shard-size-mb", str(SMALL_SHARDS_MB))
+    assert result.returncode == 0, result.stderr
+    assert "train 1,438 samples in 9 shard(s)" in result.stdout
+    run_dir = tmp_path / "run"
+    assert main(["train", "--workload", "digits", "--data-dir", str(packed), "--max-steps",
+                 "30", "--checkpoint-every", "10", "--eval-every", "0", "--batch-size", "64",
+                 "--run-dir", str(run_dir), "--no-progress"]) == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final_metrics"]["val_accuracy"] > 0.5
+    final = load_file(ckpt.list_checkpoints(run_dir / "checkpoints")[0].path / ckpt.MODEL_FILE)
+    losses = training_losses(run_dir)
+
+    # As if killed after the step-10 checkpoint (an epoch is 22 steps): resume with two
+    # loader workers.
+    later = ckpt.list_checkpoints(run_dir / "checkpoints")[:2]
+    assert [checkpoint.step for checkpoint in later] == [30, 20]
+    for checkpoint in later:
+        shutil.rmtree(checkpoint.path)
+    (run_dir / "summary.json").unlink()
+    assert main(["train", "--resume", str(run_dir), "--num-workers", "2",
+                 "--no-progress"]) == 0
+    resumed = json.loads((run_dir / "summary.json").read_text())
+    assert resumed["final_metrics"] == summary["final_metrics"]
+    again = load_file(ckpt.list_checkpoints(run_dir / "checkpoints")[0].path / ckpt.MODEL_FILE)
+    assert all(torch.equal(final[name], again[name]) for name in final)
+    assert training_losses(run_dir) == losses
+
+
+MEMORY_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+
+    import numpy as np
+    import torch
+    from torch.nn import Linear
+
+    import gpuflow
+    from gpuflow.data.loader import batches_per_epoch, train_batches
+    from gpuflow.data.pack import pack
+    from gpuflow.data.shards import Manifest, write_manifest, write_token_shard
+    from gpuflow.data.streaming import open_packed
+
+    ITEM = 16_384  # float32 values: 64 KiB per record
+    COUNT = int(sys.argv[2]) * 2**20 // (4 * ITEM)
+    TOKEN_SHARD = 2 * 2**20
+
+    class Lazy(torch.utils.data.Dataset):
+        # Records made on demand: the set never exists in memory, only on disk.
+        def __len__(self):
+            return COUNT
+        def __getitem__(self, index):
+            return torch.full((ITEM,), float(index)), index % 10
+
+    def build():
+        return gpuflow.Workload(name="big", model=Linear(ITEM, 10), train_dataset=Lazy())
+
+    def peak_rss():
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+
+    root = Path(sys.argv[1])
+    torch.full((ITEM,), 0.0) + 1
+    baseline = peak_rss()
+    pack("__main__:build", None, root / "records", shard_mb=4, progress=False)
+    tokens = root / "tokens"
+    tokens.mkdir()
+    shards = [write_token_shard(tokens / f"train-{n:05d}.npy",
+                                np.full(TOKEN_SHARD, n, dtype=np.uint8))
+              for n in range(int(sys.argv[3]) * 2**20 // TOKEN_SHARD)]
+    write_manifest(tokens, Manifest(workload="text", kind="tokens", splits={"train": shards}))
+    streamed = {}
+    for name, seq_len in (("records", None), ("text", 2048)):
+        folder = root / ("records" if seq_len is None else "tokens")
+        train = open_packed(folder, "big" if seq_len is None else "text", seq_len).train
+        per_epoch = batches_per_epoch(train, 16)
+        batches = train_batches(train, 16, torch.utils.data.default_collate, 0, 0, 0, False)
+        for _ in range(2 * per_epoch):
+            inputs, _ = next(batches)
+            streamed[name] = streamed.get(name, 0) + inputs.numel() * (4 if seq_len is None else 1)
+    print(json.dumps({"growth": peak_rss() - baseline, "streamed": streamed}))
+""")
+
+
+def test_streaming_memory_stays_bounded_far_below_the_data_size(tmp_path: Path) -> None:
+    """A 192 MiB record set is packed and streamed for two epochs, then a 32 MiB token set
+    (2 MiB shards) too; the process's peak RSS may grow by at most 48 MiB, a quarter of the
+    record set, and far less than the 448 MiB that passed through it."""
+    records_mb, tokens_mb, cap = 192, 32, 48 * 2**20
+    script = tmp_path / "stream.py"
+    script.write_text(MEMORY_SCRIPT)
+    result = subprocess.run([sys.executable, str(script), str(tmp_path), str(records_mb),
+                             str(tokens_mb)],
+                            capture_output=True, text=True, timeout=300, env=cli_env(),
+                            cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["streamed"]["records"] == 2 * records_mb * 2**20
+    assert figures["streamed"]["text"] >= 2 * tokens_mb * 2**20 * 0.99
+    assert figures["growth"] < cap, figures
