@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, cli_env, run_cli
+from safetensors.torch import load_file
 
 from gpuflow.config import build_config
 from gpuflow.errors import UserError
@@ -66,6 +67,13 @@ def test_fsdp_checkpoint_resumes_in_one_process_and_back(
     fsdp_first = tmp_path / "fsdp-first"
     train(fsdp_first, "--nproc", "2", "--strategy", "fsdp", "--batch-size", "16",
           "--max-steps", "10")
+    # Each rank wrote its own shards; nothing was gathered.
+    shards = sorted(p.name for p in (fsdp_first / "checkpoints" / "step-00000010" / "state")
+                    .glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"]
+    export = run_cli("export", str(fsdp_first), "--out", str(tmp_path / "model.safetensors"))
+    assert export.returncode == 0, export.stderr[-2000:]
+    assert load_file(tmp_path / "model.safetensors")["head.weight"].shape == (4, 16)
     train(fsdp_first, "--resume", "--nproc", "1", "--strategy", "single",
           "--batch-size", "32", "--max-steps", "20")
     assert losses(fsdp_first) == pytest.approx(single_20, abs=1e-5)

@@ -15,7 +15,7 @@ full state as any other strategy.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -41,9 +41,6 @@ from torch.distributed.tensor import DTensor
 from gpuflow.errors import UserError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-# Full tensors on every rank of a stage: a stage's rank 0 of the data-parallel group is not
-# global rank 0, so the rank-0-only gathering of the other strategies would miss it.
-_FULL = StateDictOptions(full_state_dict=True)
 _PART = "parts."
 
 
@@ -221,51 +218,72 @@ class Pipeline:
 
     # --- state --------------------------------------------------------------------------
 
-    def model_state(self) -> dict[str, torch.Tensor]:
-        """This rank's stage weights under their original names."""
-        state = get_model_state_dict(self.parts, options=_FULL)
-        return {_original_name(name): tensor.cpu() for name, tensor in state.items()}
+    def _checkpoint_name(self, local: str, available: Collection[str]) -> str:
+        """The name a checkpoint stores a local tensor under: its own, or for a tied copy
+        that the checkpoint does not hold, the name of the parameter it copies."""
+        name = _original_name(local)
+        return name if name in available else self.canonical.get(name, name)
 
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """This rank's optimizer state by original parameter name, tied copies once."""
-        state = get_optimizer_state_dict(self.parts, optimizer, options=_FULL)
+    def state_to_save(self, optimizer: torch.optim.Optimizer
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """This rank's weights and optimizer state under the original parameter names
+        (tied copies' optimizer state once, as one process would hold it)."""
+        model = {_original_name(name): tensor
+                 for name, tensor in get_model_state_dict(self.parts).items()}
+        state = get_optimizer_state_dict(self.parts, optimizer)
         keep = {name for name in state["state"] if self._is_canonical_copy(name)}
-        return {
-            "state": {_original_name(name): _to_cpu(value)
+        optim = {
+            "state": {_original_name(name): value
                       for name, value in state["state"].items() if name in keep},
             "param_groups": [
                 {**group, "params": [_original_name(n) for n in group["params"] if n in keep]}
                 for group in state["param_groups"]
             ],
         }
+        return model, optim
+
+    def state_to_load(self, optimizer: torch.optim.Optimizer, model_keys: Collection[str]
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """This rank's tensors keyed as a checkpoint names them, for torch.distributed
+        .checkpoint to fill in place; hand the result to ``load``."""
+        model = {self._checkpoint_name(name, model_keys): tensor
+                 for name, tensor in get_model_state_dict(self.parts).items()}
+        state = get_optimizer_state_dict(self.parts, optimizer)
+        optim: dict[str, Any] = {}
+        for name, value in state["state"].items():
+            optim.setdefault(self._checkpoint_name(name, ()), value)
+        return model, {"state": optim, "param_groups": state["param_groups"]}
 
     def load(self, model_state: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
-             optimizer_state: dict[str, Any] | None) -> None:
-        """Load a full (all-stage) state saved by any strategy into this rank's stages."""
+             optimizer_state: dict[str, Any], full: bool) -> None:
+        """Load a state keyed by original names (a full one from any strategy, or what
+        ``state_to_load`` was filled with) into this rank's stages."""
+        options = StateDictOptions(full_state_dict=full)
         local_model = {}
-        for local in get_model_state_dict(self.parts, options=_FULL):
-            name = _original_name(local)
-            source = name if name in model_state else self.canonical.get(name, name)
-            if source not in model_state:
+        for local in get_model_state_dict(self.parts, options=options):
+            name = self._checkpoint_name(local, model_state)
+            if name not in model_state:
                 raise UserError(f"The checkpoint has no weights for {name!r}.")
-            local_model[local] = model_state[source]
-        set_model_state_dict(self.parts, local_model, options=_FULL)
-        if optimizer_state is None:
-            return
-        current = get_optimizer_state_dict(self.parts, optimizer, options=_FULL)
-        saved_state = optimizer_state["state"]
-        states = {}
-        for local in current["state"] or [n for g in current["param_groups"] for n in g["params"]]:
-            name = self.canonical.get(_original_name(local), _original_name(local))
-            if name in saved_state:
-                states[local] = saved_state[name]
+            local_model[local] = model_state[name]
+        set_model_state_dict(self.parts, local_model, options=options)
+        current = get_optimizer_state_dict(self.parts, optimizer, options=options)
+        saved = optimizer_state["state"]
+        states: dict[str, Any] = {}
+        used: set[str] = set()
+        for group in current["param_groups"]:
+            for local in group["params"]:
+                name = self._checkpoint_name(local, ())
+                if name in saved:
+                    # Two tied copies on one rank must not share their state tensors.
+                    states[local] = _clone(saved[name]) if name in used else saved[name]
+                    used.add(name)
         groups = [
-            {**saved, "params": group["params"]}
-            for saved, group in zip(optimizer_state["param_groups"], current["param_groups"],
-                                    strict=True)
+            {**saved_group, "params": group["params"]}
+            for saved_group, group in zip(optimizer_state["param_groups"],
+                                          current["param_groups"], strict=True)
         ]
-        set_optimizer_state_dict(self.parts, optimizer, {"state": states, "param_groups": groups},
-                                 options=_FULL)
+        set_optimizer_state_dict(self.parts, optimizer,
+                                 {"state": states, "param_groups": groups}, options=options)
 
 
 def resize_rows(tree: Any, rows: int) -> Any:
@@ -287,10 +305,10 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _to_cpu(value: Any) -> Any:
+def _clone(value: Any) -> Any:
     if isinstance(value, dict):
-        return {key: _to_cpu(item) for key, item in value.items()}
-    return value.cpu() if isinstance(value, torch.Tensor) else value
+        return {key: _clone(item) for key, item in value.items()}
+    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def _canonical_names(model: nn.Module) -> dict[str, str]:

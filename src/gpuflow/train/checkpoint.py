@@ -1,10 +1,17 @@
 """Atomic, verified checkpoints that restore a run exactly.
 
-Layout: ``<run>/checkpoints/step-00000042/`` with ``model.safetensors`` (weights),
-``trainer.pt`` (optimizer, scheduler, scaler, RNG states, data position; tensors and plain
-containers only, loaded with ``weights_only=True``) and ``manifest.json`` (step, format
-version and the SHA-256 of every file). A checkpoint is written into a hidden temporary
-folder, fsynced, then renamed into place: a crash mid-save leaves no folder that looks valid.
+Layout: ``<run>/checkpoints/step-00000042/`` with ``trainer.pt`` (scheduler, scaler, RNG
+states, data position, optimizer hyperparameters; tensors and plain containers only, loaded
+with ``weights_only=True``), ``manifest.json`` (step, format version and the SHA-256 of
+every file) and the weights and optimizer state in one of two layouts:
+
+- full: ``model.safetensors`` (all weights) and the optimizer state inside ``trainer.pt``,
+  written by one process;
+- sharded: a ``torch.distributed.checkpoint`` folder ``state/`` that every rank writes its
+  own shards into, in parallel, with no gathering; any world size or strategy reads it back.
+
+A checkpoint is written into a hidden temporary folder, fsynced, then renamed into place:
+a crash mid-save leaves no folder that looks valid.
 """
 
 from __future__ import annotations
@@ -16,19 +23,22 @@ import random
 import shutil
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
 FORMAT_VERSION = 1
 MODEL_FILE = "model.safetensors"
 TRAINER_FILE = "trainer.pt"
 MANIFEST_FILE = "manifest.json"
+STATE_DIR = "state"
 PREFIX = "step-"
 
 
@@ -103,27 +113,60 @@ def _unshared(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def save_checkpoint(directory: Path, step: int, model_state: Mapping[str, torch.Tensor],
                     trainer_state: dict[str, Any], keep: int) -> Checkpoint:
-    """Write a checkpoint atomically, then prune all but the newest ``keep``.
+    """Write a full checkpoint atomically, then prune all but the newest ``keep``.
 
     ``model_state`` is the full (unsharded) state dict, so any strategy or world size can
     load it.
     """
     directory.mkdir(parents=True, exist_ok=True)
-    final = directory / f"{PREFIX}{step:08d}"
     tmp = directory / f".tmp-{PREFIX}{step:08d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     save_file(_unshared(model_state), str(tmp / MODEL_FILE), metadata={"step": str(step)})
+    return _finish(directory, tmp, step, trainer_state, keep)
+
+
+def save_sharded_checkpoint(directory: Path, step: int, state: dict[str, Any],
+                            trainer_state: dict[str, Any], keep: int, is_main: bool,
+                            barrier: Callable[[], None]) -> Checkpoint:
+    """Every rank writes its shards of ``state`` (a collective); rank 0 then seals it.
+
+    ``state`` holds each rank's local view (DTensor shards under FSDP and TP, a stage's
+    weights under pipelining); torch.distributed.checkpoint records how the pieces fit, so
+    a different world size or strategy can read them back.
+    """
+    final = directory / f"{PREFIX}{step:08d}"
+    tmp = directory / f".tmp-{PREFIX}{step:08d}-sharded"
+    if is_main:
+        directory.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    barrier()
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp / STATE_DIR, sync_files=True))
+    barrier()
+    if is_main:
+        _finish(directory, tmp, step, trainer_state, keep)
+    barrier()
+    return Checkpoint(final, step)
+
+
+def _finish(directory: Path, tmp: Path, step: int, trainer_state: dict[str, Any],
+            keep: int) -> Checkpoint:
+    """Add the trainer state and a manifest of checksums, then rename into place."""
     torch.save(trainer_state, tmp / TRAINER_FILE)
     files = {}
-    for name in (MODEL_FILE, TRAINER_FILE):
-        _fsync_file(tmp / name)
-        files[name] = _sha256(tmp / name)
+    for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+        _fsync_file(path)
+        files[path.relative_to(tmp).as_posix()] = _sha256(path)
     manifest = {"format_version": FORMAT_VERSION, "step": step, "files": files,
+                "layout": "sharded" if (tmp / STATE_DIR).is_dir() else "full",
                 "created_unix": time.time()}
     (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
     _fsync_file(tmp / MANIFEST_FILE)
-    _fsync_dir(tmp)
+    for folder in (tmp / STATE_DIR, tmp):
+        if folder.is_dir():
+            _fsync_dir(folder)
+    final = directory / f"{PREFIX}{step:08d}"
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
@@ -136,7 +179,7 @@ def _prune(directory: Path, keep: int) -> None:
     for stale in list_checkpoints(directory)[keep:]:
         shutil.rmtree(stale.path, ignore_errors=True)
     for leftover in directory.glob(f".tmp-{PREFIX}*"):
-        if not leftover.name.endswith(f"-{os.getpid()}"):
+        if not leftover.name.endswith((f"-{os.getpid()}", "-sharded")):
             shutil.rmtree(leftover, ignore_errors=True)
 
 
@@ -172,21 +215,44 @@ def verify_checkpoint(checkpoint: Checkpoint) -> dict[str, Any]:
     return manifest
 
 
+def is_sharded(checkpoint: Checkpoint) -> bool:
+    return (checkpoint.path / STATE_DIR).is_dir()
+
+
+def load_trainer_state(checkpoint: Checkpoint) -> dict[str, Any]:
+    return torch.load(checkpoint.path / TRAINER_FILE, weights_only=True, map_location="cpu")
+
+
 def load_checkpoint(checkpoint: Checkpoint) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Verify, then return the model state and the trainer state."""
-    verify_checkpoint(checkpoint)
-    model_state = load_file(str(checkpoint.path / MODEL_FILE))
-    trainer_state = torch.load(checkpoint.path / TRAINER_FILE, weights_only=True,
-                               map_location="cpu")
-    return model_state, trainer_state
+    """The full model state and the trainer state (with the full
+    optimizer state), whichever layout the checkpoint has.
+
+    A sharded checkpoint is assembled in this process's memory: right for export, serving
+    and one-process resumes; distributed resumes read their own shards instead.
+    """
+    trainer_state = load_trainer_state(checkpoint)
+    if not is_sharded(checkpoint):
+        return load_file(str(checkpoint.path / MODEL_FILE)), trainer_state
+    full = _load_state_dict_from_keys(checkpoint_id=str(checkpoint.path / STATE_DIR))
+    trainer_state["optimizer"] = {"state": full["optimizer"],
+                                  "param_groups": trainer_state["optimizer"]["param_groups"]}
+    return full["model"], trainer_state
+
+
+def latest_verified(directory: Path) -> Checkpoint | None:
+    """Newest checkpoint whose files match their checksums; a corrupt one is reported and
+    skipped."""
+    for checkpoint in list_checkpoints(directory):
+        try:
+            verify_checkpoint(checkpoint)
+            return checkpoint
+        except (CheckpointError, OSError) as exc:
+            warnings.warn(f"Skipping checkpoint: {exc}. Trying the previous one.", stacklevel=2)
+    return None
 
 
 def load_latest(directory: Path
                 ) -> tuple[Checkpoint, dict[str, torch.Tensor], dict[str, Any]] | None:
-    """Newest checkpoint that verifies; a corrupt one is reported and skipped."""
-    for checkpoint in list_checkpoints(directory):
-        try:
-            return checkpoint, *load_checkpoint(checkpoint)
-        except (CheckpointError, OSError, RuntimeError) as exc:
-            warnings.warn(f"Skipping checkpoint: {exc}. Trying the previous one.", stacklevel=2)
-    return None
+    """The newest verified checkpoint with its full model and trainer state."""
+    checkpoint = latest_verified(directory)
+    return None if checkpoint is None else (checkpoint, *load_checkpoint(checkpoint))

@@ -20,13 +20,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from gpuflow.config import TrainConfig
@@ -45,6 +38,7 @@ from gpuflow.parallel.pipeline import Pipeline, resize_rows, stages_per_rank
 from gpuflow.parallel.tensor import apply_tensor_parallel
 from gpuflow.precision import make_policy
 from gpuflow.train import checkpoint as ckpt
+from gpuflow.train import model_state
 from gpuflow.train.flops import count_flops
 from gpuflow.train.optim import build_optimizer, build_scheduler
 from gpuflow.train.progress import ProgressDisplay
@@ -53,7 +47,6 @@ from gpuflow.workload import Batch, Workload
 
 DEFAULT_EPOCHS = 10.0
 RUN_FORMAT_VERSION = 1
-FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 @dataclass
@@ -317,20 +310,26 @@ class Trainer:
     def _maybe_resume(self) -> bool:
         if not self.config.resume:
             return False
-        found = ckpt.load_latest(self.checkpoint_dir)
-        if found is None:
+        # Rank 0 verifies the checksums once and tells the others which checkpoint to read.
+        choice = [ckpt.latest_verified(self.checkpoint_dir) if self.is_main else None]
+        if self.world > 1:
+            dist.broadcast_object_list(choice, src=0)
+        checkpoint = choice[0]
+        if checkpoint is None:
             raise UserError(
                 f"--resume: no valid checkpoint in {self.checkpoint_dir}. Check the run dir, "
                 "or start without --resume."
             )
-        checkpoint, model_state, state = found
+        state = ckpt.load_trainer_state(checkpoint)
         try:
-            if self.pipeline is not None:
-                self.pipeline.load(model_state, self.optimizer, state["optimizer"])
+            if ckpt.is_sharded(checkpoint):
+                model_state.load_sharded(self.model, self.optimizer, self.pipeline,
+                                         checkpoint.path / ckpt.STATE_DIR,
+                                         state["optimizer"]["param_groups"])
             else:
-                set_model_state_dict(self.model, model_state, options=FULL_STATE)
-                set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
-                                         options=FULL_STATE)
+                weights, state = ckpt.load_checkpoint(checkpoint)
+                model_state.load_full(self.model, self.optimizer, self.pipeline, weights,
+                                      state["optimizer"])
         except (RuntimeError, KeyError, ValueError) as exc:
             raise UserError(
                 f"--resume: the state in {checkpoint.path} does not fit this workload's model "
@@ -605,20 +604,6 @@ class Trainer:
         outputs = self.pipeline.forward(resize_rows(inputs, full), resize_rows(target, full))
         return None if outputs is None else outputs[:size]
 
-    def full_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """Model and optimizer state by parameter name, unsharded, complete on rank 0
-        (a collective: every rank must call it)."""
-        if self.pipeline is None:
-            return (get_model_state_dict(self.model, options=FULL_STATE),
-                    get_optimizer_state_dict(self.model, self.optimizer, options=FULL_STATE))
-        stage_state = (self.pipeline.model_state(),
-                       self.pipeline.optimizer_state(self.optimizer))
-        gathered: list[Any] | None = [None] * self.world if self.is_main else None
-        dist.gather_object(stage_state if self.dp_rank == 0 else None, gathered, dst=0)
-        if gathered is None:
-            return {}, {}
-        return merge_stage_states([part for part in gathered if part is not None])
-
     def trainer_state(self, optimizer_state: dict[str, Any]) -> dict[str, Any]:
         return {
             "step": self.step,
@@ -632,16 +617,23 @@ class Trainer:
         }
 
     def save_checkpoint(self) -> ckpt.Checkpoint:
-        """Gather the full state (a collective under FSDP and pipelining); rank 0 writes."""
-        model_state, optimizer_state = self.full_state()
-        trainer_state = self.trainer_state(optimizer_state)
-        path = self.checkpoint_dir / f"{ckpt.PREFIX}{self.step:08d}"
-        if self.is_main:
-            path = ckpt.save_checkpoint(self.checkpoint_dir, self.step, model_state,
-                                        trainer_state, keep=self.config.keep_checkpoints).path
-        if self.world > 1:
-            dist.barrier()
-        self.last_checkpoint = ckpt.Checkpoint(path, self.step)
+        """One process writes the full state; in a distributed job every rank writes its
+        own shards in parallel (a collective), with nothing gathered."""
+        keep = self.config.keep_checkpoints
+        if self.world == 1:
+            weights, optimizer_state = model_state.full_state(self.model, self.optimizer)
+            self.last_checkpoint = ckpt.save_checkpoint(
+                self.checkpoint_dir, self.step, weights, self.trainer_state(optimizer_state),
+                keep)
+            return self.last_checkpoint
+        weights, optimizer_state = model_state.local_state(self.model, self.optimizer,
+                                                           self.pipeline)
+        # The shards hold the optimizer's tensors; its hyperparameters go with the trainer.
+        trainer_state = self.trainer_state({"param_groups": optimizer_state["param_groups"]})
+        self.last_checkpoint = ckpt.save_sharded_checkpoint(
+            self.checkpoint_dir, self.step,
+            {"model": weights, "optimizer": optimizer_state["state"]}, trainer_state, keep,
+            is_main=self.is_main, barrier=dist.barrier)
         return self.last_checkpoint
 
     def _write_summary(self, final: dict[str, float]) -> dict[str, Any]:
@@ -685,22 +677,6 @@ class Trainer:
             tmp.write_text(json.dumps(summary, indent=2))
             tmp.replace(self.run_dir / "summary.json")
         return summary
-
-
-def merge_stage_states(parts: list[tuple[dict[str, torch.Tensor], dict[str, Any]]]
-                       ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """One full model and optimizer state from the per-stage states of a pipeline."""
-    model: dict[str, torch.Tensor] = {}
-    state: dict[str, Any] = {}
-    groups: list[dict[str, Any]] = []
-    for model_part, optimizer_part in parts:
-        model.update(model_part)
-        state.update(optimizer_part["state"])
-        for index, group in enumerate(optimizer_part["param_groups"]):
-            if index == len(groups):
-                groups.append({**group, "params": []})
-            groups[index]["params"].extend(group["params"])
-    return model, {"state": state, "param_groups": groups}
 
 
 def train(workload: Workload, config: TrainConfig | None = None,
