@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 from user_workloads import gated_digits, mlp
 
 from gpuflow import TrainConfig, Trainer, train
+from gpuflow import checkpoint as ckpt
 from gpuflow.cli import main
-from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.loop import seed_everything
 
 

@@ -15,6 +15,7 @@ from conftest import ROOT, cli_env, run_cli
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, default_collate, get_worker_info
 
+from gpuflow import checkpoint as ckpt
 from gpuflow.cli import main
 from gpuflow.data import pack as pack_module
 from gpuflow.data.loader import batches_per_epoch, train_batches
@@ -31,7 +32,6 @@ from gpuflow.data.shards import (
 )
 from gpuflow.data.streaming import epoch_order, open_packed
 from gpuflow.errors import UserError
-from gpuflow.train import checkpoint as ckpt
 from gpuflow.workloads import digits
 
 SMALL_SHARDS_MB = 0.05  # digits: 9 train shards of ~178 samples

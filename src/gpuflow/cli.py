@@ -88,7 +88,7 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
 
 # Subcommands that live in their own module under gpuflow.commands: each module has
 # `register(commands)`, which adds its parser and sets `handler(args, argv) -> exit code`.
-_COMMAND_MODULES: tuple[str, ...] = ("report", "data", "serve", "predict")
+_COMMAND_MODULES: tuple[str, ...] = ("report", "data", "serve", "predict", "plan")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,7 +159,7 @@ def _launch(config: Any, argv: Sequence[str]) -> int:
 
 def _restarted_by_elastic_agent(config: Any) -> bool:
     """After a worker failure the agent restarts every worker: continue from the checkpoint."""
-    from gpuflow.train.checkpoint import list_checkpoints
+    from gpuflow.checkpoint import list_checkpoints
 
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     if restarts == 0 or config.resume or config.run_dir is None:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from gpuflow import checkpoint as ckpt
 from gpuflow.errors import UserError
-from gpuflow.train import checkpoint as ckpt
 
 EXPORT_FORMAT_VERSION = "1"
 

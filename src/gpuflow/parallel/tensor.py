@@ -4,6 +4,11 @@ Column-wise layers split their output features across the ``tp`` mesh dimension 
 local shards on; the row-wise layer that follows consumes those shards and all-reduces its
 output, so one block costs two all-reduces in forward and two in backward, and the model
 code runs unchanged on local tensors.
+
+With sequence parallelism the norms, dropout and residual stream between those regions are
+split along the sequence instead of being computed in full on every rank: each all-reduce
+becomes a reduce-scatter plus an all-gather (the same traffic) and that activation memory
+is divided by the tensor-parallel degree.
 """
 
 from __future__ import annotations
@@ -12,10 +17,14 @@ from collections.abc import Mapping
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
 
@@ -23,17 +32,33 @@ from gpuflow.errors import UserError
 
 
 def transformer_plan(attention: str = "attn", mlp: str = "mlp", qkv: str = "qkv",
-                     out: str = "proj", fc: str = "fc") -> dict[str, ParallelStyle]:
+                     out: str = "proj", fc: str = "fc", norms: tuple[str, str] = ("ln1", "ln2"),
+                     sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
     """The Megatron split of a pre-norm transformer block, keyed relative to the block.
 
     The fused qkv projection must lay its outputs out head by head, so that a column shard
-    holds whole heads with their q, k and v.
+    holds whole heads with their q, k and v. ``sequence_parallel`` also splits the
+    ``norms`` and the residual stream along the sequence (dimension 1), which must then be
+    divisible by the tensor-parallel degree.
     """
+    if not sequence_parallel:
+        return {
+            f"{attention}.{qkv}": ColwiseParallel(),
+            f"{attention}.{out}": RowwiseParallel(),
+            f"{mlp}.{fc}": ColwiseParallel(),
+            f"{mlp}.{out}": RowwiseParallel(),
+        }
+    gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                use_local_output=True)
     return {
+        norms[0]: SequenceParallel(),
+        attention: gather,
         f"{attention}.{qkv}": ColwiseParallel(),
-        f"{attention}.{out}": RowwiseParallel(),
+        f"{attention}.{out}": RowwiseParallel(output_layouts=Shard(1)),
+        norms[1]: SequenceParallel(),
+        mlp: gather,
         f"{mlp}.{fc}": ColwiseParallel(),
-        f"{mlp}.{out}": RowwiseParallel(),
+        f"{mlp}.{out}": RowwiseParallel(output_layouts=Shard(1)),
     }
 
 
@@ -50,3 +75,11 @@ def apply_tensor_parallel(blocks: list[nn.Module], plan: Mapping[str, ParallelSt
         raise UserError("Tensor parallelism splits the workload's repeated blocks; it has none.")
     for block in blocks:
         parallelize_module(block, tp_mesh, dict(plan))
+    if any(isinstance(style, SequenceParallel) for style in plan.values()):
+        # The residual stream stays split along the sequence from the first block's input
+        # to the last block's output, where the rest of the model gets it whole again.
+        parallelize_module(blocks[0], tp_mesh, PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+            use_local_output=True))
+        parallelize_module(blocks[-1], tp_mesh, PrepareModuleOutput(
+            output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),)))

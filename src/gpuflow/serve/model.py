@@ -9,9 +9,7 @@ serving depends on the format, not on the training code.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -22,13 +20,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
+from gpuflow import checkpoint as ckpt
 from gpuflow.config import TrainConfig
 from gpuflow.errors import UserError
 from gpuflow.hardware import resolve_device
 from gpuflow.precision import PrecisionPolicy, make_policy
 from gpuflow.workload import BUILTIN_WORKLOADS, Workload, resolve_workload
-
-RUN_DIR_FORMAT = 1
 
 
 @dataclass
@@ -45,29 +42,22 @@ class LoadedModel:
         return self.workload.model
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def newest_run_weights(run_dir: Path) -> tuple[dict[str, torch.Tensor], int]:
-    """Weights of the newest checkpoint whose manifest and weight checksum verify."""
-    folders = sorted((run_dir / "checkpoints").glob("step-*"), reverse=True)
-    for folder in folders:
-        try:
-            manifest = json.loads((folder / "manifest.json").read_text())
-            expected = manifest["files"]["model.safetensors"]
-            if manifest.get("format_version") != RUN_DIR_FORMAT:
-                raise ValueError(f"format version {manifest.get('format_version')}")
-            if _sha256(folder / "model.safetensors") != expected:
-                raise ValueError("model.safetensors fails its checksum")
-            return load_file(str(folder / "model.safetensors")), int(manifest["step"])
-        except (OSError, KeyError, ValueError) as exc:
-            warnings.warn(f"Skipping checkpoint {folder}: {exc}.", stacklevel=2)
-    raise UserError(f"{run_dir} has no valid checkpoint; train it first.")
+    """Weights of the newest checkpoint whose checksums verify.
+
+    A distributed run's checkpoints are sharded, and assembling them means unpickling
+    torch.distributed.checkpoint metadata, which the server never does: it asks for an
+    export instead.
+    """
+    checkpoint = ckpt.latest_verified(run_dir / "checkpoints")
+    if checkpoint is None:
+        raise UserError(f"{run_dir} has no valid checkpoint; train it first.")
+    if ckpt.is_sharded(checkpoint):
+        raise UserError(
+            f"{checkpoint.path} is sharded (saved by a distributed run). Write one file "
+            f"first with `gpuflow export {run_dir} --out model.safetensors`, then serve that."
+        )
+    return load_file(str(checkpoint.path / ckpt.MODEL_FILE)), checkpoint.step
 
 
 def check_source(path: Path) -> None:

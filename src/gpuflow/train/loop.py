@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from gpuflow import checkpoint as ckpt
 from gpuflow.config import TrainConfig
 from gpuflow.data.loader import (
     batches_per_epoch,
@@ -37,7 +38,6 @@ from gpuflow.parallel.env import init_distributed
 from gpuflow.parallel.pipeline import Pipeline, resize_rows, stages_per_rank
 from gpuflow.parallel.tensor import apply_tensor_parallel
 from gpuflow.precision import make_policy
-from gpuflow.train import checkpoint as ckpt
 from gpuflow.train import model_state
 from gpuflow.train.flops import count_flops
 from gpuflow.train.optim import build_optimizer, build_scheduler

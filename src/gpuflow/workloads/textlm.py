@@ -141,7 +141,7 @@ def build(data_dir: str | None = None, data: str = "real",
         metrics={"bits_per_byte": bits_per_byte},
         example_batch=(example[0], example[1]),
         tokens_per_sample=seq,
-        tensor_parallel_plan=transformer_plan(),
+        tensor_parallel_plan=transformer_plan(sequence_parallel=True),
     )
 
 

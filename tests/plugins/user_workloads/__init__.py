@@ -156,3 +156,12 @@ def tiny_gpt() -> gpuflow.Workload:
         tokens_per_sample=seq,
         tensor_parallel_plan=transformer_plan(),
     )
+
+
+def tiny_gpt_sequence_parallel() -> gpuflow.Workload:
+    """``tiny_gpt`` whose plan also splits norms and the residual stream along the sequence."""
+    from gpuflow.parallel.tensor import transformer_plan
+
+    workload = tiny_gpt()
+    workload.tensor_parallel_plan = transformer_plan(sequence_parallel=True)
+    return workload
