@@ -32,8 +32,8 @@ export GPUFLOW_CACHE_DIR=${GPUFLOW_CACHE_DIR:-$WORK/cache}
 
 if (( DRY_RUN )); then
   # No --compile: a cold compile costs 15-30 s per model on a CPU and proves nothing there.
-  DEVICE=cpu; SIZES=(tiny); STEPS=6; LOG_EVERY=2; MATMUL_SIZES=256,512; COMPILE=()
-  declare -A BATCH=([tiny]=4); TRAIN_TIMEOUT=120; SERVING_FLAGS=(--quick)
+  DEVICE=cpu; SIZES=(tiny); STEPS=6; LOG_EVERY=2; MATMUL_SIZES=256; COMPILE=()
+  declare -A BATCH=([tiny]=4); TRAIN_TIMEOUT=300; SERVING_FLAGS=(--quick)
 else
   DEVICE=cuda; SIZES=(124m 1b); STEPS=120; LOG_EVERY=10; MATMUL_SIZES=4096,8192,16384
   COMPILE=(--compile)

@@ -282,7 +282,7 @@ def test_gpu_suite_script_parses_and_dry_runs_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "suite.json"
     env = {**os.environ, "GPUFLOW_SUITE_OUT": str(out), "GPUFLOW_SUITE_WORKDIR": str(tmp_path)}
     result = subprocess.run(["bash", str(script), "--dry-run"], capture_output=True, text=True,
-                            timeout=300, env=env, cwd=ROOT)
+                            timeout=540, env=env, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     suite = json.loads(out.read_text())
     assert suite["dry_run"] is True

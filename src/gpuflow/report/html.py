@@ -33,11 +33,11 @@ svg { max-width: 100%; height: auto; }
 Getter = Callable[[dict[str, Any]], Any]
 
 
-def _num(value: Any, digits: int = 4) -> str:
+def _num(value: Any) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
-        return f"{value:,.{digits}g}"
+        return f"{value:,.4g}"
     return escape(str(value))
 
 
@@ -55,12 +55,8 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]],
     return f"<table><tr>{head}</tr>{''.join(body)}</table>"
 
 
-def _ms(key: str) -> Getter:
-    return lambda facts: None if facts["median"].get(key) is None \
-        else 1e3 * facts["median"][key]
-
-
 def _median(key: str, scale: float = 1.0) -> Getter:
+    """A summary row's value: the median of ``key``, in the row's unit."""
     return lambda facts: None if facts["median"].get(key) is None \
         else scale * facts["median"][key]
 
@@ -74,12 +70,12 @@ SUMMARY_ROWS: tuple[tuple[str, Getter], ...] = (
     ("steps", lambda f: f.get("steps")),
     ("wall time (s)", lambda f: f.get("wall_time_s")),
     ("global batch (samples)", lambda f: f.get("global_batch")),
-    ("step time, median (ms)", _ms("step_time_s")),
-    ("  data wait (ms)", _ms("data_wait_s")),
-    ("  compute, fwd+bwd (ms)", _ms("compute_s")),
-    ("  exposed communication (ms)", _ms("comm_s")),
-    ("  optimizer (ms)", _ms("optimizer_s")),
-    ("  host/other (ms)", _ms("host_s")),
+    ("step time, median (ms)", _median("step_time_s", 1e3)),
+    ("  data wait (ms)", _median("data_wait_s", 1e3)),
+    ("  compute, fwd+bwd (ms)", _median("compute_s", 1e3)),
+    ("  exposed communication (ms)", _median("comm_s", 1e3)),
+    ("  optimizer (ms)", _median("optimizer_s", 1e3)),
+    ("  host/other (ms)", _median("host_s", 1e3)),
     ("samples/s, median", _median("samples_per_s")),
     ("tokens/s, median", _median("tokens_per_s")),
     ("achieved TFLOP/s, median", _median("achieved_flops", 1e-12)),
