@@ -182,6 +182,7 @@ def test_ranks_and_workers_partition_each_epoch_and_resume_exactly(tmp_path: Pat
     data = open_packed(out, "ids")
     assert data is not None
     dataset, batch, world = data.train, 8, 2
+    assert sorted(int(item[1]) for item in dataset) == list(range(203))  # plain iteration
     per_epoch = batches_per_epoch(dataset, batch, world)
     assert per_epoch == 12  # 203 // 2 // 8: 192 samples per epoch, 11 dropped
 

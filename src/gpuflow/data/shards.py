@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import Dataset
 
 from gpuflow.errors import UserError
 
@@ -306,9 +307,6 @@ class RecordShard:
             raise UserError(f"{path} is not a gpuflow record shard (bad trailer).")
         self.offsets = np.frombuffer(os.pread(self._fd, 8 * count, index_offset), dtype="<u8")
 
-    def __len__(self) -> int:
-        return len(self.offsets)
-
     def read(self, index: int) -> bytes:
         offset = int(self.offsets[index])
         (length,) = _LENGTH.unpack(os.pread(self._fd, _LENGTH.size, offset))
@@ -337,8 +335,8 @@ class TokenShard:
         self._map.close()
 
 
-class SplitReader:
-    """One split of a packed set as a sequence of samples, with global sample ids.
+class SplitReader(Dataset):
+    """One split of a packed set as a map-style dataset of samples, by global sample id.
 
     Record sets: sample i is record i. Token sets: sample i is a window of ``seq_len + 1``
     tokens, ``(x, y)`` with ``y`` shifted by one; windows never cross a shard, so each

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from torch.utils.data import Dataset, IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
 
 from gpuflow.data.shards import PACK_STATE, SplitReader, is_packed, load_manifest, read_example
 from gpuflow.errors import UserError
@@ -53,19 +53,6 @@ def epoch_order(counts: list[int], seed: int, epoch: int,
             buffer[slot] = sample
     rng.shuffle(buffer)
     yield from buffer
-
-
-class PackedDataset(Dataset):
-    """Map-style access to one split of a packed set (validation, example items)."""
-
-    def __init__(self, reader: SplitReader) -> None:
-        self.reader = reader
-
-    def __len__(self) -> int:
-        return len(self.reader)
-
-    def __getitem__(self, index: int) -> Any:
-        return self.reader[index]
 
 
 class StreamingDataset(IterableDataset):
@@ -142,11 +129,12 @@ class BatchStream(IterableDataset):
 
 @dataclass(frozen=True)
 class PackedData:
-    """A packed set opened for training: the streamed train split, the validation split,
+    """A packed set opened for training: the streamed train split, the validation split
+    (map-style),
     the stored example batch (record sets) and the workload's metadata."""
 
     train: StreamingDataset
-    val: PackedDataset | None
+    val: SplitReader | None
     example: Any
     meta: dict[str, Any]
 
@@ -177,7 +165,6 @@ def open_packed(data_dir: str | Path | None, workload: str,
     if len(train) == 0:
         raise UserError(f"--data-dir {directory}: the packed training split holds no samples"
                         + (f" of {seq_len + 1} tokens" if seq_len else "") + ".")
-    val = (PackedDataset(SplitReader(directory, manifest, "val", seq_len))
-           if manifest.splits.get("val") else None)
+    val = SplitReader(directory, manifest, "val", seq_len) if manifest.splits.get("val") else None
     return PackedData(StreamingDataset(train), val, read_example(directory, manifest),
                       manifest.meta)
