@@ -41,7 +41,7 @@ import overhead  # noqa: E402
 
 FRAMEWORKS = ("plain", "gpuflow", "fabric", "accelerate")
 RATIO_TARGET = 1.01
-MEMORY_STEPS = 50
+MEMORY_STEPS = 30
 
 
 def import_accelerate() -> tuple[Any, str | None, str | None]:
@@ -82,13 +82,17 @@ class AccelerateLoop:
         pass
 
 
-def available() -> tuple[dict[str, Any], dict[str, str | None], dict[str, str]]:
+IMPORTERS = {"fabric": overhead.import_fabric, "accelerate": import_accelerate}
+
+
+def available(names: tuple[str, ...] = tuple(IMPORTERS)
+              ) -> tuple[dict[str, Any], dict[str, str | None], dict[str, str]]:
     """Framework classes that import, their versions, and why the others are skipped."""
     classes: dict[str, Any] = {}
     found: dict[str, str | None] = {}
     skipped: dict[str, str] = {}
-    for name, importer in (("fabric", overhead.import_fabric), ("accelerate", import_accelerate)):
-        cls, version, reason = importer()
+    for name in names:
+        cls, version, reason = IMPORTERS[name]()
         if cls is None:
             skipped[name] = f"{reason}; install with: pip install lightning accelerate"
         else:
@@ -125,7 +129,8 @@ def probe_memory(name: str, model_name: str, precision: str) -> dict[str, int]:
     """In this (fresh) process: train ``name`` for MEMORY_STEPS and report its memory."""
     from gpuflow.train.telemetry import peak_memory_bytes
 
-    classes, _, _ = available()
+    # Only this framework is imported, so the peak is its own, not every framework's import.
+    classes, _, _ = available(tuple(n for n in IMPORTERS if n == name))
     spec, dataset, base = case_inputs(model_name)
     with tempfile.TemporaryDirectory(prefix="gpuflow-compare-") as workdir:
         loop = build_loop(name, classes, base, dataset, spec.batch_size, precision,
@@ -225,9 +230,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup-rounds", type=int, default=2, help="untimed rounds first")
     parser.add_argument("--round-seconds", type=float, default=0.2,
                         help="calibration target: seconds per round for each framework")
-    parser.add_argument("--models", default="transformer",
+    parser.add_argument("--models", default="transformer,cnn",
                         help=f"comma-separated subset of {', '.join(overhead.MODELS)}")
-    parser.add_argument("--precisions", default="fp32,bf16", help="comma-separated: fp32, bf16")
+    parser.add_argument("--precisions", default="fp32", help="comma-separated: fp32, bf16")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: the cores this process may use)")
     parser.add_argument("--out", type=Path, default=None,
