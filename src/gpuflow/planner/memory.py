@@ -7,8 +7,8 @@ Activations come from the model's profile. The peak is the larger of two phases:
 * forward/backward: parameters, optimizer state, activations (while backward frees them it
   fills gradients, so one step holds the larger of the two, or both when earlier
   micro-batches already left gradients), and temporary buffers (low-precision weight copies
-  made by autocast, FSDP's gathered parameters and unsharded gradients, DDP's buckets, and
-  backward's first gradients, taken as twice the largest saved tensor);
+  made by autocast, FSDP's gathered parameters, DDP's buckets, and
+  backward's first gradients, taken as the fp32 size of the largest saved tensor);
 * optimizer step: parameters, gradients, optimizer state and the optimizer's temporaries.
 """
 
@@ -103,14 +103,14 @@ def predict_memory(profile: ModelProfile, layout: Layout, overhead: float = 0.0
     optimizer = OPTIMIZER_STATE_BYTES[layout.optimizer] * share.params / shard
     activations = activation_bytes(profile, layout, share)
 
-    temporary = 2 * profile.largest_saved_per_sample * layout.micro_batch
+    temporary = profile.largest_saved_per_sample * layout.micro_batch
     compute_bytes = 2 if layout.low_precision else FP32
     per_block = share.block_params / max(1.0, share.layers)
     if fsdp:
         outer = share.params - share.block_params
         gathered = (share.params if not layout.reshard_after_forward
                     else outer + 2 * per_block)
-        temporary += compute_bytes * gathered + FP32 * 2 * per_block
+        temporary += compute_bytes * gathered
     elif layout.low_precision:
         temporary += profile.act_const * share.params / profile.params
     if layout.strategy == "ddp":

@@ -1,0 +1,274 @@
+"""The planner's predictions against independent measurements on the CPU.
+
+Predicted peak memory comes from fake-tensor traces and the planner's formulas; measured peak
+memory comes from torch's own ``MemTracker`` (a TorchDispatchMode that counts every tensor
+storage as it is allocated and freed) around real training steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import run_cli
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from gpuflow.config import TrainConfig
+from gpuflow.parallel.env import free_port
+from gpuflow.planner import choose_plan, find_max_batch_size
+from gpuflow.planner.batch_size import accumulation_for
+from gpuflow.planner.cost import predict_step_time
+from gpuflow.planner.hardware import cpu_hardware, gpu_hardware
+from gpuflow.planner.layout import Layout
+from gpuflow.planner.memory import model_state_bytes, predict_memory
+from gpuflow.planner.profile import TransformerDims, profile_workload
+from gpuflow.train.loop import call_model
+from gpuflow.train.optim import build_optimizer
+from gpuflow.workload import Workload, resolve_workload
+from gpuflow.workloads.textlm import parse_model_size
+
+TOLERANCE = 0.15
+SMALL_GPT = "layers=2,dim=64,heads=2,seq=64"
+
+
+def _batch(workload: Workload, size: int) -> tuple[Any, torch.Tensor]:
+    inputs, target = workload.get_example_batch()
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return t[:1].repeat(size, *[1] * (t.dim() - 1))  # a copy, not a view of the dataset
+
+    return (tuple(rows(t) for t in inputs) if isinstance(inputs, tuple) else rows(inputs),
+            rows(target))
+
+
+def _train_steps(workload: Workload, forward: Any, optimizer: Any, batch: Any,
+                 precision: str, tracker: MemTracker, steps: int = 2) -> float:
+    """Run ``steps`` training steps; returns the median seconds per step."""
+    dtype = {"bf16": torch.bfloat16}.get(precision)
+    inputs, target = batch
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        tracker.reset_mod_stats()
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            loss = workload.loss_fn(call_model(forward, inputs), target)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def measured_peak(workload: Workload, precision: str, micro_batch: int) -> int:
+    model = workload.model
+    optimizer = build_optimizer(model, TrainConfig(), torch.device("cpu"))
+    batch = _batch(workload, micro_batch)
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer, batch)
+    with tracker:
+        _train_steps(workload, model, optimizer, batch, precision, tracker)
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+CASES = [("digits", None, "fp32", 64), ("mnist-idx", None, "fp32", 32),
+         ("textlm", SMALL_GPT, "fp32", 8), ("textlm", SMALL_GPT, "bf16", 8),
+         ("speech", "tiny", "fp32", 8)]
+
+
+@pytest.mark.parametrize(("name", "size", "precision", "micro_batch"), CASES)
+def test_single_process_peak_memory_is_predicted_within_15_percent(
+        name: str, size: str | None, precision: str, micro_batch: int) -> None:
+    options = {"data": "synthetic", **({"model_size": size} if size else {})}
+    workload = resolve_workload(name, options)
+    profile = profile_workload(workload, precision)
+    predicted = predict_memory(profile, Layout("single", precision=precision,
+                                               micro_batch=micro_batch)).peak
+    measured = measured_peak(workload, precision, micro_batch)
+    assert abs(predicted / measured - 1) < TOLERANCE, (predicted, measured)
+
+
+def test_activation_checkpointing_prediction_tracks_the_measurement() -> None:
+    from gpuflow.train.loop import apply_activation_checkpointing
+
+    workload = resolve_workload("textlm", {"data": "synthetic", "model_size": SMALL_GPT})
+    profile = profile_workload(workload, "fp32")
+    plain = predict_memory(profile, Layout("single", micro_batch=8)).peak
+    apply_activation_checkpointing(workload.model, workload.blocks())
+    predicted = predict_memory(profile, Layout("single", activation_checkpointing=True,
+                                               micro_batch=8)).peak
+    measured = measured_peak(workload, "fp32", 8)
+    assert predicted < plain
+    assert abs(predicted / measured - 1) < TOLERANCE, (predicted, measured)
+
+
+def test_analytic_transformer_matches_the_trace_of_the_built_in_gpt() -> None:
+    workload = resolve_workload("textlm", {"data": "synthetic", "model_size": "tiny"})
+    config = parse_model_size("tiny")
+    dims = TransformerDims(layers=config.layers, dim=config.dim, heads=config.heads,
+                           vocab=config.vocab_size, seq=config.seq_len)
+    for precision in ("fp32", "bf16"):
+        traced, analytic = profile_workload(workload, precision), dims.profile(precision)
+        assert analytic.params == traced.params == config.num_parameters()
+        assert analytic.tp_params == traced.tp_params
+        for field in ("act_per_sample", "act_block_per_sample", "act_tp_per_sample",
+                      "block_input_per_sample", "act_const"):
+            assert getattr(analytic, field) == pytest.approx(getattr(traced, field), rel=0.01,
+                                                             abs=1e4)
+        assert analytic.flops_per_sample == pytest.approx(traced.flops_per_sample, rel=0.03)
+
+
+STRATEGIES = {
+    "ddp": Layout("ddp", dp=2, micro_batch=4),
+    "fsdp": Layout("fsdp", dp=2, micro_batch=4),
+    "fsdp-no-reshard": Layout("fsdp", dp=2, reshard_after_forward=False, micro_batch=4),
+    "tp": Layout("tp", tp=2, micro_batch=4),
+}
+
+
+def _two_rank_worker(rank: int, port: int, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from gpuflow.parallel.data_parallel import apply_ddp, apply_fsdp
+    from gpuflow.parallel.tensor import apply_tensor_parallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    peaks = {}
+    for name, layout in STRATEGIES.items():
+        workload = resolve_workload("textlm", {"data": "synthetic", "model_size": SMALL_GPT})
+        model = workload.model
+        tracker = MemTracker()
+        tracker.track_external(model)
+        with tracker:
+            forward: Any = model
+            if layout.strategy == "ddp":
+                forward = apply_ddp(model, torch.device("cpu"))
+            elif layout.strategy == "fsdp":
+                apply_fsdp(model, workload.blocks(), None, layout.reshard_after_forward)
+            else:
+                mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+                apply_tensor_parallel(workload.blocks(), workload.tensor_parallel_plan,
+                                      mesh["tp"])
+            optimizer = build_optimizer(model, TrainConfig(), torch.device("cpu"))
+            _train_steps(workload, forward, optimizer, _batch(workload, layout.micro_batch),
+                         "fp32", tracker)
+        peaks[name] = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    Path(f"{out}.{rank}").write_text(json.dumps(peaks))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_rank_peak_memory_is_predicted_within_15_percent(tmp_path: Path) -> None:
+    out = str(tmp_path / "peaks")
+    mp.spawn(_two_rank_worker, args=(free_port(), out), nprocs=2)
+    workload = resolve_workload("textlm", {"data": "synthetic", "model_size": SMALL_GPT})
+    profile = profile_workload(workload, "fp32")
+    for rank in (0, 1):
+        measured = json.loads(Path(f"{out}.{rank}").read_text())
+        for name, layout in STRATEGIES.items():
+            predicted = predict_memory(profile, layout).peak
+            assert abs(predicted / measured[name] - 1) < TOLERANCE, (name, predicted,
+                                                                     measured[name])
+
+
+def test_predicted_step_times_order_like_the_measured_ones() -> None:
+    """bf16 on a CPU with AMX runs matmuls several times faster than fp32; checkpointing adds
+    a forward. The planner, given this CPU's measured peaks, must agree on both orders."""
+    from gpuflow.hardware import cpu_peak
+
+    workload = resolve_workload("textlm", {"data": "synthetic",
+                                           "model_size": "layers=2,dim=256,heads=4,seq=64"})
+    peaks = {key: cpu_peak(key).flops or 1.0 for key in ("fp32", "bf16")}
+    hardware = cpu_hardware(1, peaks, 2**34)
+    predicted, measured = {}, {}
+    for precision in ("fp32", "bf16"):
+        profile = profile_workload(workload, precision)
+        layout = Layout("single", precision=precision, micro_batch=4)
+        predicted[precision] = predict_step_time(profile, layout, hardware).step_s
+        optimizer = build_optimizer(workload.model, TrainConfig(), torch.device("cpu"))
+        tracker = MemTracker()
+        measured[precision] = _train_steps(workload, workload.model, optimizer,
+                                           _batch(workload, 4), precision, tracker)
+    assert (predicted["bf16"] < predicted["fp32"]) == (measured["bf16"] < measured["fp32"])
+    profile = profile_workload(workload, "fp32")
+    plain = predict_step_time(profile, Layout("single", micro_batch=4), hardware).step_s
+    checkpointed = predict_step_time(
+        profile, Layout("single", activation_checkpointing=True, micro_batch=4), hardware)
+    assert checkpointed.step_s == pytest.approx(plain * 4 / 3)
+
+
+def test_zero_stage_model_states_match_the_paper() -> None:
+    """ZeRO (Rajbhandari et al. 2020, Figure 1): 7.5B parameters, 64 GPUs, K = 12."""
+    psi = 7.5e9
+    stages = [(False, False, False), (True, False, False), (True, True, False),
+              (True, True, True)]
+    paper_gb = [120, 31.4, 16.6, 1.88]
+    for (opt, grad, param), expected in zip(stages, paper_gb, strict=True):
+        got = model_state_bytes(psi, 64, opt, grad, param, param_bytes=2, grad_bytes=2,
+                                optimizer_bytes=12) / 1e9
+        assert got == pytest.approx(expected, rel=0.01)
+
+
+def test_choose_plan_returns_a_plan_the_trainer_can_apply() -> None:
+    workload = resolve_workload("textlm", {"data": "synthetic", "model_size": SMALL_GPT})
+    hardware = gpu_hardware("h100", 8)
+    plan = choose_plan(workload, TrainConfig(precision="bf16", batch_size=4), hardware)
+    assert plan.fits and plan.dp * plan.tp * plan.pp == 8
+    assert plan.micro_batch * plan.grad_accum * plan.dp == 4 * 8
+    assert plan.strategy in ("ddp", "fsdp", "tp", "single")
+    assert 0 < plan.predicted_peak_bytes <= hardware.memory_bytes
+    assert plan.predicted_step_s > 0
+    tiny_memory = replace(hardware, memory_bytes=1)
+    with pytest.raises(Exception, match="No plan fits"):
+        choose_plan(workload, TrainConfig(precision="bf16"), tiny_memory)
+
+
+def test_batch_size_auto_finds_the_largest_fitting_micro_batch_and_leaks_nothing() -> None:
+    workload = resolve_workload("textlm", {"data": "synthetic", "model_size": SMALL_GPT})
+    model = workload.model
+    optimizer = build_optimizer(model, TrainConfig(), torch.device("cpu"))
+
+    def step(size: int) -> None:
+        inputs, target = _batch(workload, size)
+        workload.loss_fn(model(inputs), target).backward()
+
+    profile = profile_workload(workload, "fp32")
+    budget = int(predict_memory(profile, Layout("single", micro_batch=12)).peak)
+    found = find_max_batch_size(step, tracked=[model, optimizer], memory_cap=budget)
+    assert 6 <= found <= 24
+    assert all(p.grad is None for p in model.parameters())
+    assert find_max_batch_size(step, tracked=[model, optimizer], memory_cap=budget,
+                               start=found, limit=found + 1) == found
+    assert accumulation_for(64, 2, found) == (max(d for d in range(1, found + 1)
+                                                  if 32 % d == 0), 32 // max(
+        d for d in range(1, found + 1) if 32 % d == 0))
+    with pytest.raises(Exception, match="memory cap"):
+        find_max_batch_size(step)
+
+
+def test_plan_cli_table_json_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    from gpuflow.cli import main
+
+    assert main(["plan", "--transformer", "llama3-8b", "--gpus", "8", "--gpu-type", "h100",
+                 "--global-batch", "16", "--json", "--no-pipeline"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    best = report["recommended"]
+    assert best["fits"] and best["global_batch"] == 16
+    assert report["reason"].startswith("Run ")
+    assert any(not p["fits"] for p in report["plans"])
+    assert main(["plan", "--workload", "digits", "--gpus", "2", "--gpu-type", "a100-80g",
+                 "--precision", "fp32,bf16"]) == 0
+    table = capsys.readouterr().out
+    assert "Candidate plans" in table and "Run " in table
+    bad = run_cli("plan", "--gpu-type", "h900", "--transformer", "llama3-8b")
+    assert bad.returncode == 2
+    assert "h100" in bad.stderr and "a100-80g" in bad.stderr
