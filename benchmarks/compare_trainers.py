@@ -21,7 +21,6 @@ import argparse
 import copy
 import gc
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -119,16 +118,20 @@ def case_inputs(model_name: str) -> tuple[overhead.ModelSpec, TensorDataset, nn.
     return spec, overhead.make_dataset(spec), spec.build()
 
 
-def resident_bytes() -> int:
-    """Current resident memory of this process (Linux)."""
-    pages = int(Path("/proc/self/statm").read_text().split()[1])
-    return pages * os.sysconf("SC_PAGE_SIZE")
+def resident_bytes(field: str = "VmRSS") -> int:
+    """Resident memory of this process now (VmRSS) or at its peak (VmHWM), Linux.
+
+    Not getrusage's ru_maxrss: Linux carries that across fork and exec, so a child would
+    report its parent's peak.
+    """
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def probe_memory(name: str, model_name: str, precision: str) -> dict[str, int]:
     """In this (fresh) process: train ``name`` for MEMORY_STEPS and report its memory."""
-    from gpuflow.train.telemetry import peak_memory_bytes
-
     # Only this framework is imported, so the peak is its own, not every framework's import.
     classes, _, _ = available(tuple(n for n in IMPORTERS if n == name))
     spec, dataset, base = case_inputs(model_name)
@@ -139,7 +142,7 @@ def probe_memory(name: str, model_name: str, precision: str) -> dict[str, int]:
         before = resident_bytes()
         loop.run(MEMORY_STEPS)
         loop.close()
-        peak, _ = peak_memory_bytes(torch.device("cpu"))
+        peak = resident_bytes("VmHWM")
     return {"peak_rss_bytes": peak, "growth_bytes": max(0, peak - before)}
 
 
