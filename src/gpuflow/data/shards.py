@@ -23,6 +23,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import math
 import mmap
 import os
 import struct
@@ -108,7 +109,7 @@ def decode_record(buffer: bytes, layout: Layout) -> Any:
         shape = struct.unpack_from(f"<{ndim}Q", buffer, position)
         position += 8 * ndim
         dtype = _DTYPES[code]
-        size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        size = math.prod(shape) * dtype.itemsize
         raw = bytearray(buffer[position:position + size])
         position += size
         tensor = (torch.frombuffer(raw, dtype=dtype) if size else
