@@ -19,6 +19,10 @@ EXIT_DIVERGED = 3
 EXIT_WORKER_FAILED = 1
 
 
+def _int_or_auto(text: str) -> int | str:
+    return "auto" if text == "auto" else int(text)
+
+
 def _positive_or_none(text: str) -> float | None:
     return None if text.lower() in ("none", "off", "0") else float(text)
 
@@ -34,7 +38,14 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
     add("--model-size", help="the workload's model size preset (e.g. textlm: tiny|small|124m)")
     add("--device", help="auto | cpu | cuda | cuda:N (default auto)")
     add("--precision", choices=["fp32", "tf32", "bf16", "fp16"], help="default fp32")
-    add("--batch-size", type=int, help="samples per micro-batch (default 64)")
+    add("--batch-size", type=_int_or_auto,
+        help="samples per micro-batch (default 64), or auto: the largest that fits, "
+             "accumulating to keep the global batch")
+    add("--global-batch", type=int,
+        help="samples per optimizer step over all ranks (with --batch-size auto)")
+    add("--memory-cap-gib", type=float,
+        help="--batch-size auto: memory the step may use per device (default: the GPU's "
+             "free memory; on a CPU 90%% of RAM)")
     add("--grad-accum", type=int, help="micro-batches per optimizer step (default 1)")
     add("--lr", type=float, help="peak learning rate (default 3e-3)")
     add("--optimizer", choices=["adamw", "sgd"], help="default adamw")
@@ -63,8 +74,9 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
     add("--no-progress", dest="progress", action="store_false", default=argparse.SUPPRESS,
         help="no live progress output")
     dist = parser.add_argument_group("distributed (torch.distributed, elastic launcher)")
-    dist.add_argument("--strategy", choices=["single", "ddp", "fsdp", "tp", "pp"],
-                      help="default: single for one process, ddp for several")
+    dist.add_argument("--strategy", choices=["single", "ddp", "fsdp", "tp", "pp", "auto"],
+                      help="default: single for one process, ddp for several; auto: the "
+                           "planner's best plan for the devices present")
     dist.add_argument("--tp", type=int,
                       help="tensor-parallel degree (tp: all processes; fsdp: FSDP x TP mesh)")
     dist.add_argument("--pp", type=int,

@@ -13,9 +13,10 @@ from gpuflow.errors import UserError
 Precision = Literal["fp32", "tf32", "bf16", "fp16"]
 OptimizerName = Literal["adamw", "sgd"]
 Schedule = Literal["cosine", "constant"]
-Strategy = Literal["single", "ddp", "fsdp", "tp", "pp"]
+Strategy = Literal["single", "ddp", "fsdp", "tp", "pp", "auto"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
 DataSource = Literal["real", "synthetic"]
+DEFAULT_BATCH_SIZE = 64
 
 
 @dataclass
@@ -28,7 +29,9 @@ class TrainConfig:
     model_size: str | None = None
     device: str = "auto"
     precision: Precision = "fp32"
-    batch_size: int = 64
+    batch_size: int | Literal["auto"] = DEFAULT_BATCH_SIZE
+    global_batch: int | None = None
+    memory_cap_gib: float | None = None
     grad_accum: int = 1
     lr: float = 3e-3
     optimizer: OptimizerName = "adamw"
@@ -74,7 +77,9 @@ class TrainConfig:
         _check_choice("pp_schedule", self.pp_schedule, PipelineSchedule)
         if self.strategy is not None:
             _check_choice("strategy", self.strategy, Strategy)
-        for name in ("batch_size", "grad_accum", "log_every", "keep_checkpoints",
+        if self.batch_size != "auto" and self.batch_size < 1:
+            raise UserError(f"--batch-size must be at least 1 or auto (got {self.batch_size}).")
+        for name in ("grad_accum", "log_every", "keep_checkpoints",
                      "max_nonfinite_steps", "nproc", "nnodes", "tp", "pp"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{_flag(name)} must be at least 1 (got {getattr(self, name)}).")
@@ -92,7 +97,9 @@ class TrainConfig:
             raise UserError("Give either --max-steps or --epochs, not both.")
         if self.clip_grad is not None and self.clip_grad <= 0:
             raise UserError(f"--clip-grad must be positive (got {self.clip_grad}).")
-        for name in ("dp", "microbatches"):
+        if self.memory_cap_gib is not None and self.memory_cap_gib <= 0:
+            raise UserError(f"--memory-cap-gib must be positive (got {self.memory_cap_gib}).")
+        for name in ("dp", "microbatches", "global_batch"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UserError(f"--{_flag(name)} must be at least 1 (got {value}).")
@@ -216,8 +223,12 @@ def _check_types(config: TrainConfig) -> None:
             expected = int
         elif f.name in ("strategy", "rdzv_endpoint", "data_dir", "model_size"):
             expected = str
-        elif f.name in ("dp", "microbatches"):
+        elif f.name in ("dp", "microbatches", "global_batch"):
             expected = int
+        elif f.name == "memory_cap_gib":
+            expected = float
+        elif f.name == "batch_size" and value == "auto":
+            continue
         elif f.name in ("epochs", "clip_grad"):
             expected = float
         if expected is float and isinstance(value, int) and not isinstance(value, bool):

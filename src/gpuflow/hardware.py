@@ -174,7 +174,7 @@ def environment_report() -> dict[str, object]:
         "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
         "cpu": _cpu_model() or platform.machine(),
         "cpu_threads": torch.get_num_threads(),
-        "memory_bytes": _total_memory(),
+        "memory_bytes": total_memory(),
         "gpus": [],
     }
     for index in range(torch.cuda.device_count()):
@@ -191,8 +191,28 @@ def environment_report() -> dict[str, object]:
     return report
 
 
-def _total_memory() -> int | None:
+def total_memory() -> int | None:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """What one device can hold: a GPU's memory, or the machine's RAM for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return total_memory()
+
+
+def native_bf16(device: torch.device) -> bool | None:
+    """Whether bf16 matmuls run on native units (so ``--precision bf16`` is worth
+    suggesting); None when it cannot be told."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("flags")), "")
+    except OSError:
+        return None
+    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))

@@ -10,7 +10,7 @@ import torch
 
 from gpuflow.errors import UserError
 from gpuflow.gpu_specs import lookup_gpu
-from gpuflow.hardware import _total_memory, cpu_peak
+from gpuflow.hardware import cpu_peak, total_memory
 from gpuflow.planner.cost import StepTime, predict_step_time
 from gpuflow.planner.hardware import GPU_TYPES, Hardware, cpu_hardware, gpu_hardware
 from gpuflow.planner.layout import Layout
@@ -190,7 +190,7 @@ def local_hardware(devices: int) -> Hardware:
         raise UserError(f"The planner has no figures for {name!r}; "
                         f"known GPU types: {', '.join(GPU_TYPES)}.")
     peaks = {key: cpu_peak(key).flops or 1.0 for key in ("fp32", "tf32", "bf16", "fp16")}
-    return cpu_hardware(devices, peaks, _total_memory() or 2**34)
+    return cpu_hardware(devices, peaks, total_memory() or 2**34)
 
 
 def choose_plan(workload: Workload, config_like: Any, devices: int | Hardware,

@@ -175,7 +175,8 @@ def _low_mfu(summary: Mapping[str, Any]) -> Finding | None:
     if mfu is None or share is None or share < COMPUTE_DOMINANT_FRAC or mfu >= LOW_MFU:
         return None
     suggestions = []
-    if summary.get("precision") in ("fp32", "tf32"):
+    # Not where bf16 is emulated (a CPU without AVX512-BF16 or AMX runs it many times slower).
+    if summary.get("precision") in ("fp32", "tf32") and summary.get("native_bf16") is not False:
         suggestions.append("--precision bf16: matmuls on the bf16 units (tensor cores, AMX)")
     if not summary.get("compiled", config.get("compile", False)):
         suggestions.append("--compile: fused elementwise kernels around the matmuls")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import json
 import math
@@ -32,13 +33,21 @@ from gpuflow.data.loader import (
 )
 from gpuflow.data.prefetch import DevicePrefetcher, move_to_device
 from gpuflow.errors import NonFiniteLossError, UserError
-from gpuflow.hardware import device_name, peak_flops, resolve_device
+from gpuflow.hardware import (
+    device_memory_bytes,
+    device_name,
+    native_bf16,
+    peak_flops,
+    resolve_device,
+)
 from gpuflow.parallel.data_parallel import apply_ddp, apply_fsdp, set_gradient_sync
 from gpuflow.parallel.env import init_distributed
 from gpuflow.parallel.pipeline import Pipeline, resize_rows, stages_per_rank
 from gpuflow.parallel.tensor import apply_tensor_parallel
+from gpuflow.planner.search import Plan
 from gpuflow.precision import make_policy
 from gpuflow.train import model_state
+from gpuflow.train.auto import BatchProbe, plan_strategy, probe_batch_size
 from gpuflow.train.flops import count_flops
 from gpuflow.train.optim import build_optimizer, build_scheduler
 from gpuflow.train.progress import ProgressDisplay
@@ -130,8 +139,12 @@ class Trainer:
         if device.type == "cuda" and self.dist.world_size > 1:
             device = torch.device("cuda", self.dist.local_rank)
         self.device = device
-        self.strategy = config.resolved_strategy(self.dist.world_size)
         self.world = self.dist.world_size
+        self.plan: Plan | None = None
+        if config.strategy == "auto":
+            config, self.plan = plan_strategy(workload, config, self.world)
+            self.config = config
+        self.strategy = config.resolved_strategy(self.world)
         self.dp, self.tp, self.pp = config.mesh_shape(self.world)
         self.mesh = self._device_mesh()
         self.dp_rank = self.mesh["dp"].get_local_rank() if self.mesh else self.dist.rank
@@ -140,11 +153,27 @@ class Trainer:
         if self.policy.loss_scaling and (self.strategy == "fsdp" or self.pp > 1):
             raise UserError(f"--strategy {self.strategy} supports fp32, tf32 and bf16; "
                             "use --precision bf16.")
-        self.microbatches = self._pipeline_microbatches()
         self.run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(workload.name)
         self.checkpoint_dir = self.run_dir / "checkpoints"
         self.model = workload.model.to(self.device)
         self.model.train()
+        example = move_to_device(workload.get_example_batch(), self.device)
+        self.batch_probe: BatchProbe | None = None
+        if config.batch_size == "auto":
+            self.batch_probe = probe_batch_size(
+                self.model, example, self._probe_step, config, self.strategy, self.dp,
+                self.device, agree=self._all_agree if self.world > 1 else None)
+            config = dataclasses.replace(config, batch_size=self.batch_probe.micro_batch,
+                                         grad_accum=self.batch_probe.grad_accum)
+            self.config = config
+        global_batch = config.batch_size * config.grad_accum * self.dp
+        if config.global_batch is not None and config.global_batch != global_batch:
+            raise UserError(
+                f"--global-batch {config.global_batch} is not --batch-size {config.batch_size} "
+                f"x --grad-accum {config.grad_accum} x {self.dp} data-parallel ranks "
+                f"({global_batch}); drop one, or use --batch-size auto."
+            )
+        self.microbatches = self._pipeline_microbatches()
 
         self.micro_batch = config.batch_size
         self.per_epoch_batches = batches_per_epoch(workload.train_dataset, config.batch_size,
@@ -156,7 +185,6 @@ class Trainer:
             epochs = config.epochs if config.epochs is not None else DEFAULT_EPOCHS
             self.total_steps = max(1, math.ceil(epochs * self.steps_per_epoch))
 
-        example = move_to_device(workload.get_example_batch(), self.device)
         self.flops_per_step = self._count_step_flops(example) * self.dp
         self.timer = StepTimer(self.device)
         self.pipeline: Pipeline | None = None
@@ -194,6 +222,20 @@ class Trainer:
         self.timer.start_window()
 
     # --- set-up -------------------------------------------------------------------------
+
+    def _probe_step(self, batch: Batch) -> None:
+        """Forward and backward of one batch, leaving no trace (for --batch-size auto)."""
+        inputs, target = batch
+        with side_effect_free(self.model, self.device):
+            with self.policy.autocast():
+                loss = self.workload.loss_fn(call_model(self.model, inputs), target)
+            loss.backward()
+
+    def _all_agree(self, value: int) -> int:
+        """The smallest of every rank's ``value``: all ranks act on the same verdict."""
+        tensor = torch.tensor(value, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+        return int(tensor.item())
 
     def _count_step_flops(self, example: Batch) -> int:
         """FLOPs of one forward+backward on the example batch, scaled to the step's batch."""
@@ -473,7 +515,8 @@ class Trainer:
 
     def fit(self) -> RunResult:
         """Train to ``total_steps``, evaluate, save the final checkpoint and the summary."""
-        self.progress.message(self._banner())
+        if self.is_main:
+            self.progress.announce(self._banner())
         try:
             self.run_steps(self.total_steps - self.step)
             final = self.evaluate()
@@ -506,12 +549,20 @@ class Trainer:
         ranks = (f" x {self.world} ranks ({self.strategy}, dp {self.dp} x tp {self.tp}"
                  f"{pipeline})" if self.world > 1 else "")
         global_batch = self.micro_batch * config.grad_accum * self.dp
+        chosen = ""
+        if self.plan is not None:
+            chosen += (f"; --strategy auto chose {self.strategy} (dp {self.dp} x tp {self.tp} x "
+                       f"pp {self.pp}), predicted {self.plan.predicted_peak_bytes / 2**30:.2f} "
+                       f"GiB and {self.plan.predicted_step_s * 1e3:.1f} ms per step")
+        if self.batch_probe is not None:
+            chosen += (f"; --batch-size auto: {self.batch_probe.largest_fitting} fit, running "
+                       f"{self.micro_batch} x accum {config.grad_accum}")
         return (
             f"gpuflow: {self.workload.name} on {device_name(self.device)} ({self.device}){ranks}, "
             f"{self.policy.describe()}, global batch {global_batch} = micro-batch "
             f"{self.micro_batch} x accum {config.grad_accum} x data-parallel {self.dp}, "
             f"{self.total_steps} steps{resumed}{', compiled' if self.compiled else ''}; "
-            f"run dir {self.run_dir}"
+            f"run dir {self.run_dir}{chosen}"
         )
 
     def _log_window(self) -> None:
@@ -636,6 +687,22 @@ class Trainer:
             is_main=self.is_main, barrier=dist.barrier)
         return self.last_checkpoint
 
+    def _plan_record(self, peak_mem: int | None) -> dict[str, Any] | None:
+        """What --strategy auto and --batch-size auto chose, predicted next to measured."""
+        if self.plan is None and self.batch_probe is None:
+            return None
+        record: dict[str, Any] = {
+            "strategy_auto": self.plan.as_dict() if self.plan else None,
+            "batch_size_auto": self.batch_probe.as_dict() if self.batch_probe else None,
+        }
+        if self.plan is not None:
+            measured_step = medians(self.metrics.step_records()).get("step_time_s")
+            record["predicted_vs_measured"] = {
+                "peak_mem_bytes": [self.plan.predicted_peak_bytes, peak_mem],
+                "step_time_s": [self.plan.predicted_step_s, measured_step],
+            }
+        return record
+
     def _write_summary(self, final: dict[str, float]) -> dict[str, Any]:
         peak_mem, mem_kind = peak_memory_bytes(self.device)
         global_batch = self.micro_batch * self.config.grad_accum * self.dp
@@ -659,6 +726,8 @@ class Trainer:
             "peak_flops_source": self.peak.source,
             "peak_mem_bytes": peak_mem,
             "peak_mem_kind": mem_kind,
+            "device_memory_bytes": device_memory_bytes(self.device),
+            "native_bf16": native_bf16(self.device),
             "global_batch": global_batch,
             "strategy": self.strategy,
             "world_size": self.world,
@@ -668,6 +737,7 @@ class Trainer:
                 "cuda": torch.version.cuda,
                 "python": platform.python_version(),
             },
+            "plan": self._plan_record(peak_mem),
             "checkpoint": str(self.last_checkpoint.path) if self.last_checkpoint else None,
             "run_dir": str(self.run_dir),
             "config": self.config.to_dict(),

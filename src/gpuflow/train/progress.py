@@ -71,6 +71,10 @@ class ProgressDisplay:
         if self.enabled:
             self.console.print(text, highlight=False)
 
+    def announce(self, text: str) -> None:
+        """Printed even without live progress: what the run is about to do."""
+        self.console.print(text, highlight=False, soft_wrap=True)
+
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()

@@ -1,0 +1,133 @@
+"""`--strategy auto` and `--batch-size auto`: the planner's choices, applied to a run.
+
+The strategy comes from the planner's predictions for the devices present (no trial runs);
+the micro-batch from real allocations on the device, probing growing batches of the
+workload's own data. Both keep the global batch the user asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+
+from gpuflow.config import DEFAULT_BATCH_SIZE, TrainConfig
+from gpuflow.errors import UserError
+from gpuflow.hardware import total_memory
+from gpuflow.parallel.pipeline import resize_rows
+from gpuflow.planner import choose_plan, find_max_batch_size
+from gpuflow.planner.batch_size import accumulation_for
+from gpuflow.planner.search import Plan
+from gpuflow.workload import Batch, Workload
+
+# Strategies whose memory one process can probe for all: the model is whole on each rank.
+_PROBED_STRATEGIES = ("single", "ddp")
+# Optimizer state per parameter byte, held in the probe so the step still fits after the
+# first optimizer step allocates it.
+_OPTIMIZER_STATE = {"adamw": 2, "sgd": 1}
+
+
+def requested_global_batch(config: TrainConfig, world: int) -> int:
+    """--global-batch, or what the micro-batch, accumulation and world size give."""
+    if config.global_batch is not None:
+        return config.global_batch
+    micro = DEFAULT_BATCH_SIZE if config.batch_size == "auto" else config.batch_size
+    return micro * config.grad_accum * world
+
+
+def plan_strategy(workload: Workload, config: TrainConfig, world: int
+                  ) -> tuple[TrainConfig, Plan]:
+    """The config with the planner's best layout for ``world`` devices applied."""
+    global_batch = requested_global_batch(config, world)
+    if global_batch % world:
+        raise UserError(f"--global-batch {global_batch} does not divide over {world} "
+                        "processes.")
+    wanted = SimpleNamespace(precision=config.precision, optimizer=config.optimizer,
+                             batch_size=global_batch // world, grad_accum=1)
+    plan = choose_plan(workload, wanted, world)
+    strategy = plan.strategy
+    if plan.pp > 1:
+        strategy = "pp" if plan.dp == 1 else "fsdp"
+    batch_size: int | str = "auto" if config.batch_size == "auto" else plan.micro_batch
+    chosen = dataclasses.replace(
+        config, strategy=strategy, tp=plan.tp, pp=plan.pp, dp=None,
+        reshard_after_forward=plan.reshard_after_forward,
+        activation_checkpointing=plan.activation_checkpointing,
+        batch_size=batch_size, grad_accum=plan.grad_accum, global_batch=global_batch)
+    return chosen, plan
+
+
+@dataclass(frozen=True)
+class BatchProbe:
+    """What `--batch-size auto` found and how."""
+
+    micro_batch: int
+    grad_accum: int
+    largest_fitting: int
+    memory_cap_bytes: int | None
+    reserved_bytes: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def probe_batch_size(model: nn.Module, example: Batch, loss_step: Callable[[Batch], None],
+                     config: TrainConfig, strategy: str, dp: int, device: torch.device,
+                     agree: Callable[[int], int] | None) -> BatchProbe:
+    """Largest micro-batch whose forward and backward fit, then the accumulation that keeps
+    the global batch.
+
+    Runs before the model is wrapped: each rank holds the whole model under single and DDP
+    only, so other strategies are refused (their memory depends on shards that do not
+    exist yet). The optimizer state (and DDP's gradient buckets) is reserved up front.
+    """
+    if strategy not in _PROBED_STRATEGIES:
+        raise UserError(
+            f"--batch-size auto probes one whole model per device, which {strategy} does not "
+            "hold; give --batch-size N, or use --strategy single or ddp."
+        )
+    global_batch = requested_global_batch(config, dp)
+    if global_batch % dp:
+        raise UserError(f"--global-batch {global_batch} does not divide over {dp} "
+                        "data-parallel ranks.")
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    reserved = param_bytes * (_OPTIMIZER_STATE[config.optimizer] + (strategy == "ddp"))
+    cap = _memory_cap(config, device)
+
+    def step(rows: int) -> None:
+        loss_step(resize_rows(example, rows))
+
+    budget = None if cap is None else cap - reserved
+    if budget is not None and budget <= param_bytes:
+        raise UserError(
+            f"--memory-cap-gib {cap / 2**30:.3g} leaves no room for activations after the "
+            f"weights and optimizer state ({(param_bytes + reserved) / 2**30:.3g} GiB)."
+        )
+    reserve = torch.empty(reserved, dtype=torch.uint8, device=device) if cap is None else None
+    try:
+        largest = find_max_batch_size(step, device=device, tracked=[model],
+                                      memory_cap=budget, limit=global_batch // dp,
+                                      agree=agree)
+    finally:
+        del reserve
+    micro, accum = accumulation_for(global_batch, dp, largest)
+    return BatchProbe(micro, accum, largest, cap, reserved)
+
+
+def _memory_cap(config: TrainConfig, device: torch.device) -> int | None:
+    """Bytes the step may use; None on a GPU without a cap, whose allocator says when
+    memory runs out."""
+    if config.memory_cap_gib is not None:
+        return int(config.memory_cap_gib * 2**30)
+    if device.type == "cuda":
+        return None
+    available = total_memory()
+    if available is None:
+        raise UserError("--batch-size auto on this CPU needs --memory-cap-gib: the machine's "
+                        "memory could not be read.")
+    return int(0.9 * available)
