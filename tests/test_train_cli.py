@@ -136,4 +136,4 @@ def test_workload_options_reach_the_factory(tmp_path: Path,
     code = main(["train", "--data-dir", str(tmp_path), "--max-steps", "3", "--no-progress",
                  "--run-dir", str(tmp_path / "r")])
     assert code == 2
-    assert "Workload 'digits' does not take --data-dir" in capsys.readouterr().err
+    assert f"--data-dir {tmp_path} holds no packed set" in capsys.readouterr().err
