@@ -9,7 +9,7 @@ server's /metrics) and the errors.
 
     .venv/bin/python benchmarks/serving.py                 # ~1 minute
     .venv/bin/python benchmarks/serving.py --quick         # a few seconds, for tests
-    .venv/bin/python benchmarks/serving.py --model runs/digits-.../ --concurrency 64
+    .venv/bin/python benchmarks/serving.py --workload textlm   # compute-heavy requests
 
 The clients run in this process and share the machine with the server: on few cores they
 cost the server CPU time, so absolute figures understate a server alone; the comparison
@@ -41,18 +41,24 @@ from _common import default_result_path, machine_info, package_version, versions
 CONFIGS = {"dynamic": None, "max_batch_size_1": 1}
 
 
-def untrained_digits_export(folder: Path) -> Path:
-    """A digits model with its initial weights: serving cost does not depend on training."""
+def untrained_export(folder: Path, workload: str) -> tuple[Path, dict[str, Any]]:
+    """A built-in model with its initial weights (serving cost does not depend on training)
+    and a request body of the shape it takes: one 8x8 digit scan, or one 128-byte window of
+    text for textlm's tiny GPT, whose compute per request is ~100x digits'."""
     from safetensors.torch import save_file
 
     from gpuflow import TrainConfig
-    from gpuflow.workloads import digits
+    from gpuflow.workload import resolve_workload
 
-    path = folder / "digits.safetensors"
-    config = TrainConfig(workload="digits").to_dict()
-    save_file(digits.build().model.state_dict(), str(path),
-              metadata={"config": json.dumps(config), "workload": "digits", "step": "0"})
-    return path
+    config = TrainConfig(workload=workload, data="synthetic")
+    model = resolve_workload(workload, config.workload_options()).model
+    path = folder / f"{workload}.safetensors"
+    tensors = {name: tensor.contiguous().clone() for name, tensor in model.state_dict().items()}
+    save_file(tensors, str(path), metadata={"config": json.dumps(config.to_dict()),
+                                            "workload": workload, "step": "0"})
+    inputs = (torch.randn(1, 1, 8, 8) if workload == "digits"
+              else torch.randint(0, 256, (1, model.config.seq_len)))
+    return path, {"inputs": inputs.tolist()}
 
 
 def free_port() -> int:
@@ -147,8 +153,8 @@ def merge(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, help="run dir or export (default: an "
-                                                   "untrained digits model)")
+    parser.add_argument("--workload", choices=["digits", "textlm"], default="digits",
+                        help="built-in model to serve untrained (default digits)")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--max-wait-ms", type=float, default=5.0)
@@ -160,13 +166,16 @@ def main() -> int:
     parser.add_argument("--window-s", type=float, default=8.0)
     parser.add_argument("--quick", action="store_true",
                         help="1 round of 1 s (plus 0.5 s warm-up), 8 clients")
-    parser.add_argument("--out", type=Path, default=default_result_path("serving"))
+    parser.add_argument("--out", type=Path,
+                        help="default benchmarks/results/serving[-textlm]-<machine>.json")
     args = parser.parse_args()
+    if args.out is None:
+        suffix = "" if args.workload == "digits" else f"-{args.workload}"
+        args.out = default_result_path(f"serving{suffix}")
     if args.quick:
         args.rounds, args.warmup_s, args.window_s, args.concurrency = 1, 0.5, 1.0, 8
     with tempfile.TemporaryDirectory() as folder:
-        model = args.model or untrained_digits_export(Path(folder))
-        body = {"inputs": torch.randn(1, 1, 8, 8).tolist()}
+        model, body = untrained_export(Path(folder), args.workload)
         servers = {name: start_server(model, size or args.max_batch_size, args.max_wait_ms,
                                       4 * args.concurrency, args.threads)
                    for name, size in CONFIGS.items()}
@@ -188,7 +197,7 @@ def main() -> int:
                 process.wait(timeout=30)
     result = {
         "benchmark": "serving",
-        "model": str(args.model) if args.model else "digits, untrained weights",
+        "model": f"{args.workload}, untrained weights",
         "settings": {k: getattr(args, k) for k in ("concurrency", "max_batch_size",
                                                     "max_wait_ms", "threads", "rounds",
                                                     "warmup_s", "window_s", "quick")},
