@@ -199,7 +199,9 @@ def verdict(case: dict[str, Any]) -> dict[str, Any]:
     step_ms, memory = case["median_step_ms"], case["memory"]
     ratio = case["vs_plain"]["gpuflow"]["median_ratio"]
     others = [name for name in step_ms if name not in ("plain", "gpuflow")]
-    fastest = all(step_ms["gpuflow"] <= step_ms[name] for name in others)
+    # Compared on the paired per-round ratios, which cancel the machine's drift between
+    # rounds, rather than on medians taken over different rounds.
+    fastest = all(ratio <= case["vs_plain"][name]["median_ratio"] for name in others)
     growth = {name: m["growth_bytes"] for name, m in memory.items()}
     peak = {name: m["peak_rss_bytes"] for name, m in memory.items()}
     return {
