@@ -45,3 +45,30 @@ def test_batched_indexing_gives_the_same_batches_as_item_by_item() -> None:
     slow = list(islice(train_batches(data, batched_indexing=False, **common), 7))
     for (fx, fy), (sx, sy) in zip(fast, slow, strict=True):
         assert torch.equal(fx, sx) and torch.equal(fy, sy)
+
+
+def test_background_loading_keeps_order_raises_errors_and_stops() -> None:
+    import itertools
+    import threading
+
+    import pytest
+
+    from gpuflow.data.prefetch import BackgroundLoader
+
+    batches = [(torch.full((2,), float(i)), torch.tensor([i])) for i in range(6)]
+    seen = list(DevicePrefetcher(iter(batches), torch.device("cpu"), background=True))
+    assert [int(y) for _, y in seen] == list(range(6))
+
+    def broken():
+        yield 1
+        raise ValueError("shard 3 is corrupt")
+
+    loader = BackgroundLoader(broken())
+    assert next(loader) == 1
+    with pytest.raises(ValueError, match="shard 3 is corrupt"):
+        next(loader)
+
+    endless = BackgroundLoader(itertools.count())
+    assert [next(endless) for _ in range(3)] == [0, 1, 2]
+    endless.close()
+    assert not any(t.name == "gpuflow-loader" for t in threading.enumerate())

@@ -404,7 +404,8 @@ class Trainer:
                 batched_indexing=supports_batched_indexing(self.workload.train_dataset,
                                                            self.workload.collate_fn),
             )
-            self._batches = DevicePrefetcher(source, self.device)
+            self._batches = DevicePrefetcher(source, self.device,
+                                             background=config.num_workers == 0)
         return self._batches
 
     def _grad_sync(self, micro_step: int) -> contextlib.AbstractContextManager[Any]:
@@ -528,6 +529,9 @@ class Trainer:
         return RunResult(self.run_dir, self.step, final, summary, self.model)
 
     def close(self) -> None:
+        if self._batches is not None:
+            self._batches.close()
+            self._batches = None
         self.progress.close()
         self.metrics.close()
 
