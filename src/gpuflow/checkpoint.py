@@ -30,9 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
 FORMAT_VERSION = 1
 MODEL_FILE = "model.safetensors"
@@ -135,6 +133,8 @@ def save_sharded_checkpoint(directory: Path, step: int, state: dict[str, Any],
     weights under pipelining); torch.distributed.checkpoint records how the pieces fit, so
     a different world size or strategy can read them back.
     """
+    import torch.distributed.checkpoint as dcp  # only distributed jobs pay for importing it
+
     final = directory / f"{PREFIX}{step:08d}"
     tmp = directory / f".tmp-{PREFIX}{step:08d}-sharded"
     if is_main:
@@ -233,6 +233,8 @@ def load_checkpoint(checkpoint: Checkpoint) -> tuple[dict[str, torch.Tensor], di
     trainer_state = load_trainer_state(checkpoint)
     if not is_sharded(checkpoint):
         return load_file(str(checkpoint.path / MODEL_FILE)), trainer_state
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
     full = _load_state_dict_from_keys(checkpoint_id=str(checkpoint.path / STATE_DIR))
     trainer_state["optimizer"] = {"state": full["optimizer"],
                                   "param_groups": trainer_state["optimizer"]["param_groups"]}

@@ -19,6 +19,11 @@ DataSource = Literal["real", "synthetic"]
 DEFAULT_BATCH_SIZE = 64
 
 
+def stages_per_rank(schedule: str) -> int:
+    """Pipeline stages each rank holds: two with the interleaved schedule."""
+    return 2 if schedule == "interleaved-1f1b" else 1
+
+
 @dataclass
 class TrainConfig:
     """Everything a training run needs besides the workload itself."""

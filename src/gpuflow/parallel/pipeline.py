@@ -38,14 +38,11 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor
 
+from gpuflow.config import stages_per_rank
 from gpuflow.errors import UserError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 _PART = "parts."
-
-
-def stages_per_rank(schedule: str) -> int:
-    return 2 if schedule == "interleaved-1f1b" else 1
 
 
 class StageParts(nn.Module):
@@ -284,21 +281,6 @@ class Pipeline:
         ]
         set_optimizer_state_dict(self.parts, optimizer,
                                  {"state": states, "param_groups": groups}, options=options)
-
-
-def resize_rows(tree: Any, rows: int) -> Any:
-    """Every tensor in ``tree`` cut or padded (repeating its last row) to ``rows`` rows.
-
-    A traced pipeline runs fixed micro-batch shapes: the trace needs an example of exactly
-    one micro-batch, and a short last evaluation batch is padded up to a full one.
-    """
-    def resize(tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.shape[0] >= rows:
-            return tensor[:rows]
-        padding = tensor[-1:].expand(rows - tensor.shape[0], *tensor.shape[1:])
-        return torch.cat([tensor, padding])
-
-    return torch.utils._pytree.tree_map_only(torch.Tensor, resize, tree)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

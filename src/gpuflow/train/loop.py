@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -24,14 +24,14 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from gpuflow import checkpoint as ckpt
-from gpuflow.config import TrainConfig
+from gpuflow.config import TrainConfig, stages_per_rank
 from gpuflow.data.loader import (
     batches_per_epoch,
     eval_loader,
     supports_batched_indexing,
     train_batches,
 )
-from gpuflow.data.prefetch import DevicePrefetcher, move_to_device
+from gpuflow.data.prefetch import DevicePrefetcher, move_to_device, resize_rows
 from gpuflow.errors import NonFiniteLossError, UserError
 from gpuflow.hardware import (
     device_memory_bytes,
@@ -42,17 +42,17 @@ from gpuflow.hardware import (
 )
 from gpuflow.parallel.data_parallel import apply_ddp, apply_fsdp, set_gradient_sync
 from gpuflow.parallel.env import init_distributed
-from gpuflow.parallel.pipeline import Pipeline, resize_rows, stages_per_rank
-from gpuflow.parallel.tensor import apply_tensor_parallel
-from gpuflow.planner.search import Plan
 from gpuflow.precision import make_policy
-from gpuflow.train import model_state
-from gpuflow.train.auto import BatchProbe, plan_strategy, probe_batch_size
 from gpuflow.train.flops import count_flops
 from gpuflow.train.optim import build_optimizer, build_scheduler
 from gpuflow.train.progress import ProgressDisplay
 from gpuflow.train.telemetry import MetricsLog, StepTimer, medians, peak_memory_bytes
 from gpuflow.workload import Batch, Workload
+
+if TYPE_CHECKING:
+    from gpuflow.parallel.pipeline import Pipeline
+    from gpuflow.planner.search import Plan
+    from gpuflow.train.auto import BatchProbe
 
 DEFAULT_EPOCHS = 10.0
 RUN_FORMAT_VERSION = 1
@@ -142,6 +142,8 @@ class Trainer:
         self.world = self.dist.world_size
         self.plan: Plan | None = None
         if config.strategy == "auto":
+            from gpuflow.train.auto import plan_strategy
+
             config, self.plan = plan_strategy(workload, config, self.world)
             self.config = config
         self.strategy = config.resolved_strategy(self.world)
@@ -160,6 +162,8 @@ class Trainer:
         example = move_to_device(workload.get_example_batch(), self.device)
         self.batch_probe: BatchProbe | None = None
         if config.batch_size == "auto":
+            from gpuflow.train.auto import probe_batch_size
+
             self.batch_probe = probe_batch_size(
                 self.model, example, self._probe_step, config, self.strategy, self.dp,
                 self.device, agree=self._all_agree if self.world > 1 else None)
@@ -297,6 +301,8 @@ class Trainer:
         if self.pp > 1:
             return self._pipeline(example)
         if self.mesh is not None:
+            from gpuflow.parallel.tensor import apply_tensor_parallel  # imports DTensor
+
             apply_tensor_parallel(self.workload.blocks(), self.workload.tensor_parallel_plan,
                                   self.mesh["tp"])
         if self.config.activation_checkpointing:
@@ -312,6 +318,8 @@ class Trainer:
 
     def _pipeline(self, example: Batch) -> nn.Module:
         """Split the model into stages; this rank keeps its own, under FSDP when asked."""
+        from gpuflow.parallel.pipeline import Pipeline  # torch's pipelining: ~30 MB to import
+
         assert self.mesh is not None
         inputs = resize_rows(example[0], self.config.batch_size // self.microbatches)
         self.pipeline = Pipeline(self.model, self.workload.blocks(), inputs, self.mesh["pp"],
@@ -363,6 +371,8 @@ class Trainer:
                 "or start without --resume."
             )
         state = ckpt.load_trainer_state(checkpoint)
+        from gpuflow.train import model_state  # torch's state-dict helpers: ~50 MB to import
+
         try:
             if ckpt.is_sharded(checkpoint):
                 model_state.load_sharded(self.model, self.optimizer, self.pipeline,
@@ -674,6 +684,8 @@ class Trainer:
     def save_checkpoint(self) -> ckpt.Checkpoint:
         """One process writes the full state; in a distributed job every rank writes its
         own shards in parallel (a collective), with nothing gathered."""
+        from gpuflow.train import model_state  # torch's state-dict helpers: ~50 MB to import
+
         keep = self.config.keep_checkpoints
         if self.world == 1:
             weights, optimizer_state = model_state.full_state(self.model, self.optimizer)

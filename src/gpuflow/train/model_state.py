@@ -8,7 +8,7 @@ local view, which torch.distributed.checkpoint fills from whatever layout wrote 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -21,7 +21,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from gpuflow.parallel.pipeline import Pipeline
+if TYPE_CHECKING:
+    from gpuflow.parallel.pipeline import Pipeline
 
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
