@@ -104,3 +104,25 @@ def test_collect_and_resume_helpers(tmp_path: Path) -> None:
     out.write_text('{"input": "x", "predictions": []}\n{"inp')
     assert finished_inputs(out) == {"x"}
     assert out.read_text().endswith("\n")
+
+
+def test_predict_over_a_packed_set_gives_every_sample_with_its_target(
+        export: Path, tmp_path: Path) -> None:
+    packed, out = tmp_path / "packed", tmp_path / "packed.jsonl"
+    assert main(["data", "pack", "--workload", "digits", "--out", str(packed),
+                 "--no-progress"]) == 0
+    assert main(["predict", str(export), str(packed), "--out", str(out), "--num-workers", "0",
+                 "--no-progress"]) == 0
+    lines = {line["input"]: line for line in read_lines(out)}
+    train, val = digits.build().train_dataset, digits.build().val_dataset
+    assert len(lines) == len(train) + len(val)
+    engine = Engine.load(export, EngineOptions("cpu", "fp32", False))
+    for split, dataset, index in (("train", train, 0), ("val", val, len(val) - 1)):
+        line = lines[f"{packed}#{split}:{index}"]
+        inputs, target = dataset[index]
+        assert line["target"] == int(target)
+        with torch.inference_mode():
+            probs = torch.softmax(engine.loaded.model(inputs[None]), dim=-1)[0]
+        [best] = line["predictions"]
+        assert best["label"] == str(int(probs.argmax()))
+        assert best["probability"] == pytest.approx(float(probs.max()), abs=1e-5)

@@ -11,11 +11,13 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "predict", help="predict over files and folders offline, into a JSONL file",
         description="Run a model over files and folders (images, WAV clips, text files or "
-                    "JSON request bodies) and write one JSON line per file. Rerun the same "
+                    "JSON request bodies) or packed sets and write one JSON line per file or "
+                    "sample. Rerun the same "
                     "command after an interruption: inputs already in --out are skipped.")
     add = parser.add_argument
     add("source", metavar="RUN_DIR|MODEL.safetensors", help="a gpuflow run dir or export")
-    add("inputs", nargs="+", metavar="INPUT", help="files or folders")
+    add("inputs", nargs="+", metavar="INPUT",
+        help="files, folders, or packed sets (`gpuflow data pack`: every sample)")
     add("--out", required=True, help="the JSONL file to write (appended to when resuming)")
     add("--workload", help="rebuild the model with this workload instead of the saved one")
     add("--batch-size", type=int, default=64, help="rows per batch (default 64)")
@@ -51,7 +53,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     engine = Engine.load(args.source, EngineOptions(args.device, args.precision, args.compile,
                                                     max_batch_size=args.batch_size),
                          args.workload)
-    paths = collect_inputs(args.inputs, engine.codec.file_suffixes)
+    paths = collect_inputs(args.inputs, engine.codec.file_suffixes,
+                           getattr(engine.codec, "seq_len", None))
     if not paths:
         raise UserError(f"No input files found; this model reads "
                         f"{', '.join(engine.codec.file_suffixes)} files.")

@@ -140,6 +140,14 @@ class Codec:
                              f"[N, {', '.join(map(str, self.sample_shape))}].")
         return Decoded(self.kind, list(batch.unbind(0)))
 
+    def from_sample(self, inputs: Any, defaults: dict[str, Any]) -> Decoded:
+        """A sample of a packed set: already what the model takes, as in training."""
+        tensor = torch.as_tensor(inputs).to(self.dtype)
+        if tuple(tensor.shape) != self.sample_shape:
+            raise InputError(f"a packed sample has shape {list(tensor.shape)}; this model "
+                             f"takes {list(self.sample_shape)}.")
+        return Decoded(self.kind, [tensor])
+
     def warmup_rows(self) -> list[tuple[Hashable, Any]]:
         """One row per batching key, to warm up every bucket before serving."""
         return [(self.kind, torch.zeros(self.sample_shape, dtype=self.dtype))]
@@ -248,6 +256,10 @@ class SpeechCodec(Codec):
             raise InputError(str(exc)) from None
         return self._clips([torch.from_numpy(wave)])
 
+    def from_sample(self, inputs: Any, defaults: dict[str, Any]) -> Decoded:
+        wave, length = inputs
+        return self._clips([wave[: int(length)].float()])
+
     def _decode_audio(self, audio: str, request: PredictRequest) -> Decoded:
         with tempfile.NamedTemporaryFile(suffix=".wav") as handle:
             handle.write(b64decode(audio, "audio"))
@@ -325,6 +337,9 @@ class TextCodec(Codec):
                                  for p in inputs):
             raise InputError("inputs must be a list of prompts, each a list of token ids.")
         return self._prompts(inputs, request)
+
+    def from_sample(self, inputs: Any, defaults: dict[str, Any]) -> Decoded:
+        return self._prompts([torch.as_tensor(inputs).tolist()], PredictRequest(**defaults))
 
     def _decode_path(self, path: Path, defaults: dict[str, Any]) -> Decoded:
         request = PredictRequest(text=path.read_text(encoding="utf-8"), **defaults)

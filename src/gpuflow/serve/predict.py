@@ -1,10 +1,13 @@
-"""Offline batch prediction over files and folders, resumable, with the loader in workers.
+"""Offline batch prediction over files, folders and packed sets, resumable, with the loader
+in workers.
 
 Each input file becomes one JSON line ``{"input": PATH, "predictions": [...]}`` (or
-``"error"`` for a file the model cannot take). Lines are appended only after their batch
-has run, so an interrupted run resumes by skipping the inputs already in the output file.
-Files are read and decoded in DataLoader worker processes; the model runs in this process,
-on batches of files that share a batching key (e.g. the same padded length).
+``"error"`` for a file the model cannot take); each sample of a packed set (``gpuflow data
+pack``) one line ``{"input": "DIR#SPLIT:INDEX", "predictions": [...], "target": ...}``.
+Lines are appended only after their batch has run, so an interrupted run resumes by
+skipping the inputs already in the output file. Inputs are read and decoded in DataLoader
+worker processes; the model runs in this process, on batches of inputs that share a
+batching key (e.g. the same padded length).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch.utils.data import DataLoader, Dataset
 
@@ -24,12 +28,41 @@ from gpuflow.serve.codecs import Codec, Decoded, InputError, PredictRequest
 from gpuflow.serve.engine import Engine
 
 
-def collect_inputs(inputs: Iterable[str], suffixes: tuple[str, ...]) -> list[Path]:
-    """Files as given, and the files under folders whose suffix the model can read."""
-    found: list[Path] = []
+@dataclass(frozen=True)
+class PackedSample:
+    """One sample of a packed set, named ``DIR#SPLIT:INDEX`` in the output."""
+
+    directory: Path
+    split: str
+    index: int
+
+    def __str__(self) -> str:
+        return f"{self.directory}#{self.split}:{self.index}"
+
+
+Input = Path | PackedSample
+
+
+def _packed_samples(directory: Path, seq_len: int | None) -> list[PackedSample]:
+    from gpuflow.data.shards import SplitReader, load_manifest
+
+    manifest = load_manifest(directory)
+    return [PackedSample(directory, split, index) for split in sorted(manifest.splits)
+            for index in range(len(SplitReader(directory, manifest, split, seq_len)))]
+
+
+def collect_inputs(inputs: Iterable[str], suffixes: tuple[str, ...],
+                   seq_len: int | None = None) -> list[Input]:
+    """Files as given, the files under folders whose suffix the model can read, and every
+    sample of each packed set (token sets cut into windows of ``seq_len``)."""
+    from gpuflow.data.shards import is_packed
+
+    found: list[Input] = []
     for item in inputs:
         path = Path(item)
-        if path.is_dir():
+        if path.is_dir() and is_packed(path):
+            found += _packed_samples(path, seq_len)
+        elif path.is_dir():
             found += sorted(p for p in path.rglob("*")
                             if p.is_file() and p.suffix.lower() in suffixes)
         elif path.is_file():
@@ -59,20 +92,37 @@ def finished_inputs(out: Path) -> set[str]:
 
 
 class _Files(Dataset):
-    """Decodes one file per item in a loader worker: ``(path, Decoded | error message)``."""
+    """Decodes one input per item in a loader worker:
+    ``(name, Decoded | error message, target or None)``."""
 
-    def __init__(self, paths: list[Path], codec: Codec, defaults: dict[str, Any]) -> None:
-        self.paths, self.codec, self.defaults = paths, codec, defaults
+    def __init__(self, paths: list[Input], codec: Codec, defaults: dict[str, Any],
+                 seq_len: int | None) -> None:
+        self.paths, self.codec, self.defaults, self.seq_len = paths, codec, defaults, seq_len
+        self._readers: dict[tuple[Path, str], Any] = {}
 
     def __len__(self) -> int:
         return len(self.paths)
 
-    def __getitem__(self, index: int) -> tuple[str, Decoded | str]:
+    def __getitem__(self, index: int) -> tuple[str, Decoded | str, Any]:
         path = self.paths[index]
         try:
-            return str(path), self.codec.decode_file(path, self.defaults)
+            if isinstance(path, PackedSample):
+                inputs, target = self._reader(path)[path.index]
+                return (str(path), self.codec.from_sample(inputs, self.defaults),
+                        target.tolist() if isinstance(target, torch.Tensor) else target)
+            return str(path), self.codec.decode_file(path, self.defaults), None
         except InputError as exc:
-            return str(path), str(exc)
+            return str(path), str(exc), None
+
+    def _reader(self, sample: PackedSample) -> Any:
+        """The split's reader, opened once per worker process."""
+        from gpuflow.data.shards import SplitReader, load_manifest
+
+        key = (sample.directory, sample.split)
+        if key not in self._readers:
+            self._readers[key] = SplitReader(sample.directory, load_manifest(sample.directory),
+                                             sample.split, self.seq_len)
+        return self._readers[key]
 
 
 def _as_is(item: Any) -> Any:
@@ -88,7 +138,7 @@ class PredictStats:
     seconds: float
 
 
-def predict_files(engine: Engine, paths: list[Path], out: Path, *, num_workers: int = 2,
+def predict_files(engine: Engine, paths: list[Input], out: Path, *, num_workers: int = 2,
                   defaults: dict[str, Any] | None = None,
                   progress: bool = True) -> PredictStats:
     """Predict every path not yet in ``out`` and append one line per file."""
@@ -96,9 +146,10 @@ def predict_files(engine: Engine, paths: list[Path], out: Path, *, num_workers: 
     request = PredictRequest(**defaults)
     done = finished_inputs(out)
     todo = [p for p in paths if str(p) not in done]
-    loader = DataLoader(_Files(todo, engine.codec, defaults), batch_size=None,
+    seq_len = getattr(engine.codec, "seq_len", None)
+    loader = DataLoader(_Files(todo, engine.codec, defaults, seq_len), batch_size=None,
                         num_workers=num_workers, collate_fn=_as_is)
-    groups: dict[Hashable, list[tuple[str, Decoded]]] = {}
+    groups: dict[Hashable, list[tuple[str, Decoded, Any]]] = {}
     failed = rows = 0
     start = time.perf_counter()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -119,21 +170,23 @@ def predict_files(engine: Engine, paths: list[Path], out: Path, *, num_workers: 
         def flush(key: Hashable) -> None:
             nonlocal rows
             files = groups.pop(key)
-            batch = [row for _, decoded in files for row in decoded.rows]
+            batch = [row for _, decoded, _ in files for row in decoded.rows]
             outputs = iter(engine.run(key, batch))
             rows += len(batch)
-            write([{"input": path, "predictions": [engine.codec.format(next(outputs), request)
-                                                   for _ in decoded.rows]}
-                   for path, decoded in files])
+            write([{"input": path,
+                    "predictions": [engine.codec.format(next(outputs), request)
+                                    for _ in decoded.rows],
+                    **({} if target is None else {"target": target})}
+                   for path, decoded, target in files])
 
-        for path, decoded in loader:
+        for path, decoded, target in loader:
             if isinstance(decoded, str):
                 failed += 1
                 write([{"input": path, "error": decoded}])
                 continue
             group = groups.setdefault(decoded.key, [])
-            group.append((path, decoded))
-            if sum(len(d.rows) for _, d in group) >= engine.options.max_batch_size:
+            group.append((path, decoded, target))
+            if sum(len(d.rows) for _, d, _ in group) >= engine.options.max_batch_size:
                 flush(decoded.key)
         for key in list(groups):
             flush(key)
