@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -52,7 +51,7 @@ def import_accelerate() -> tuple[Any, str | None, str | None]:
     return Accelerator, _common.package_version("accelerate"), None
 
 
-class AccelerateLoop:
+class AccelerateLoop(overhead.FrameworkLoop):
     """The same loop through Accelerate's prepare() and backward()."""
 
     name = "accelerate"
@@ -66,19 +65,7 @@ class AccelerateLoop:
         self.model, self.optimizer, loader = self.accelerator.prepare(
             model, overhead.adamw_like_gpuflow(model), loader)
         self.batches = overhead.endless(loader, sampler)
-
-    def run(self, steps: int) -> None:
-        model, optimizer, accelerator = self.model, self.optimizer, self.accelerator
-        for _ in range(steps):
-            x, y = next(self.batches)
-            loss = F.cross_entropy(model(x).float(), y)
-            accelerator.backward(loss)
-            loss.item()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-    def close(self) -> None:
-        pass
+        self.backward = self.accelerator.backward
 
 
 IMPORTERS = {"fabric": overhead.import_fabric, "accelerate": import_accelerate}

@@ -219,7 +219,30 @@ def import_fabric() -> tuple[Any, str | None, str | None]:
     return None, None, "not importable (" + "; ".join(errors) + ")"
 
 
-class FabricLoop:
+class FrameworkLoop:
+    """The plain loop's step through a framework's wrapped model, optimizer and loader;
+    frameworks differ in set-up and in ``backward``."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    batches: Iterator[Any]
+    backward: Callable[[torch.Tensor], Any]  # the framework's, set up by the subclass
+
+    def run(self, steps: int) -> None:
+        model, optimizer = self.model, self.optimizer
+        for _ in range(steps):
+            x, y = next(self.batches)
+            loss = F.cross_entropy(model(x).float(), y)
+            self.backward(loss)
+            loss.item()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    def close(self) -> None:
+        pass
+
+
+class FabricLoop(FrameworkLoop):
     """The same loop through Lightning Fabric's wrappers, for a reference overhead."""
 
     name = "fabric"
@@ -234,19 +257,7 @@ class FabricLoop:
         loader, sampler = plain_loader(dataset, batch_size)
         self.batches = endless(fabric.setup_dataloaders(loader, use_distributed_sampler=False),
                                sampler)
-
-    def run(self, steps: int) -> None:
-        model, optimizer, fabric = self.model, self.optimizer, self.fabric
-        for _ in range(steps):
-            x, y = next(self.batches)
-            loss = F.cross_entropy(model(x).float(), y)
-            fabric.backward(loss)
-            loss.item()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-    def close(self) -> None:
-        pass
+        self.backward = fabric.backward
 
 
 def compare_weights(reference: nn.Module, other: nn.Module) -> dict[str, Any]:
