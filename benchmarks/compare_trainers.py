@@ -24,7 +24,6 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -153,21 +152,7 @@ def run_case(model_name: str, precision: str, names: list[str], classes: dict[st
     total = (warmup_rounds + rounds) * steps
     loops = [build_loop(name, classes, base, dataset, spec.batch_size, precision, total,
                         workdir / f"{model_name}-{precision}") for name in names]
-    times: dict[str, list[float]] = {loop.name: [] for loop in loops}
-    gc.collect()
-    gc.freeze()
-    started, foreign = time.perf_counter(), _common.ForeignLoad()
-    for index in range(warmup_rounds + rounds):
-        shift = index % len(loops)
-        for loop in loops[shift:] + loops[:shift]:
-            begin = time.perf_counter()
-            loop.run(steps)
-            if index >= warmup_rounds:
-                times[loop.name].append(time.perf_counter() - begin)
-    wall, foreign_share = time.perf_counter() - started, foreign.share()
-    gc.unfreeze()
-    for loop in loops:
-        loop.close()
+    times, wall, foreign_share = overhead.timed_rounds(loops, steps, warmup_rounds, rounds)
     stats = overhead.summarize(times, steps)
     step_ms = stats["median_step_ms"]
     return {

@@ -260,6 +260,34 @@ class FabricLoop(FrameworkLoop):
         self.backward = fabric.backward
 
 
+def timed_rounds(loops: list[Any], steps: int, warmup_rounds: int, rounds: int
+                 ) -> tuple[dict[str, list[float]], float, float | None]:
+    """Run every loop ``steps`` steps a round, in a rotating order, and close them.
+
+    Returns each loop's timed round durations (after the warm-up rounds), the wall time and
+    the CPU share other processes used meanwhile.
+    """
+    times: dict[str, list[float]] = {loop.name: [] for loop in loops}
+    # Set-up garbage (Fabric's import above all) is frozen out of reach of the collector, so
+    # collections in the rounds cost what the loops themselves allocate, not a random toll.
+    gc.collect()
+    gc.freeze()
+    started, foreign = time.perf_counter(), _common.ForeignLoad()
+    for index in range(warmup_rounds + rounds):
+        shift = index % len(loops)
+        for loop in loops[shift:] + loops[:shift]:
+            begin = time.perf_counter()
+            loop.run(steps)
+            elapsed = time.perf_counter() - begin
+            if index >= warmup_rounds:
+                times[loop.name].append(elapsed)
+    wall, foreign_share = time.perf_counter() - started, foreign.share()
+    gc.unfreeze()
+    for loop in loops:
+        loop.close()
+    return times, wall, foreign_share
+
+
 def compare_weights(reference: nn.Module, other: nn.Module) -> dict[str, Any]:
     """torch.equal on every state_dict tensor; on a mismatch, which ones and by how much."""
     ref, got = reference.state_dict(), other.state_dict()
@@ -375,24 +403,7 @@ def run_case(model_name: str, precision: str, rounds: int, warmup_rounds: int,
     run_dir = workdir / f"{model_name}-{precision}"
     loops.append(GpuflowLoop(base, dataset, spec.batch_size, precision, total_steps, run_dir))
 
-    times: dict[str, list[float]] = {loop.name: [] for loop in loops}
-    # Set-up garbage (Fabric's import above all) is frozen out of reach of the collector, so
-    # collections in the rounds cost what the loops themselves allocate, not a random toll.
-    gc.collect()
-    gc.freeze()
-    started, foreign = time.perf_counter(), _common.ForeignLoad()
-    for index in range(warmup_rounds + rounds):
-        shift = index % len(loops)
-        for loop in loops[shift:] + loops[:shift]:
-            begin = time.perf_counter()
-            loop.run(steps)
-            elapsed = time.perf_counter() - begin
-            if index >= warmup_rounds:
-                times[loop.name].append(elapsed)
-    wall, foreign_share = time.perf_counter() - started, foreign.share()
-    gc.unfreeze()
-    for loop in loops:
-        loop.close()
+    times, wall, foreign_share = timed_rounds(loops, steps, warmup_rounds, rounds)
 
     by_name = {loop.name: loop for loop in loops}
     plain = by_name["plain"].module
