@@ -67,11 +67,11 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def start_server(model: Path, max_batch_size: int, max_wait_ms: float, max_queue: int,
-                 threads: int) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(model: Path, device: str, max_batch_size: int, max_wait_ms: float,
+                 max_queue: int, threads: int) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     command = [sys.executable, "-m", "gpuflow.cli", "serve", str(model), "--port", str(port),
-               "--device", "cpu", "--max-batch-size", str(max_batch_size),
+               "--device", device, "--max-batch-size", str(max_batch_size),
                "--max-wait-ms", str(max_wait_ms), "--max-queue", str(max_queue),
                "--threads", str(threads), "--log-level", "warning"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -155,6 +155,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", choices=["digits", "textlm"], default="digits",
                         help="built-in model to serve untrained (default digits)")
+    parser.add_argument("--device", default="cpu",
+                        help="where both servers run (default cpu; cuda on a GPU machine)")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--max-wait-ms", type=float, default=5.0)
@@ -176,8 +178,8 @@ def main() -> int:
         args.rounds, args.warmup_s, args.window_s, args.concurrency = 1, 0.5, 1.0, 8
     with tempfile.TemporaryDirectory() as folder:
         model, body = untrained_export(Path(folder), args.workload)
-        servers = {name: start_server(model, size or args.max_batch_size, args.max_wait_ms,
-                                      4 * args.concurrency, args.threads)
+        servers = {name: start_server(model, args.device, size or args.max_batch_size,
+                                      args.max_wait_ms, 4 * args.concurrency, args.threads)
                    for name, size in CONFIGS.items()}
         try:
             for process, url in servers.values():
@@ -198,7 +200,7 @@ def main() -> int:
     result = {
         "benchmark": "serving",
         "model": f"{args.workload}, untrained weights",
-        "settings": {k: getattr(args, k) for k in ("concurrency", "max_batch_size",
+        "settings": {k: getattr(args, k) for k in ("device", "concurrency", "max_batch_size",
                                                     "max_wait_ms", "threads", "rounds",
                                                     "warmup_s", "window_s", "quick")},
         "runs": {name: merge(r) for name, r in rounds.items()},

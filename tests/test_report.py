@@ -280,12 +280,18 @@ def test_gpu_suite_script_parses_and_dry_runs_on_cpu(tmp_path: Path) -> None:
     script = ROOT / "benchmarks" / "gpu_suite.sh"
     subprocess.run(["bash", "-n", str(script)], check=True)
     out = tmp_path / "suite.json"
-    env = {**os.environ, "GPUFLOW_SUITE_OUT": str(out), "GPUFLOW_SUITE_WORKDIR": str(tmp_path)}
-    result = subprocess.run(["bash", str(script), "--dry-run"], capture_output=True, text=True,
-                            timeout=540, env=env, cwd=ROOT)
+    result = subprocess.run(["bash", str(script), "--dry-run", "--out", str(out), "--workdir",
+                             str(tmp_path / "work")], capture_output=True, text=True,
+                            timeout=540, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     suite = json.loads(out.read_text())
     assert suite["dry_run"] is True
     assert suite["matmul"]["bf16_tflops"] > 0
     for run in suite["train"]:
         assert run["tokens_per_s"] > 0 and run["mfu"] is not None, run
+        # --strategy auto puts the planner's predictions next to the measurements
+        assert run["planner"]["step_time_s"]["predicted"] > 0, run
+        assert run["planner"]["peak_mem_bytes"]["measured"] > 0, run
+    assert suite["batch_size_auto"]["probe"]["micro_batch"] >= 1, suite["batch_size_auto"]
+    assert suite["fp16_resume"]["steps"] == 60, suite["fp16_resume"]
+    assert suite["serving"]["runs"]["dynamic"]["errors"] == 0, suite["serving"]

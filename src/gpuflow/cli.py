@@ -64,6 +64,9 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
     add("--run-dir", help="default runs/<workload>-<timestamp>")
     add("--checkpoint-every", type=int, help="save every N steps (default 0: at the end only)")
     add("--keep-checkpoints", type=int, help="newest checkpoints to keep (default 3)")
+    add("--no-checkpoints", dest="save_checkpoints", action="store_false",
+        default=argparse.SUPPRESS,
+        help="write no checkpoint, not even the final one (benchmarks, throwaway runs)")
     add("--resume", nargs="?", const=True,
         help="continue from the newest valid checkpoint of --run-dir, or of the given DIR")
     add("--num-workers", type=int, help="DataLoader worker processes (default 0)")

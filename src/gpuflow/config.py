@@ -54,6 +54,7 @@ class TrainConfig:
     run_dir: str | None = None
     checkpoint_every: int = 0
     keep_checkpoints: int = 3
+    save_checkpoints: bool = True
     resume: str | bool = False
     num_workers: int = 0
     max_nonfinite_steps: int = 20
@@ -100,6 +101,9 @@ class TrainConfig:
             raise UserError(f"--epochs must be positive (got {self.epochs}).")
         if self.max_steps is not None and self.epochs is not None:
             raise UserError("Give either --max-steps or --epochs, not both.")
+        if self.checkpoint_every and not self.save_checkpoints:
+            raise UserError("--checkpoint-every and --no-checkpoints contradict each other; "
+                            "drop one.")
         if self.clip_grad is not None and self.clip_grad <= 0:
             raise UserError(f"--clip-grad must be positive (got {self.clip_grad}).")
         if self.memory_cap_gib is not None and self.memory_cap_gib <= 0:

@@ -194,6 +194,7 @@ class Trainer:
         self.pipeline: Pipeline | None = None
         self.forward_model: nn.Module = self._parallelize(example)
         self.compiled = False
+        self.compile_scope: str | None = None
         if config.compile:
             self._compile(example)
 
@@ -342,20 +343,36 @@ class Trainer:
         return self.workload.loss_fn(outputs, target)
 
     def _compile(self, example: Batch) -> None:
-        compiled = torch.compile(self.forward_model)
-        inputs, target = example
+        """Compile each repeated block in place where the model has them, else the model.
+
+        Identical blocks share one compiled graph (PyTorch's regional compilation), so cold
+        compile time does not grow with depth and parameter names stay unchanged. A trial
+        step at the micro-batch's shape surfaces compiler failures here (the run then continues
+        in eager mode) and compiles the graph the steps will use.
+        """
+        blocks = self.workload.blocks()
+        inputs, target = resize_rows(example, self.micro_batch)
         try:
+            if blocks:
+                for block in blocks:
+                    block.compile()
+                compiled = self.forward_model
+            else:
+                compiled = torch.compile(self.forward_model)
             with side_effect_free(self.model, self.device):
                 with self.policy.autocast():
                     loss = self.workload.loss_fn(call_model(compiled, inputs), target)
                 loss.backward()
         except Exception as exc:
+            for block in blocks:
+                block._compiled_call_impl = None  # undoes nn.Module.compile()
             warnings.warn(
                 f"torch.compile failed ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
                 "training continues in eager mode.", stacklevel=2,
             )
             return
         self.forward_model, self.compiled = compiled, True
+        self.compile_scope = f"{len(blocks)} blocks" if blocks else "model"
 
     def _maybe_resume(self) -> bool:
         if not self.config.resume:
@@ -531,7 +548,8 @@ class Trainer:
         try:
             self.run_steps(self.total_steps - self.step)
             final = self.evaluate()
-            if self.last_checkpoint is None or self.last_checkpoint.step != self.step:
+            if self.config.save_checkpoints and (self.last_checkpoint is None
+                                                 or self.last_checkpoint.step != self.step):
                 self.save_checkpoint()
         finally:
             self.close()
@@ -558,6 +576,7 @@ class Trainer:
     def _banner(self) -> str:
         config = self.config
         resumed = f", resumed at step {self.step}" if self.step else ""
+        compiled = f", compiled ({self.compile_scope})" if self.compiled else ""
         pipeline = (f" x pp {self.pp} ({config.pp_schedule}, {self.microbatches} "
                     "micro-batches)" if self.pp > 1 else "")
         ranks = (f" x {self.world} ranks ({self.strategy}, dp {self.dp} x tp {self.tp}"
@@ -575,7 +594,7 @@ class Trainer:
             f"gpuflow: {self.workload.name} on {device_name(self.device)} ({self.device}){ranks}, "
             f"{self.policy.describe()}, global batch {global_batch} = micro-batch "
             f"{self.micro_batch} x accum {config.grad_accum} x data-parallel {self.dp}, "
-            f"{self.total_steps} steps{resumed}{', compiled' if self.compiled else ''}; "
+            f"{self.total_steps} steps{resumed}{compiled}; "
             f"run dir {self.run_dir}{chosen}"
         )
 
@@ -734,6 +753,7 @@ class Trainer:
             "precision": self.config.precision,
             "precision_description": self.policy.describe(),
             "compiled": self.compiled,
+            "compile_scope": self.compile_scope,
             "activation_checkpointing": self.config.activation_checkpointing,
             "device": str(self.device),
             "device_name": device_name(self.device),
