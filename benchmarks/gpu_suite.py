@@ -5,13 +5,15 @@ results file is rewritten after every stage, so a cut-off run still leaves what 
 
 1. matmul peak probe: the best bf16 ``torch.mm`` throughput, against the datasheet peak.
 2. ``gpuflow train --workload textlm`` at 124m and 1b, bf16, ``--compile`` (per block),
-   fused AdamW, synthetic data, two micro-batch sizes each, with ``--strategy auto`` so that
+   fused AdamW, synthetic data, several micro-batch sizes, with ``--strategy auto`` so that
    every summary records the planner's predicted memory and step time next to the measured
    ones. Targets on one H200 (dense bf16 peak 989 TFLOP/s): MFU >= 45% at 124m, >= 50% at 1b.
 3. ``--batch-size auto`` on the device: the largest micro-batch found by real allocation,
-   out-of-memory included.
+   asked for a global batch that does not fit in one micro-batch, so the probe runs out
+   of memory, recovers and accumulates.
 4. the CUDA-only training paths: fp16 with loss scaling, and a resumed run.
-5. ``benchmarks/serving.py --device cuda``: dynamic batching against batch size 1.
+5. ``benchmarks/serving.py --device cuda``: dynamic batching against batch size 1, also
+   with ``--cuda-graphs``.
 
     python3 benchmarks/gpu_suite.py             # on the GPU machine
     python3 benchmarks/gpu_suite.py --dry-run   # the same stages on the CPU, tiny sizes (CI)
@@ -38,6 +40,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 MFU_TARGETS = {"124m": 0.45, "1b": 0.50}
+STAGES = ("matmul", "train", "batch-auto", "fp16-resume", "serving")
 
 
 @dataclass(frozen=True)
@@ -223,15 +226,15 @@ def paths_stage(suite: Suite, device: str) -> None:
     suite.save()
 
 
-def serving_stage(suite: Suite, device: str) -> None:
-    serving_json = suite.work / "serving.json"
-    suite.log("serving benchmark")
+def serving_stage(suite: Suite, device: str, name: str, *extra: str) -> None:
+    serving_json = suite.work / f"{name}.json"
+    suite.log(f"serving benchmark {' '.join(extra)}")
     flags = (["--quick"] if suite.dry_run else
              ["--workload", "textlm", "--rounds", "2", "--warmup-s", "2", "--window-s", "5"])
-    code, log = suite.run("serving", [sys.executable, "benchmarks/serving.py", "--device", device,
-                                      *flags, "--out", str(serving_json)], 150)
-    suite.result["serving"] = (json.loads(serving_json.read_text()) if code == 0
-                               else {"exit_code": code, "error": tail(log)})
+    code, log = suite.run(name, [sys.executable, "benchmarks/serving.py", "--device", device,
+                                 *flags, *extra, "--out", str(serving_json)], 150)
+    suite.result[name] = (json.loads(serving_json.read_text()) if code == 0
+                          else {"exit_code": code, "error": tail(log)})
     suite.save()
 
 
@@ -244,7 +247,14 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, default=None, help="scratch folder (default: temp)")
     parser.add_argument("--budget-s", type=float, default=450,
                         help="stop starting stages when this much time has passed (default 450)")
+    parser.add_argument("--stages", default=",".join(STAGES),
+                        help=f"comma-separated subset of {','.join(STAGES)} (default all)")
+    parser.add_argument("--runs", default=None,
+                        help="comma-separated training run labels, e.g. 124m-b64 (default all)")
     args = parser.parse_args()
+    stages = set(args.stages.split(","))
+    if stages - set(STAGES):
+        parser.error(f"unknown stage(s) {sorted(stages - set(STAGES))}; choose from {STAGES}")
     host = socket.gethostname().split(".")[0]
     out = args.out or ROOT / "benchmarks" / "results" / f"gpu_suite-{host}.json"
     work = args.workdir or Path(tempfile.mkdtemp(prefix="gpuflow-suite-"))
@@ -263,8 +273,11 @@ def main() -> int:
         runs = [TrainRun("124m-b32", "124m", 32, 60, 10, ("--compile",)),
                 TrainRun("1b-b16", "1b", 16, 25, 5, ("--compile",)),
                 TrainRun("124m-b64", "124m", 64, 50, 10, ("--compile",)),
+                TrainRun("124m-b128", "124m", 128, 40, 8, ("--compile",)),
                 TrainRun("1b-b8", "1b", 8, 30, 5, ("--compile",))]
         matmul_sizes = [4096, 8192, 16384]
+    if args.runs:
+        runs = [run for run in runs if run.label in args.runs.split(",")]
     suite.result = {
         "benchmark": "gpu_suite",
         "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -278,21 +291,24 @@ def main() -> int:
         "versions": {"torch": torch.__version__, "cuda": torch.version.cuda,
                      "python": platform.python_version()},
     }
-    suite.log(f"1/5 matmul peak probe on {device}")
-    suite.result["matmul"] = matmul_probe(torch.device(device), matmul_sizes)
-    suite.save()
-    suite.log("2/5 textlm training")
-    train_stage(suite, runs, device, limit_s=300 if args.dry_run else 150)
-    suite.log("3/5 --batch-size auto")
-    batch_size_auto_stage(suite, device, "tiny" if args.dry_run else "124m",
-                          8 if args.dry_run else 256)
-    suite.log("4/5 fp16 and resume")
-    paths_stage(suite, device)
-    suite.log("5/5 serving")
-    serving_stage(suite, device)
+    if "matmul" in stages:
+        suite.log(f"matmul peak probe on {device}")
+        suite.result["matmul"] = matmul_probe(torch.device(device), matmul_sizes)
+        suite.save()
+    if "train" in stages:
+        train_stage(suite, runs, device, limit_s=300 if args.dry_run else 150)
+    if "batch-auto" in stages:
+        batch_size_auto_stage(suite, device, "tiny" if args.dry_run else "124m",
+                              8 if args.dry_run else 1024)
+    if "fp16-resume" in stages:
+        paths_stage(suite, device)
+    if "serving" in stages:
+        serving_stage(suite, device, "serving")
+        if device == "cuda":
+            serving_stage(suite, device, "serving_cuda_graphs", "--cuda-graphs")
     suite.result["wall_time_s"] = time.monotonic() - suite.started
     suite.save()
-    for entry in suite.result["train"]:
+    for entry in suite.result.get("train", []):
         if "error" in entry:
             print(f"textlm {entry['label']}: FAILED (exit {entry['exit_code']})")
             continue
@@ -304,8 +320,14 @@ def main() -> int:
         print(f"textlm {entry['label']}: {entry['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, "
               f"step {entry['step_time_s']:.4f} s, peak "
               + ("n/a" if peak is None else f"{peak / 2**30:.1f} GiB") + verdict)
-    print(f"matmul bf16: {suite.result['matmul']['bf16_tflops']:.1f} TFLOP/s; "
-          f"wall {suite.result['wall_time_s']:.0f} s; results in {out}")
+    for name in ("serving", "serving_cuda_graphs"):
+        runs_of = suite.result.get(name, {}).get("runs")
+        if runs_of:
+            print(f"{name}: " + ", ".join(f"{config} {figures['requests_per_s']:.1f} req/s"
+                                          for config, figures in runs_of.items()))
+    if "matmul" in suite.result:
+        print(f"matmul bf16: {suite.result['matmul']['bf16_tflops']:.1f} TFLOP/s")
+    print(f"wall {suite.result['wall_time_s']:.0f} s; results in {out}")
     return 0
 
 

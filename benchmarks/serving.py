@@ -68,12 +68,14 @@ def free_port() -> int:
 
 
 def start_server(model: Path, device: str, max_batch_size: int, max_wait_ms: float,
-                 max_queue: int, threads: int) -> tuple[subprocess.Popen[bytes], str]:
+                 max_queue: int, threads: int, cuda_graphs: bool
+                 ) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     command = [sys.executable, "-m", "gpuflow.cli", "serve", str(model), "--port", str(port),
                "--device", device, "--max-batch-size", str(max_batch_size),
                "--max-wait-ms", str(max_wait_ms), "--max-queue", str(max_queue),
-               "--threads", str(threads), "--log-level", "warning"]
+               "--threads", str(threads), "--log-level", "warning",
+               *(["--cuda-graphs"] if cuda_graphs else [])]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     return process, f"http://127.0.0.1:{port}"
 
@@ -157,6 +159,8 @@ def main() -> int:
                         help="built-in model to serve untrained (default digits)")
     parser.add_argument("--device", default="cpu",
                         help="where both servers run (default cpu; cuda on a GPU machine)")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="serve both configurations with `gpuflow serve --cuda-graphs`")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--max-wait-ms", type=float, default=5.0)
@@ -179,7 +183,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as folder:
         model, body = untrained_export(Path(folder), args.workload)
         servers = {name: start_server(model, args.device, size or args.max_batch_size,
-                                      args.max_wait_ms, 4 * args.concurrency, args.threads)
+                                      args.max_wait_ms, 4 * args.concurrency, args.threads,
+                                      args.cuda_graphs)
                    for name, size in CONFIGS.items()}
         try:
             for process, url in servers.values():
@@ -200,7 +205,8 @@ def main() -> int:
     result = {
         "benchmark": "serving",
         "model": f"{args.workload}, untrained weights",
-        "settings": {k: getattr(args, k) for k in ("device", "concurrency", "max_batch_size",
+        "settings": {k: getattr(args, k) for k in ("device", "cuda_graphs", "concurrency",
+                                                    "max_batch_size",
                                                     "max_wait_ms", "threads", "rounds",
                                                     "warmup_s", "window_s", "quick")},
         "runs": {name: merge(r) for name, r in rounds.items()},

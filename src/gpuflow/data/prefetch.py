@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -33,11 +33,14 @@ class BackgroundLoader:
 
     Loading in the training process (no DataLoader workers) is Python work that the GIL
     lets overlap with the step, whose kernels release it: the next batch is being read and
-    collated while this one computes. Order and contents are those of the iterator itself.
+    collated while this one computes. Order and contents are those of the iterator itself;
+    ``transform`` (e.g. the copy to the device) also runs in the thread.
     """
 
-    def __init__(self, batches: Iterable[Any], depth: int = 2) -> None:
+    def __init__(self, batches: Iterable[Any], depth: int = 2,
+                 transform: Callable[[Any], Any] | None = None) -> None:
         self._source = iter(batches)
+        self._transform = transform
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gpuflow-loader", daemon=True)
@@ -46,7 +49,7 @@ class BackgroundLoader:
     def _run(self) -> None:
         try:
             for batch in self._source:
-                if not self._put(batch):
+                if not self._put(self._transform(batch) if self._transform else batch):
                     return
         except BaseException as exc:  # handed to the consumer, which raises it
             self._put(exc)
@@ -103,50 +106,58 @@ def _record_stream(batch: Any, stream: torch.cuda.Stream) -> None:
 
 
 class DevicePrefetcher:
-    """Iterates batches already on the device, one batch ahead of the consumer.
+    """Iterates batches already on the device, ahead of the consumer.
 
-    On CUDA the copy of batch k+1 runs on a side stream (from pinned memory) while step k
-    computes; the consumer's stream waits on it only when it takes the batch. On the CPU
-    the batch is passed through unchanged. ``background`` also loads the batches in a
-    thread (for loading in this process; DataLoader workers already load ahead).
+    On CUDA the copy of the next batch runs on a side stream (from pinned memory) while the
+    step computes; the consumer's stream waits on it only when it takes the batch. On the
+    CPU the batch is passed through unchanged. ``background`` also loads the batches in a
+    thread (for loading in this process; DataLoader workers already load ahead), and the
+    copies are issued from that thread too, so taking a batch costs the step nothing more
+    than a queue hand-off and a stream wait.
     """
 
     def __init__(self, batches: Iterable[Any], device: torch.device,
                  background: bool = False) -> None:
-        self._loader = BackgroundLoader(batches) if background else None
-        self._source = self._loader if self._loader is not None else iter(batches)
         self._device = device
-        self._cuda = device.type == "cuda"
-        self._stream = torch.cuda.Stream(device) if self._cuda else None
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._loader = (BackgroundLoader(batches, transform=self._to_device) if background
+                        else None)
+        self._source = self._loader if self._loader is not None else iter(batches)
         self._next: Any = None
         self._exhausted = False
-        self._preload()
+        if self._loader is None:
+            self._preload()
+
+    def _to_device(self, batch: Any) -> tuple[Any, torch.cuda.Event | None]:
+        """The batch on the device, and the event its copy completes at (CUDA only)."""
+        if self._stream is None:
+            return move_to_device(batch, self._device), None
+        with torch.cuda.stream(self._stream):
+            moved = move_to_device(batch, self._device, non_blocking=True)
+            return moved, self._stream.record_event()
 
     def _preload(self) -> None:
         try:
-            batch = next(self._source)
+            self._next = self._to_device(next(self._source))
         except StopIteration:
             self._exhausted = True
             self._next = None
-            return
-        if self._stream is None:
-            self._next = move_to_device(batch, self._device)
-            return
-        with torch.cuda.stream(self._stream):
-            self._next = move_to_device(batch, self._device, non_blocking=True)
 
     def __iter__(self) -> Iterator[Any]:
         return self
 
     def __next__(self) -> Any:
-        if self._exhausted:
-            raise StopIteration
-        if self._stream is not None:
+        if self._loader is not None:
+            batch, copied = next(self._loader)
+        else:
+            if self._exhausted:
+                raise StopIteration
+            batch, copied = self._next
+            self._preload()
+        if copied is not None:
             current = torch.cuda.current_stream(self._device)
-            current.wait_stream(self._stream)
-            _record_stream(self._next, current)
-        batch = self._next
-        self._preload()
+            current.wait_event(copied)
+            _record_stream(batch, current)
         return batch
 
     def close(self) -> None:
