@@ -49,22 +49,55 @@ def _foreign_load(result: dict[str, Any]) -> float | None:
     return max(known) if known else None
 
 
+def _gib(value: float | None) -> str:
+    return "n/a" if value is None else f"{value / 2**30:.1f} GiB"
+
+
 def _gpu_suite_lines(result: dict[str, Any]) -> list[str]:
-    lines = ["| run | tokens/s | MFU | peak (source) | target |", "|---|---|---|---|---|"]
+    lines = ["| run | tokens/s | MFU | step | peak memory | planner: step, memory (error) "
+             "| target |", "|---|---|---|---|---|---|---|"]
     for run in result.get("train", []):
+        label = run.get("label", run["model_size"])
         if "error" in run:
-            lines.append(f"| textlm {run['model_size']} | failed | | | |")
+            lines.append(f"| textlm {label} | failed | | | | | |")
             continue
         mfu = "n/a" if run["mfu"] is None else f"{100 * run['mfu']:.1f}%"
         target = run.get("target")
         verdict = "" if target is None else (
             f">= {100 * target['mfu_min']:.0f}%: {'met' if target['met'] else 'not met'}")
-        lines.append(f"| textlm {run['model_size']} | {run['tokens_per_s']:,.0f} | {mfu} | "
-                     f"{run['peak_flops_source']} | {verdict} |")
+        planner = run.get("planner")
+        predicted = "" if not planner else (
+            f"{planner['step_time_s']['predicted']:.4f} s "
+            f"({100 * planner['step_time_s']['error']:+.0f}%), "
+            f"{_gib(planner['peak_mem_bytes']['predicted'])} "
+            f"({100 * planner['peak_mem_bytes']['error']:+.0f}%)")
+        lines.append(f"| textlm {label} | {run['tokens_per_s']:,.0f} | {mfu} | "
+                     f"{run['step_time_s']:.4f} s | {_gib(run.get('peak_mem_bytes'))} | "
+                     f"{predicted} | {verdict} |")
+    if result.get("train"):
+        source = next((run["peak_flops_source"] for run in result["train"]
+                       if "peak_flops_source" in run), None)
+        if source:
+            lines += ["", f"MFU against: {source}."]
     matmul = result.get("matmul", {})
     if matmul:
         lines += ["", f"bf16 matmul probe: {matmul['bf16_tflops']:.2f} TFLOP/s on "
                       f"{matmul.get('device_name', '?')}."]
+    probe = result.get("batch_size_auto", {})
+    if probe.get("probe"):
+        found = probe["probe"]
+        lines += ["", f"`--batch-size auto` (textlm {probe['model_size']}, global batch "
+                      f"{probe['global_batch']}): largest fitting micro-batch "
+                      f"{found['largest_fitting']}, ran {found['micro_batch']} x "
+                      f"{found['grad_accum']} accumulation."]
+    for name in ("serving", "serving_cuda_graphs"):
+        runs = (result.get(name) or {}).get("runs")
+        if runs:
+            figures = "; ".join(
+                f"{config}: {r['requests_per_s']:.1f} req/s, p50 {r['p50_ms']:.0f} ms, "
+                f"p99 {r['p99_ms']:.0f} ms, mean batch {r['mean_batch_rows']:.1f}"
+                for config, r in runs.items())
+            lines += ["", f"{name} ({result[name].get('model', '?')}): {figures}."]
     return lines
 
 
@@ -84,6 +117,8 @@ def section(path: Path, result: dict[str, Any]) -> list[str]:
               f"- machine: {_machine(result)}",
               f"- date: {result.get('created', '?')}",
               f"- versions: {versions or '?'}"]
+    if result.get("git_commit"):
+        lines.append(f"- measured at commit {result['git_commit']}")
     load = _foreign_load(result)
     if load is not None:
         lines.append(f"- other processes' CPU share meanwhile: up to {100 * load:.0f}%"

@@ -115,6 +115,8 @@ def probe_batch_size(model: nn.Module, example: Batch, loss_step: Callable[[Batc
                                       agree=agree)
     finally:
         del reserve
+    if device.type == "cuda":  # the run reports its own peak, not the probe's
+        torch.cuda.reset_peak_memory_stats(device)
     micro, accum = accumulation_for(global_batch, dp, largest)
     return BatchProbe(micro, accum, largest, cap, reserved)
 
