@@ -75,10 +75,23 @@ def test_activation_checkpointing_without_blocks_is_a_clear_error(tmp_path: Path
         Trainer(workload, config(tmp_path, activation_checkpointing=True))
 
 
-def test_compile_trains_a_small_model(tmp_path: Path) -> None:
-    result = train(fresh_mlp(), config(tmp_path, compile=True, max_steps=4, eval_every=0))
-    assert result.summary["compiled"] is True
-    assert all(torch.isfinite(torch.tensor(losses(tmp_path))))
+def test_compile_compiles_each_block_and_keeps_the_eager_loss_curve(tmp_path: Path) -> None:
+    eager = train(fresh_mlp(), config(tmp_path / "eager", max_steps=4, eval_every=0))
+    compiled = train(fresh_mlp(), config(tmp_path / "compiled", compile=True, max_steps=4,
+                                         eval_every=0))
+    assert compiled.summary["compiled"] is True
+    assert compiled.summary["compile_scope"] == "2 blocks"
+    assert losses(tmp_path / "compiled") == pytest.approx(losses(tmp_path / "eager"), rel=1e-4)
+    # compiled in place: checkpoints keep the eager parameter names
+    assert compiled.model.state_dict().keys() == eager.model.state_dict().keys()
+
+
+def test_no_checkpoints_writes_none_and_contradicting_flags_are_refused(tmp_path: Path) -> None:
+    result = train(fresh_mlp(), config(tmp_path, save_checkpoints=False, max_steps=2))
+    assert result.summary["checkpoint"] is None
+    assert not (tmp_path / "checkpoints").exists()
+    with pytest.raises(Exception, match="--checkpoint-every and --no-checkpoints"):
+        TrainConfig(save_checkpoints=False, checkpoint_every=5).validate()
 
 
 def test_compile_failure_falls_back_to_eager_with_a_message(
