@@ -5,7 +5,7 @@ The same model, data, precision, batch size and step count are trained four ways
 Accelerate. Timing: the loops take turns in rounds inside one process, in a rotating order,
 so machine drift hits all alike (the loops themselves are ``overhead.py``'s, plus one for
 Accelerate). Memory: each framework trains again in a fresh process of its own, which
-reports its peak resident memory and how much it grew while training, since one shared
+reports its peak resident memory and how much it grew in set-up and training, since one shared
 process cannot tell the frameworks' memory apart.
 
 Fabric and Accelerate are measured only when installed; they are never gpuflow
@@ -122,10 +122,12 @@ def probe_memory(name: str, model_name: str, precision: str) -> dict[str, int]:
     classes, _, _ = available(tuple(n for n in IMPORTERS if n == name))
     spec, dataset, base = case_inputs(model_name)
     with tempfile.TemporaryDirectory(prefix="gpuflow-compare-") as workdir:
-        loop = build_loop(name, classes, base, dataset, spec.batch_size, precision,
-                          MEMORY_STEPS, Path(workdir) / "run")
+        # Growth counts the framework's set-up too (gpuflow's FLOP-counting step, wrappers),
+        # from the same starting point for all: model and data built, framework imported.
         gc.collect()
         before = resident_bytes()
+        loop = build_loop(name, classes, base, dataset, spec.batch_size, precision,
+                          MEMORY_STEPS, Path(workdir) / "run")
         loop.run(MEMORY_STEPS)
         loop.close()
         peak = resident_bytes("VmHWM")

@@ -30,7 +30,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 
 FORMAT_VERSION = 1
 MODEL_FILE = "model.safetensors"
@@ -120,6 +119,8 @@ def save_checkpoint(directory: Path, step: int, model_state: Mapping[str, torch.
     tmp = directory / f".tmp-{PREFIX}{step:08d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    from safetensors.torch import save_file  # imported when a checkpoint is written
+
     save_file(_unshared(model_state), str(tmp / MODEL_FILE), metadata={"step": str(step)})
     return _finish(directory, tmp, step, trainer_state, keep)
 
@@ -232,6 +233,8 @@ def load_checkpoint(checkpoint: Checkpoint) -> tuple[dict[str, torch.Tensor], di
     """
     trainer_state = load_trainer_state(checkpoint)
     if not is_sharded(checkpoint):
+        from safetensors.torch import load_file
+
         return load_file(str(checkpoint.path / MODEL_FILE)), trainer_state
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 

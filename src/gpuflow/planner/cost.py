@@ -4,8 +4,9 @@ Compute is the step's FLOPs per device over the precision's dense peak times a c
 efficiency. Each collective costs ``steps * alpha + bytes_on_the_wire / bandwidth``
 (alpha-beta model of a ring: an all-reduce moves ``2 (n-1)/n`` of the message per rank, an
 all-gather or reduce-scatter ``(n-1)/n``) on the slowest link its group spans. Data-parallel
-traffic runs beside backward (DDP buckets, FSDP prefetch) and only what compute cannot cover
-is exposed; tensor-parallel all-reduces and pipeline sends sit on the critical path.
+traffic runs beside backward on GPUs (DDP buckets, FSDP prefetch) and only what compute cannot
+cover is exposed (on CPU ranks all of it is); tensor-parallel all-reduces and pipeline sends
+sit on the critical path.
 A 1F1B or GPipe pipeline idles ``(pp - 1) / m`` of the compute for ``m`` micro-batches.
 """
 
@@ -83,7 +84,8 @@ def predict_step_time(profile: ModelProfile, layout: Layout, hardware: Hardware)
             return
         link = hardware.link_for(group, stride)
         seconds = count * _ring(kind, group, message, link)
-        collectives.append(Collective(name, count, message, seconds, link.name, overlapped))
+        collectives.append(Collective(name, count, message, seconds, link.name,
+                                      overlapped and hardware.overlaps_communication))
 
     dp_stride = layout.tp
     if layout.strategy == "ddp":

@@ -98,6 +98,10 @@ class Hardware:
     efficiency: float
     framework_overhead: int
     source: str
+    # GPUs run collectives on their own streams, beside compute. CPU ranks run gloo's
+    # threads on the cores the compute uses, and FSDP2 has no side streams there to prefetch
+    # on: every collective adds to the step.
+    overlaps_communication: bool = True
 
     @property
     def devices(self) -> int:
@@ -159,4 +163,5 @@ def cpu_hardware(processes: int, peak_flops: dict[str, float], memory_bytes: int
         name="cpu", peak_flops=peak_flops, memory_bytes=memory_bytes // max(1, processes),
         gpus_per_node=processes, nodes=1, intra=link, inter=link, efficiency=efficiency,
         framework_overhead=0, source="measured torch.mm peak of this CPU (gpuflow.hardware)",
+        overlaps_communication=False,
     )

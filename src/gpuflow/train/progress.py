@@ -1,16 +1,19 @@
-"""What a person watching the terminal sees: a live bar on a TTY, plain lines elsewhere."""
+"""What a person watching the terminal sees: a live bar on a TTY, plain lines elsewhere.
+
+rich is imported on first output, so a Trainer driven from Python with progress off (a
+benchmark, a notebook loop) never loads it.
+"""
 
 from __future__ import annotations
 
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-from rich.table import Table
-
-from gpuflow.report.diagnose import diagnose, headline
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
 
 PLAIN_LINES = 20
 
@@ -24,7 +27,7 @@ class ProgressDisplay:
 
     def __init__(self, total_steps: int, start_step: int, enabled: bool = True,
                  console: Console | None = None) -> None:
-        self.console = console or Console(stderr=True)
+        self._console = console
         self.total = total_steps
         self.enabled = enabled
         self.live = enabled and self.console.is_terminal
@@ -33,6 +36,8 @@ class ProgressDisplay:
         self._start_step = start_step
         self._progress: Progress | None = None
         if self.live:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
             self._progress = Progress(
                 TextColumn("step {task.completed}/{task.total}"),
                 BarColumn(),
@@ -48,6 +53,14 @@ class ProgressDisplay:
                                                  completed=start_step, loss="-", rate="-",
                                                  mfu="-")
             self._progress.start()
+
+    @property
+    def console(self) -> Console:
+        if self._console is None:
+            from rich.console import Console
+
+            self._console = Console(stderr=True)
+        return self._console
 
     def update(self, step: int, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -83,6 +96,8 @@ class ProgressDisplay:
 
 def summary_table(summary: dict[str, Any]) -> Table:
     """The end-of-run table: quality, speed, utilisation and where the time went."""
+    from rich.table import Table
+
     table = Table(title=f"gpuflow run: {summary['workload']}", show_header=False)
     table.add_column("metric", style="bold")
     table.add_column("value", overflow="fold")
@@ -124,6 +139,10 @@ def summary_table(summary: dict[str, Any]) -> Table:
 
 def print_summary(summary: dict[str, Any], console: Console | None = None) -> None:
     """The summary table, then the top bottleneck and what to try (`gpuflow report` has all)."""
+    from rich.console import Console
+
+    from gpuflow.report.diagnose import diagnose, headline
+
     console = console or Console(file=sys.stdout)
     console.print(summary_table(summary))
     for line in headline(diagnose(summary), summary["median"]):
