@@ -9,6 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import ROOT, cli_env, run_cli
@@ -24,11 +25,13 @@ from gpuflow.data.shards import (
     Manifest,
     RecordShard,
     RecordShardWriter,
+    SplitReader,
     decode_record,
     encode_record,
     layout_of,
     load_manifest,
     write_manifest,
+    write_token_shard,
 )
 from gpuflow.data.streaming import epoch_order, open_packed
 from gpuflow.errors import UserError
@@ -218,6 +221,44 @@ def test_train_batches_streams_packed_sets_like_any_dataset(packed_digits: Path)
     for expected in reference[41:]:
         got = next(later)
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def test_batched_decoding_gives_the_default_collates_batches(packed_digits: Path,
+                                                            tmp_path: Path) -> None:
+    data = open_packed(packed_digits, "digits")
+    assert data is not None
+    common = dict(batch_size=32, collate=default_collate, seed=1, pin_memory=False,
+                  start_batch=40, num_workers=0)
+    per_item = train_batches(data.train, **common)
+    batched = train_batches(data.train, batched_indexing=True, **common)
+    for _ in range(8):  # across the epoch boundary at 44
+        expected, got = next(per_item), next(batched)
+        assert type(got) is type(expected)
+        assert all(a.dtype == b.dtype and torch.equal(a, b)
+                   for a, b in zip(got, expected, strict=True))
+    # records whose shapes differ are decoded one by one and meet default_collate's verdict
+    items = [(torch.randn(n, 2), (n, 0.5 * n, n % 2 == 0)) for n in (3, 3, 5)]
+    writer = RecordShardWriter(tmp_path / "train-00000.rec")
+    for item in items:
+        writer.write(encode_record(item))
+    write_manifest(tmp_path, Manifest(workload="w", kind="records", layout=layout_of(items[0]),
+                                      splits={"train": [writer.close()]}))
+    reader = SplitReader(tmp_path, load_manifest(tmp_path), "train")
+    expected = default_collate([reader[i] for i in (1, 0)])
+    got = reader.collated([1, 0])
+    assert all(a.dtype == b.dtype and torch.equal(a, b)
+               for a, b in zip(leaves(got), leaves(expected), strict=True))
+    with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
+        reader.collated([2, 0])
+    # token windows
+    text = tmp_path / "text"
+    text.mkdir()
+    shard = write_token_shard(text / "train-00000.npy", np.arange(40, dtype=np.uint8))
+    write_manifest(text, Manifest(workload="w", kind="tokens", splits={"train": [shard]}))
+    windows = SplitReader(text, load_manifest(text), "train", seq_len=4)
+    expected = default_collate([windows[i] for i in (3, 0, 7)])
+    got = windows.collated([3, 0, 7])
+    assert all(torch.equal(a, b) and a.is_contiguous() for a, b in zip(got, expected, strict=True))
 
 
 def training_losses(run_dir: Path) -> list[float]:

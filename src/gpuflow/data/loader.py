@@ -34,9 +34,9 @@ def train_batches(dataset: Dataset, batch_size: int, collate: Any, seed: int,
     (``StreamingDataset``) is streamed in its own shuffled order; any other dataset is
     indexed through a ``ResumableSampler``. Either way the batches depend only on the seed
     and the position, not on ``num_workers``.
-    ``batched_indexing`` fetches a whole batch with one ``dataset[indices]`` call, which
+    ``batched_indexing`` fetches a whole batch at once: one ``dataset[indices]`` call, which
     in-memory tensor datasets answer with a single gather instead of one item at a time
-    and a stack; the batches are identical.
+    and a stack, or one decoding pass over a packed batch; the batches are identical.
     """
     per_epoch = batches_per_epoch(dataset, batch_size, world_size)
     workers: dict[str, Any] = {
@@ -48,7 +48,7 @@ def train_batches(dataset: Dataset, batch_size: int, collate: Any, seed: int,
     }
     if isinstance(dataset, StreamingDataset):
         stream = dataset.batches(seed, batch_size, per_epoch, start_batch, collate, rank,
-                                 world_size)
+                                 world_size, batched=batched_indexing)
         return iter(DataLoader(stream, batch_size=None, **workers))
     return _indexed_batches(dataset, batch_size, collate, seed, start_batch, per_epoch,
                             rank, world_size, batched_indexing, workers)
@@ -78,8 +78,9 @@ def _indexed_batches(dataset: Dataset, batch_size: int, collate: Any, seed: int,
 
 
 def supports_batched_indexing(dataset: Dataset, collate_fn: Any) -> bool:
-    """In-memory tensors with the default collate: one gather per batch gives the same batch."""
-    return isinstance(dataset, TensorDataset) and collate_fn is None
+    """Whether a batch can be fetched whole and still equal the default collate's: one
+    gather from in-memory tensors, or one decoding pass over a packed set's records."""
+    return isinstance(dataset, TensorDataset | StreamingDataset) and collate_fn is None
 
 
 def eval_loader(dataset: Dataset, batch_size: int, collate: Any, num_workers: int,

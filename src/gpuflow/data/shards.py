@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from gpuflow.errors import UserError
 
@@ -98,28 +98,89 @@ def encode_record(item: Any) -> bytes:
     return b"".join(parts)
 
 
-def decode_record(buffer: bytes, layout: Layout) -> Any:
-    """The inverse of ``encode_record``, rebuilding tuples as ``layout`` describes."""
-    position = 0
+@dataclass(frozen=True)
+class _Leaf:
+    """Where one leaf of a record sits: its header bytes, then its payload."""
 
-    def leaf(kind: str) -> Any:
-        nonlocal position
+    header_start: int
+    payload_start: int
+    payload_end: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    kind: str
+
+
+def _leaf_spans(buffer: bytes, layout: Layout) -> list[_Leaf]:
+    """Every leaf of an encoded record, depth first, as ``layout`` lists them."""
+    kinds: list[str] = []
+
+    def flatten(spec: Layout) -> None:
+        if isinstance(spec, list):
+            for part in spec:
+                flatten(part)
+        else:
+            kinds.append(spec)
+
+    flatten(layout)
+    leaves, position = [], 0
+    for kind in kinds:
+        start = position
         code, ndim = _TENSOR_HEAD.unpack_from(buffer, position)
         position += _TENSOR_HEAD.size
         shape = struct.unpack_from(f"<{ndim}Q", buffer, position)
         position += 8 * ndim
         dtype = _DTYPES[code]
         size = math.prod(shape) * dtype.itemsize
-        raw = bytearray(buffer[position:position + size])
+        leaves.append(_Leaf(start, position, position + size, dtype, shape, kind))
         position += size
-        tensor = (torch.frombuffer(raw, dtype=dtype) if size else
-                  torch.empty(0, dtype=dtype)).reshape(shape)
-        return tensor if kind == "t" else tensor.item()
+    return leaves
 
-    def build(spec: Layout) -> Any:
-        return tuple(build(part) for part in spec) if isinstance(spec, list) else leaf(spec)
 
-    return build(layout)
+def _rebuild(layout: Layout, leaves: Iterator[Any], sequence: type) -> Any:
+    """``layout``'s nesting around values taken in order from ``leaves``."""
+    if isinstance(layout, list):
+        return sequence(_rebuild(part, leaves, sequence) for part in layout)
+    return next(leaves)
+
+
+def decode_record(buffer: bytes, layout: Layout) -> Any:
+    """The inverse of ``encode_record``, rebuilding tuples as ``layout`` describes."""
+
+    def value(leaf: _Leaf) -> Any:
+        raw = bytearray(buffer[leaf.payload_start:leaf.payload_end])
+        tensor = (torch.frombuffer(raw, dtype=leaf.dtype) if raw else
+                  torch.empty(0, dtype=leaf.dtype)).reshape(leaf.shape)
+        return tensor if leaf.kind == "t" else tensor.item()
+
+    return _rebuild(layout, (value(leaf) for leaf in _leaf_spans(buffer, layout)), tuple)
+
+
+def decode_batch(records: list[bytes], layout: Layout) -> Any:
+    """``default_collate`` of the decoded records, built without per-record tensors.
+
+    When every record has the first one's length and headers (the same shapes, as images
+    and labels have), each leaf of the batch is one strided copy out of the joined records;
+    otherwise the records are decoded one by one and collated. Either way the result is
+    what ``default_collate([decode_record(r, layout) for r in records])`` returns.
+    """
+    first = records[0]
+    leaves = _leaf_spans(first, layout)
+    uniform = all(len(record) == len(first) for record in records) and all(
+        record[leaf.header_start:leaf.payload_start] == first[leaf.header_start:leaf.payload_start]
+        for record in records for leaf in leaves)
+    if not uniform:
+        return default_collate([decode_record(record, layout) for record in records])
+    rows = np.frombuffer(b"".join(records), np.uint8).reshape(len(records), len(first))
+
+    def column(leaf: _Leaf) -> torch.Tensor:
+        payload = np.array(rows[:, leaf.payload_start:leaf.payload_end])  # a writable copy
+        tensor = torch.from_numpy(payload).view(leaf.dtype).reshape(len(records), *leaf.shape)
+        if leaf.kind == "i" and leaf.dtype != torch.bool:
+            return tensor.to(torch.int64)  # collated Python ints
+        return tensor.to(torch.float64) if leaf.kind == "f" else tensor
+
+    # default_collate turns a batch of tuples into a list of collated fields.
+    return _rebuild(layout, (column(leaf) for leaf in leaves), list)
 
 
 # --- manifest ---------------------------------------------------------------------------
@@ -307,11 +368,12 @@ class RecordShard:
         if magic != MAGIC:
             raise UserError(f"{path} is not a gpuflow record shard (bad trailer).")
         self.offsets = np.frombuffer(os.pread(self._fd, 8 * count, index_offset), dtype="<u8")
+        # Record i ends where record i + 1 (or the index) begins: one read per record.
+        self.ends = np.append(self.offsets[1:], np.uint64(index_offset))
 
     def read(self, index: int) -> bytes:
-        offset = int(self.offsets[index])
-        (length,) = _LENGTH.unpack(os.pread(self._fd, _LENGTH.size, offset))
-        return os.pread(self._fd, length, offset + _LENGTH.size)
+        offset, end = int(self.offsets[index]), int(self.ends[index])
+        return os.pread(self._fd, end - offset, offset)[_LENGTH.size:]
 
     def close(self) -> None:
         os.close(self._fd)
@@ -388,15 +450,29 @@ class SplitReader(Dataset):
             self._open.move_to_end(number)
         return opened
 
-    def __getitem__(self, index: int) -> Any:
+    def _read(self, index: int) -> bytes | np.ndarray:
+        """Sample ``index`` as stored: a record's bytes, or a window of tokens."""
         number, position = self.locate(index)
         shard = self._shard(number)
         if isinstance(shard, RecordShard):
-            return decode_record(shard.read(position), self.manifest.layout)
+            return shard.read(position)
         assert self.seq_len is not None
-        window = torch.from_numpy(shard.read(position * self.seq_len, self.seq_len + 1))
-        window = window.long()
+        return shard.read(position * self.seq_len, self.seq_len + 1)
+
+    def __getitem__(self, index: int) -> Any:
+        stored = self._read(index)
+        if isinstance(stored, bytes):
+            return decode_record(stored, self.manifest.layout)
+        window = torch.from_numpy(stored).long()
         return window[:-1], window[1:]
+
+    def collated(self, indices: list[int]) -> Any:
+        """``default_collate([self[i] for i in indices])``, decoded a batch at a time."""
+        stored = [self._read(index) for index in indices]
+        if self.manifest.kind == "records":
+            return decode_batch(stored, self.manifest.layout)  # type: ignore[arg-type]
+        windows = torch.from_numpy(np.stack(stored)).long()
+        return [windows[:, :-1].contiguous(), windows[:, 1:].contiguous()]
 
 
 def read_example(directory: Path, manifest: Manifest) -> Any:

@@ -84,10 +84,11 @@ class StreamingDataset(IterableDataset):
 
     def batches(self, seed: int, batch_size: int, per_epoch: int, start_batch: int,
                 collate: Callable[[list[Any]], Any], rank: int = 0,
-                world_size: int = 1) -> BatchStream:
-        """The endless batch stream of one data-parallel rank, from ``start_batch`` on."""
+                world_size: int = 1, batched: bool = False) -> BatchStream:
+        """The endless batch stream of one data-parallel rank, from ``start_batch`` on.
+        ``batched`` (for the default collate only) decodes each batch in one pass."""
         return BatchStream(self, seed, batch_size, per_epoch, start_batch, collate, rank,
-                           world_size)
+                           world_size, batched)
 
 
 @dataclass
@@ -106,6 +107,7 @@ class BatchStream(IterableDataset):
     collate: Callable[[list[Any]], Any]
     rank: int = 0
     world_size: int = 1
+    batched: bool = False
 
     def rank_batches(self, epoch: int) -> Iterator[list[int]]:
         """The sample ids of each of this rank's batches in ``epoch``."""
@@ -122,7 +124,9 @@ class BatchStream(IterableDataset):
         while True:
             for ids in islice(self.rank_batches(epoch), skip, None):
                 if produced % workers == worker:
-                    yield self.collate([self.dataset.reader[i] for i in ids])
+                    reader = self.dataset.reader
+                    yield (reader.collated(ids) if self.batched
+                           else self.collate([reader[i] for i in ids]))
                 produced += 1
             epoch, skip = epoch + 1, 0
 
