@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import run_cli
+from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from gpuflow.config import TrainConfig
@@ -130,50 +131,80 @@ STRATEGIES = {
     "fsdp": Layout("fsdp", dp=2, micro_batch=4),
     "fsdp-no-reshard": Layout("fsdp", dp=2, reshard_after_forward=False, micro_batch=4),
     "tp": Layout("tp", tp=2, micro_batch=4),
+    # two 1F1B stages, 4 micro-batches of 2
+    "pp": Layout("single", pp=2, micro_batch=2, grad_accum=4),
 }
 # The same global batch of 8 for timing: tensor-parallel ranks share one micro-batch.
 TIMED_LAYOUTS = {**STRATEGIES, "tp": Layout("tp", tp=2, micro_batch=8)}
 
 
-def _two_rank_worker(rank: int, port: int, out: str) -> None:
+def _strategy_step(workload: Workload, layout: Layout) -> tuple[Any, nn.Module]:
+    """``layout`` applied to the workload's model on this rank: a function that runs one
+    forward and backward of a batch, and the module holding this rank's parameters."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    from gpuflow.data.prefetch import resize_rows
     from gpuflow.parallel.data_parallel import apply_ddp, apply_fsdp
+    from gpuflow.parallel.pipeline import Pipeline
     from gpuflow.parallel.tensor import apply_tensor_parallel
 
+    model, cpu = workload.model, torch.device("cpu")
+    if layout.pp > 1:
+        mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("pp", "dp"))
+        example = resize_rows(workload.get_example_batch()[0], layout.micro_batch)
+        pipe = Pipeline(model, workload.blocks(), example, mesh["pp"], "1f1b",
+                        layout.grad_accum, workload.loss_fn, cpu)
+
+        def pipelined(batch: Any) -> None:
+            pipe.forward_backward(batch[0], batch[1], 1.0)
+            pipe.sync_tied_grads()
+
+        return pipelined, pipe.parts
+    forward: Any = model
+    if layout.strategy == "ddp":
+        forward = apply_ddp(model, cpu)
+    elif layout.strategy == "fsdp":
+        apply_fsdp(model, workload.blocks(), None, layout.reshard_after_forward)
+    else:
+        mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+        apply_tensor_parallel(workload.blocks(), workload.tensor_parallel_plan, mesh["tp"])
+
+    def plain(batch: Any) -> None:
+        workload.loss_fn(call_model(forward, batch[0]), batch[1]).backward()
+
+    return plain, model
+
+
+def _training_step(forward_backward: Any, optimizer: Any, batch: Any) -> None:
+    forward_backward(batch)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _two_rank_worker(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     peaks, step_s = {}, {}
     for name, layout in STRATEGIES.items():
         workload = resolve_workload("textlm", {"data": "synthetic", "model_size": SMALL_GPT})
-        model = workload.model
         tracker = MemTracker()
-        tracker.track_external(model)
+        tracker.track_external(workload.model)
         with tracker:
-            forward: Any = model
-            if layout.strategy == "ddp":
-                forward = apply_ddp(model, torch.device("cpu"))
-            elif layout.strategy == "fsdp":
-                apply_fsdp(model, workload.blocks(), None, layout.reshard_after_forward)
-            else:
-                mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
-                apply_tensor_parallel(workload.blocks(), workload.tensor_parallel_plan,
-                                      mesh["tp"])
-            optimizer = build_optimizer(model, TrainConfig(), torch.device("cpu"))
-            _train_steps(workload, forward, optimizer, _batch(workload, layout.micro_batch),
-                         "fp32", tracker)
+            forward_backward, local = _strategy_step(workload, layout)
+            optimizer = build_optimizer(local, TrainConfig(), torch.device("cpu"))
+            batch = _batch(workload, layout.global_batch // layout.dp)
+            for _ in range(2):
+                tracker.reset_mod_stats()
+                _training_step(forward_backward, optimizer, batch)
         peaks[name] = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
         # Then timed, untracked, at the global batch every strategy shares.
-        batch = _batch(workload, TIMED_LAYOUTS[name].micro_batch)
+        batch = _batch(workload, TIMED_LAYOUTS[name].global_batch // TIMED_LAYOUTS[name].dp)
         times = []
         for _ in range(8):
             dist.barrier()
             start = time.perf_counter()
-            loss = workload.loss_fn(call_model(forward, batch[0]), batch[1])
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            _training_step(forward_backward, optimizer, batch)
             dist.barrier()
             times.append(time.perf_counter() - start)
         step_s[name] = sorted(times[2:])[3]
@@ -206,7 +237,7 @@ def test_two_rank_peak_memory_is_predicted_within_15_percent(
 def test_two_rank_strategies_are_predicted_in_their_measured_order(
     two_rank_measurements: list[dict[str, Any]],
 ) -> None:
-    """ddp, fsdp (with and without resharding) and tp at one global batch on 2 gloo ranks:
+    """ddp, fsdp (with and without resharding), tp and pp at one global batch on 2 gloo ranks:
     wherever two strategies' measured step times differ by more than 25% (closer pairs are
     within this machine's noise), the planner must rank them the same way. Absolute times
     are not asserted: at this size the frameworks' per-call costs, which the planner does
