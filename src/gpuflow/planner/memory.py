@@ -79,7 +79,8 @@ def activation_bytes(profile: ModelProfile, layout: Layout, share: LocalShare) -
 
     Tensor parallelism splits what its plan's layers save; activation checkpointing keeps
     each block's input and re-creates one block's activations at a time in backward. A
-    1F1B pipeline's first stage holds ``pp`` micro-batches at once.
+    1F1B pipeline's first stage holds ``pp`` micro-batches at once, and its last stage
+    the outputs of all of them.
     """
     block = profile.act_block_per_sample
     block_local = (block - profile.act_tp_per_sample
@@ -88,8 +89,13 @@ def activation_bytes(profile: ModelProfile, layout: Layout, share: LocalShare) -
     if layout.activation_checkpointing and share.layers:
         block_local = (share.layers * profile.block_input_per_sample
                        + block_local / share.layers)
-    in_flight = min(layout.pp, layout.grad_accum) if layout.pp > 1 else 1
-    return layout.micro_batch * in_flight * (block_local + outer)
+    if layout.pp == 1:
+        return layout.micro_batch * (block_local + outer)
+    in_flight = min(layout.pp, layout.grad_accum)
+    # torch.distributed.pipelining's schedules keep the last stage's output of every
+    # micro-batch until the step ends (they return them merged).
+    retained = profile.output_per_sample * layout.micro_batch * layout.grad_accum
+    return layout.micro_batch * in_flight * (block_local + outer) + retained
 
 
 def predict_memory(profile: ModelProfile, layout: Layout, overhead: float = 0.0

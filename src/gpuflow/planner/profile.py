@@ -52,6 +52,9 @@ class ModelProfile:
     act_const: float
     tokens_per_sample: int | None
     source: str
+    # The model's output (e.g. the logits): a pipeline's last stage keeps it for every
+    # micro-batch of the step.
+    output_per_sample: float = 0.0
 
 
 # --- tracing ---------------------------------------------------------------------------------
@@ -67,6 +70,7 @@ class _Trace:
     block_input: float = 0.0
     largest: float = 0.0
     flops: float = 0.0
+    output: float = 0.0
 
 
 class _SavedTensorRecorder:
@@ -188,12 +192,16 @@ def _trace_once(workload: Workload, inputs: Any, target: torch.Tensor, precision
             with counter or contextlib.nullcontext():
                 saving = torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t)
                 with saving, autocast:
-                    loss = workload.loss_fn(_call(model, state, inputs), target)
+                    outputs = _call(model, state, inputs)
+                    loss = workload.loss_fn(outputs, target)
                 loss.backward()
         finally:
             for handle in handles:
                 handle.remove()
     recorder.trace.flops = counter.get_total_flops() if counter is not None else 0.0
+    recorder.trace.output = float(sum(
+        t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(outputs)
+        if isinstance(t, torch.Tensor)))
     return recorder.trace
 
 
@@ -266,6 +274,7 @@ def profile_workload(workload: Workload, precision: str = "fp32",
         act_const=one.total - per_sample.total,
         tokens_per_sample=seq_len or workload.tokens_per_sample,
         source=f"traced ({'fake tensors' if fake else 'real CPU tensors'})",
+        output_per_sample=per_sample.output,
     )
 
 
@@ -342,6 +351,7 @@ class TransformerDims:
             block_input_per_sample=float(t * r * d),
             largest_saved_per_sample=float(t * 4 * max(self.vocab, f)), act_const=const,
             tokens_per_sample=t, source="analytic (dimensions)",
+            output_per_sample=float(t * a * self.vocab),
         )
 
 
