@@ -79,23 +79,27 @@ def activation_bytes(profile: ModelProfile, layout: Layout, share: LocalShare) -
 
     Tensor parallelism splits what its plan's layers save; activation checkpointing keeps
     each block's input and re-creates one block's activations at a time in backward. A
-    1F1B pipeline's first stage holds ``pp`` micro-batches at once, and its last stage
-    the outputs of all of them.
+    1F1B pipeline's first stage holds ``pp`` micro-batches at once, its last stage one at a
+    time and the outputs of all of them; the busier of the two sets the peak.
     """
     block = profile.act_block_per_sample
     block_local = (block - profile.act_tp_per_sample
                    + profile.act_tp_per_sample / layout.tp) * share.stage_fraction
-    outer = (profile.act_per_sample - block) * (1.0 if layout.pp == 1 else 0.5)
+    outer = profile.act_per_sample - block
     if layout.activation_checkpointing and share.layers:
         block_local = (share.layers * profile.block_input_per_sample
                        + block_local / share.layers)
     if layout.pp == 1:
         return layout.micro_batch * (block_local + outer)
-    in_flight = min(layout.pp, layout.grad_accum)
-    # torch.distributed.pipelining's schedules keep the last stage's output of every
-    # micro-batch until the step ends (they return them merged).
+    # The first stage holds what is saved before the blocks for every micro-batch in flight;
+    # the last stage runs each micro-batch's backward right after its forward, but
+    # torch.distributed.pipelining's schedules keep its output of every micro-batch until
+    # the step ends (they return them merged).
+    before = profile.act_before_blocks_per_sample
+    first = layout.micro_batch * min(layout.pp, layout.grad_accum) * (block_local + before)
     retained = profile.output_per_sample * layout.micro_batch * layout.grad_accum
-    return layout.micro_batch * in_flight * (block_local + outer) + retained
+    last = layout.micro_batch * (block_local + outer - before) + retained
+    return max(first, last)
 
 
 def predict_memory(profile: ModelProfile, layout: Layout, overhead: float = 0.0

@@ -55,6 +55,9 @@ class ModelProfile:
     # The model's output (e.g. the logits): a pipeline's last stage keeps it for every
     # micro-batch of the step.
     output_per_sample: float = 0.0
+    # Saved before the first block (e.g. the embedding's token ids): a pipeline's first stage
+    # holds these, its last stage the rest of what lies outside the blocks.
+    act_before_blocks_per_sample: float = 0.0
 
 
 # --- tracing ---------------------------------------------------------------------------------
@@ -71,6 +74,7 @@ class _Trace:
     largest: float = 0.0
     flops: float = 0.0
     output: float = 0.0
+    before_blocks: float = 0.0
 
 
 class _SavedTensorRecorder:
@@ -80,6 +84,7 @@ class _SavedTensorRecorder:
         self.exclude = {_storage_key(p) for p in params}
         self.seen: set[int] = set()
         self.in_block = 0
+        self.blocks_started = False
         self.sharded = False
         self.trace = _Trace()
 
@@ -96,6 +101,8 @@ class _SavedTensorRecorder:
                 self.trace.block += size
                 if self.sharded:
                     self.trace.sharded += size
+            elif not self.blocks_started:
+                self.trace.before_blocks += size
         return tensor
 
     def hooks(self, workload: Workload) -> list[Any]:
@@ -117,6 +124,7 @@ class _SavedTensorRecorder:
     def _enter(self, first: bool) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             self.in_block += 1
+            self.blocks_started = True
             if first:
                 tensors = [a for a in args if isinstance(a, torch.Tensor)]
                 self.trace.block_input = sum(t.untyped_storage().nbytes() for t in tensors[:1])
@@ -275,6 +283,7 @@ def profile_workload(workload: Workload, precision: str = "fp32",
         tokens_per_sample=seq_len or workload.tokens_per_sample,
         source=f"traced ({'fake tensors' if fake else 'real CPU tensors'})",
         output_per_sample=per_sample.output,
+        act_before_blocks_per_sample=per_sample.before_blocks,
     )
 
 
@@ -352,6 +361,7 @@ class TransformerDims:
             largest_saved_per_sample=float(t * 4 * max(self.vocab, f)), act_const=const,
             tokens_per_sample=t, source="analytic (dimensions)",
             output_per_sample=float(t * a * self.vocab),
+            act_before_blocks_per_sample=float(8 * t),  # the embedding saves the token ids
         )
 
 
