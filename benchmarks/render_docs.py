@@ -53,6 +53,10 @@ def _gib(value: float | None) -> str:
     return "n/a" if value is None else f"{value / 2**30:.1f} GiB"
 
 
+def _error(pair: dict[str, Any]) -> str:
+    return "not measured" if pair.get("error") is None else f"{100 * pair['error']:+.0f}%"
+
+
 def _gpu_suite_lines(result: dict[str, Any]) -> list[str]:
     lines = ["| run | tokens/s | MFU | step | peak memory | planner: step, memory (error) "
              "| target |", "|---|---|---|---|---|---|---|"]
@@ -68,9 +72,9 @@ def _gpu_suite_lines(result: dict[str, Any]) -> list[str]:
         planner = run.get("planner")
         predicted = "" if not planner else (
             f"{planner['step_time_s']['predicted']:.4f} s "
-            f"({100 * planner['step_time_s']['error']:+.0f}%), "
+            f"({_error(planner['step_time_s'])}), "
             f"{_gib(planner['peak_mem_bytes']['predicted'])} "
-            f"({100 * planner['peak_mem_bytes']['error']:+.0f}%)")
+            f"({_error(planner['peak_mem_bytes'])})")
         lines.append(f"| textlm {label} | {run['tokens_per_s']:,.0f} | {mfu} | "
                      f"{run['step_time_s']:.4f} s | {_gib(run.get('peak_mem_bytes'))} | "
                      f"{predicted} | {verdict} |")

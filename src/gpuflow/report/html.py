@@ -135,11 +135,37 @@ def _hardware(run: Run) -> dict[str, Any]:
         "processes": facts.get("world_size"),
         "precision": facts.get("precision_description", facts.get("precision")),
         "compiled": facts.get("compiled"),
+        "compile scope": facts.get("compile_scope"),
         "peak FLOP/s per device (TFLOP/s)": None if peak is None else peak / 1e12,
         "peak FLOP/s source": facts.get("peak_flops_source", "unknown (run not finished)"),
         "peak memory (MiB)": _mib(facts),
         "peak memory measures": facts.get("peak_mem_kind"),
     }
+
+
+def _plan(run: Run) -> dict[str, Any]:
+    """What --strategy auto and --batch-size auto chose, and the planner's predictions
+    beside what the run measured."""
+    plan = run.facts.get("plan") or {}
+    chosen, probe = plan.get("strategy_auto"), plan.get("batch_size_auto")
+    values: dict[str, Any] = {}
+    if chosen:
+        values["strategy auto chose"] = (
+            f"{chosen['strategy']} dp {chosen['dp']} x tp {chosen['tp']} x pp {chosen['pp']}, "
+            f"micro-batch {chosen['micro_batch']} x {chosen['grad_accum']}, checkpointing "
+            f"{'on' if chosen['activation_checkpointing'] else 'off'}")
+    for key, label, scale in (("peak_mem_bytes", "peak memory (MiB)", 2**-20),
+                              ("step_time_s", "step time (ms)", 1e3)):
+        predicted, measured = plan.get("predicted_vs_measured", {}).get(key, (None, None))
+        if predicted is None or measured is None:
+            continue
+        values[f"{label}, predicted"] = predicted * scale
+        values[f"{label}, measured"] = measured * scale
+        values[f"{label}, prediction error (%)"] = 100 * (predicted / measured - 1)
+    if probe:
+        values["batch-size auto: largest fitting micro-batch"] = probe["largest_fitting"]
+        values["batch-size auto: ran"] = f"{probe['micro_batch']} x {probe['grad_accum']}"
+    return values
 
 
 def _diagnosis_html(run: Run, diagnosis: Diagnosis) -> str:
@@ -180,6 +206,8 @@ def render_report(runs: Sequence[Run]) -> str:
         _summary_table(runs),
         '<h2 id="plots">Over the run</h2>',
         *(_figure_html(*figure) for figure in figures(runs)),
+        *(['<h2 id="plan">Planner: predicted and measured</h2>', _key_table(runs, _plan)]
+          if any(_plan(run) for run in runs) else []),
         '<h2 id="config">Configuration</h2>',
         _key_table(runs, lambda run: run.config),
         '<h2 id="hardware">Hardware and peak FLOP/s</h2>',

@@ -732,8 +732,11 @@ class Trainer:
         }
         if self.plan is not None:
             measured_step = medians(self.metrics.step_records()).get("step_time_s")
+            # The planner predicts tensor memory: a CPU process's RSS, which also holds the
+            # interpreter and its libraries, is no measurement of that.
+            tensors = peak_mem if self.device.type == "cuda" else None
             record["predicted_vs_measured"] = {
-                "peak_mem_bytes": [self.plan.predicted_peak_bytes, peak_mem],
+                "peak_mem_bytes": [self.plan.predicted_peak_bytes, tensors],
                 "step_time_s": [self.plan.predicted_step_s, measured_step],
             }
         return record

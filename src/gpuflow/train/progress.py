@@ -130,11 +130,26 @@ def summary_table(summary: dict[str, Any]) -> Table:
         ("peak memory", f"{summary['peak_mem_bytes'] / 2**20:,.1f} MiB "
                         f"({summary['peak_mem_kind']})"),
         ("skipped steps", str(summary["skipped_steps"])),
+        *_planner_rows(summary),
         ("run dir", summary["run_dir"]),
     ]
     for name, value in rows:
         table.add_row(name, value)
     return table
+
+
+def _planner_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """The planner's predictions beside the measurements, for --strategy auto runs."""
+    pairs = ((summary.get("plan") or {}).get("predicted_vs_measured") or {})
+    rows = []
+    for key, label, scale, unit in (("step_time_s", "planner: step time", 1e3, "ms"),
+                                    ("peak_mem_bytes", "planner: peak memory", 2**-20, "MiB")):
+        predicted, measured = pairs.get(key, (None, None))
+        if predicted and measured:
+            rows.append((label, f"{predicted * scale:,.1f} {unit} predicted, "
+                                f"{measured * scale:,.1f} measured "
+                                f"({100 * (predicted / measured - 1):+.0f}%)"))
+    return rows
 
 
 def print_summary(summary: dict[str, Any], console: Console | None = None) -> None:
