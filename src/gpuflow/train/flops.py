@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.func import functional_call
 from torch.utils import flop_counter
+from torch.utils._pytree import tree_map_only
 
 _aten = torch.ops.aten
 
@@ -34,3 +40,38 @@ def count_flops(step: Callable[[], None]) -> int:
     with counter:
         step()
     return counter.get_total_flops()
+
+
+def count_training_flops(model: nn.Module, inputs: Any, target: torch.Tensor,
+                         loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+                         autocast: contextlib.AbstractContextManager[Any]) -> int:
+    """FLOPs of one forward and backward of ``model``, followed on fake tensors.
+
+    Only shapes flow: nothing is allocated on the device or computed, and the model's own
+    parameters, buffers and gradients are untouched. Raises whatever the model raises on
+    fake tensors (data-dependent code), so the caller can count on real ones instead.
+    """
+    mode = FakeTensorMode()
+    state: dict[str, torch.Tensor] = {
+        name: mode.from_tensor(param.detach()).requires_grad_(param.requires_grad)
+        for name, param in model.named_parameters()}
+    state.update({name: mode.from_tensor(buffer) for name, buffer in model.named_buffers()})
+    fake_inputs, fake_target = tree_map_only(torch.Tensor, mode.from_tensor, (inputs, target))
+    args, kwargs = ((), fake_inputs) if isinstance(fake_inputs, dict) else (
+        (tuple(fake_inputs) if isinstance(fake_inputs, tuple | list) else (fake_inputs,)), {})
+
+    def step() -> None:
+        with autocast:
+            loss = loss_fn(functional_call(model, state, args, kwargs), fake_target)
+        loss.backward()
+
+    # A model that fails here is counted for real; torch's own log of the failure, with its
+    # traceback, would only alarm the user.
+    fake_log = logging.getLogger(FakeTensorMode.__module__)
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)
+    try:
+        with mode:
+            return count_flops(step)
+    finally:
+        fake_log.setLevel(level)

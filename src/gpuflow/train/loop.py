@@ -43,7 +43,7 @@ from gpuflow.hardware import (
 from gpuflow.parallel.data_parallel import apply_ddp, apply_fsdp, set_gradient_sync
 from gpuflow.parallel.env import init_distributed
 from gpuflow.precision import make_policy
-from gpuflow.train.flops import count_flops
+from gpuflow.train.flops import count_flops, count_training_flops
 from gpuflow.train.optim import build_optimizer, build_scheduler
 from gpuflow.train.progress import ProgressDisplay
 from gpuflow.train.telemetry import MetricsLog, StepTimer, medians, peak_memory_bytes
@@ -243,9 +243,21 @@ class Trainer:
         return int(tensor.item())
 
     def _count_step_flops(self, example: Batch) -> int:
-        """FLOPs of one forward+backward on the example batch, scaled to the step's batch."""
-        inputs, target = example
+        """FLOPs of one forward+backward on the example batch, scaled to the step's batch.
 
+        Counted on fake tensors, which cost no memory or time on the device; a model that
+        fake tensors cannot run is counted on a real (side-effect-free) step instead.
+        """
+        inputs, target = example
+        try:
+            flops = count_training_flops(self.model, inputs, target, self.workload.loss_fn,
+                                         self.policy.autocast())
+        except Exception:
+            flops = self._count_real_step_flops(inputs, target)
+        per_sample = flops / batch_size_of(example)
+        return round(per_sample * self.micro_batch * self.config.grad_accum)
+
+    def _count_real_step_flops(self, inputs: Any, target: torch.Tensor) -> int:
         def probe() -> None:
             with self.policy.autocast():
                 loss = self.workload.loss_fn(call_model(self.model, inputs), target)
@@ -253,15 +265,13 @@ class Trainer:
 
         try:
             with side_effect_free(self.model, self.device):
-                flops = count_flops(probe)
+                return count_flops(probe)
         except Exception as exc:
             raise UserError(
                 f"Workload {self.workload.name!r}: the model failed on a batch from its train "
                 f"dataset ({type(exc).__name__}: {exc}). Check that the dataset yields "
                 "(inputs, target) pairs whose shapes and dtypes the model and loss accept."
             ) from exc
-        per_sample = flops / batch_size_of(example)
-        return round(per_sample * self.micro_batch * self.config.grad_accum)
 
     def _device_mesh(self) -> DeviceMesh | None:
         """(dp, tp) with tensor parallelism innermost, or (pp, dp) with pipeline stages
