@@ -28,6 +28,8 @@ ABOUT = {
     "gpu_suite": "matmul peak, textlm 124m/1b bf16 compiled training (tokens/s, MFU) and "
                  "serving on one GPU.",
     "serving": "dynamic batching against batch size 1 in `gpuflow serve`.",
+    "input_pipeline": "time each training step waits for its batch, raw and packed data, "
+                      "and the loader's throughput alone.",
 }
 
 
@@ -105,6 +107,21 @@ def _gpu_suite_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _input_pipeline_lines(result: dict[str, Any]) -> list[str]:
+    lines = ["| workload | run | data_wait_frac | step | trained samples/s | loader alone |",
+             "|---|---|---|---|---|---|"]
+    for workload, figures in result.get("workloads", {}).items():
+        for run, r in figures["runs"].items():
+            loader = r.get("loader_samples_per_s")
+            lines.append(f"| {workload} | {run} | {r['data_wait_frac']:.4f} | "
+                         f"{1e3 * r['step_time_s']:.1f} ms | {r['samples_per_s']:,.0f} | "
+                         + ("-" if loader is None else f"{loader:,.0f}") + " |")
+    lines += ["", f"Target: data_wait_frac <= {result.get('target_data_wait_frac')} at "
+                  f"{result.get('target_judged_at_workers', 0)} loader workers (the default); "
+                  f"met: {'yes' if result.get('all_meet_target') else 'no'}."]
+    return lines
+
+
 def _scalars(result: dict[str, Any]) -> list[str]:
     skip = {"benchmark", "created", "command", "machine", "versions", "settings"}
     return [f"- `{key}`: {value}" for key, value in result.items()
@@ -119,7 +136,7 @@ def section(path: Path, result: dict[str, Any]) -> list[str]:
         lines += [ABOUT[name], ""]
     lines += [f"- command: `{result.get('command', '?')}`",
               f"- machine: {_machine(result)}",
-              f"- date: {result.get('created', '?')}",
+              f"- date: {result.get('created', result.get('timestamp', '?'))}",
               f"- versions: {versions or '?'}"]
     if result.get("git_commit"):
         lines.append(f"- measured at commit {result['git_commit']}")
@@ -134,6 +151,8 @@ def section(path: Path, result: dict[str, Any]) -> list[str]:
     lines.append("")
     if name == "gpu_suite":
         lines += _gpu_suite_lines(result)
+    elif name == "input_pipeline":
+        lines += _input_pipeline_lines(result)
     elif result.get("table"):
         table = result["table"]
         lines += ["```", *(table if isinstance(table, list) else [str(table)]), "```"]
