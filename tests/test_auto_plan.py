@@ -21,6 +21,8 @@ def test_auto_strategy_and_batch_keep_the_global_batch_and_record_predictions(
                      "--run-dir", str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "--strategy auto chose single" in result.stderr
+    assert "planner: step time" in result.stdout and "measured (" in result.stdout
+    assert "planner: peak memory" not in result.stdout  # no tensor peak measured on a CPU
     summary = json.loads((tmp_path / "summary.json").read_text())
     plan, probe = summary["plan"]["strategy_auto"], summary["plan"]["batch_size_auto"]
     assert plan["strategy"] == "single" and plan["fits"]

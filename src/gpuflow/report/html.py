@@ -13,7 +13,7 @@ from typing import Any
 
 from gpuflow.report.diagnose import Diagnosis, diagnose
 from gpuflow.report.plots import figures
-from gpuflow.report.runs import Run
+from gpuflow.report.runs import Run, planner_predictions
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1150px; color: #222; }
@@ -154,14 +154,11 @@ def _plan(run: Run) -> dict[str, Any]:
             f"{chosen['strategy']} dp {chosen['dp']} x tp {chosen['tp']} x pp {chosen['pp']}, "
             f"micro-batch {chosen['micro_batch']} x {chosen['grad_accum']}, checkpointing "
             f"{'on' if chosen['activation_checkpointing'] else 'off'}")
-    for key, label, scale in (("peak_mem_bytes", "peak memory (MiB)", 2**-20),
-                              ("step_time_s", "step time (ms)", 1e3)):
-        predicted, measured = plan.get("predicted_vs_measured", {}).get(key, (None, None))
-        if predicted is None or measured is None:
-            continue
-        values[f"{label}, predicted"] = predicted * scale
-        values[f"{label}, measured"] = measured * scale
-        values[f"{label}, prediction error (%)"] = 100 * (predicted / measured - 1)
+    for figure in planner_predictions(run.facts):
+        label = f"{figure.name} ({figure.unit})"
+        values[f"{label}, predicted"] = figure.predicted
+        values[f"{label}, measured"] = figure.measured
+        values[f"{label}, prediction error (%)"] = 100 * figure.error
     if probe:
         values["batch-size auto: largest fitting micro-batch"] = probe["largest_fitting"]
         values["batch-size auto: ran"] = f"{probe['micro_batch']} x {probe['grad_accum']}"

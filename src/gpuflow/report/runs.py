@@ -49,6 +49,37 @@ class Run:
         return {**partial, **(self.summary or {}), "median": self.median, "config": self.config}
 
 
+# The figures --strategy auto predicts, with their display name, scale and unit.
+PREDICTED_FIGURES = {"step_time_s": ("step time", 1e3, "ms"),
+                     "peak_mem_bytes": ("peak memory", 2**-20, "MiB")}
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The planner's prediction of one figure beside the run's measurement, in display
+    units."""
+
+    name: str
+    unit: str
+    predicted: float
+    measured: float
+
+    @property
+    def error(self) -> float:
+        return self.predicted / self.measured - 1
+
+
+def planner_predictions(facts: dict[str, Any]) -> list[Prediction]:
+    """What a --strategy auto run predicted and also measured (summary.json's ``plan``)."""
+    pairs = (facts.get("plan") or {}).get("predicted_vs_measured") or {}
+    found = []
+    for key, (name, scale, unit) in PREDICTED_FIGURES.items():
+        predicted, measured = pairs.get(key, (None, None))
+        if predicted and measured:
+            found.append(Prediction(name, unit, predicted * scale, measured * scale))
+    return found
+
+
 def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())

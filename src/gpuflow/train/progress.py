@@ -140,16 +140,12 @@ def summary_table(summary: dict[str, Any]) -> Table:
 
 def _planner_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     """The planner's predictions beside the measurements, for --strategy auto runs."""
-    pairs = ((summary.get("plan") or {}).get("predicted_vs_measured") or {})
-    rows = []
-    for key, label, scale, unit in (("step_time_s", "planner: step time", 1e3, "ms"),
-                                    ("peak_mem_bytes", "planner: peak memory", 2**-20, "MiB")):
-        predicted, measured = pairs.get(key, (None, None))
-        if predicted and measured:
-            rows.append((label, f"{predicted * scale:,.1f} {unit} predicted, "
-                                f"{measured * scale:,.1f} measured "
-                                f"({100 * (predicted / measured - 1):+.0f}%)"))
-    return rows
+    from gpuflow.report.runs import planner_predictions
+
+    return [(f"planner: {figure.name}",
+             f"{figure.predicted:,.1f} {figure.unit} predicted, {figure.measured:,.1f} "
+             f"measured ({100 * figure.error:+.0f}%)")
+            for figure in planner_predictions(summary)]
 
 
 def print_summary(summary: dict[str, Any], console: Console | None = None) -> None:
