@@ -92,6 +92,8 @@ def test_no_checkpoints_writes_none_and_contradicting_flags_are_refused(tmp_path
     assert not (tmp_path / "checkpoints").exists()
     with pytest.raises(Exception, match="--checkpoint-every and --no-checkpoints"):
         TrainConfig(save_checkpoints=False, checkpoint_every=5).validate()
+    with pytest.raises(Exception, match="--max-restarts resumes .* --no-checkpoints"):
+        TrainConfig(save_checkpoints=False, max_restarts=2).validate()
 
 
 def test_compile_failure_falls_back_to_eager_with_a_message(

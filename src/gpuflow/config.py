@@ -104,6 +104,9 @@ class TrainConfig:
         if self.checkpoint_every and not self.save_checkpoints:
             raise UserError("--checkpoint-every and --no-checkpoints contradict each other; "
                             "drop one.")
+        if self.max_restarts and not self.save_checkpoints:
+            raise UserError("--max-restarts resumes restarted workers from the last "
+                            "checkpoint, which --no-checkpoints never writes; drop one.")
         if self.clip_grad is not None and self.clip_grad <= 0:
             raise UserError(f"--clip-grad must be positive (got {self.clip_grad}).")
         if self.memory_cap_gib is not None and self.memory_cap_gib <= 0:
