@@ -23,11 +23,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-from torch.func import functional_call
 from torch.utils import flop_counter
 
 from gpuflow.errors import UserError
-from gpuflow.train.flops import CUSTOM_FLOP_FORMULAS
+from gpuflow.train.flops import CUSTOM_FLOP_FORMULAS, call_with_state
 from gpuflow.workload import Workload
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -154,13 +153,6 @@ def _map_tensors(value: Any, fn: Any) -> Any:
     return value
 
 
-def _call(model: nn.Module, state: dict[str, torch.Tensor], inputs: Any) -> Any:
-    if isinstance(inputs, dict):
-        return functional_call(model, state, (), inputs)
-    args = tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,)
-    return functional_call(model, state, args)
-
-
 @contextlib.contextmanager
 def _train_mode(model: nn.Module) -> Iterator[None]:
     was_training = model.training
@@ -200,7 +192,7 @@ def _trace_once(workload: Workload, inputs: Any, target: torch.Tensor, precision
             with counter or contextlib.nullcontext():
                 saving = torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t)
                 with saving, autocast:
-                    outputs = _call(model, state, inputs)
+                    outputs = call_with_state(model, state, inputs)
                     loss = workload.loss_fn(outputs, target)
                 loss.backward()
         finally:

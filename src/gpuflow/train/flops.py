@@ -42,6 +42,15 @@ def count_flops(step: Callable[[], None]) -> int:
     return counter.get_total_flops()
 
 
+def call_with_state(model: nn.Module, state: dict[str, torch.Tensor], inputs: Any) -> Any:
+    """``model`` called on ``inputs`` (a tensor, a tuple of positional arguments or a dict
+    of keyword arguments) with ``state`` standing in for its parameters and buffers."""
+    if isinstance(inputs, dict):
+        return functional_call(model, state, (), inputs)
+    args = tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,)
+    return functional_call(model, state, args)
+
+
 def count_training_flops(model: nn.Module, inputs: Any, target: torch.Tensor,
                          loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
                          autocast: contextlib.AbstractContextManager[Any]) -> int:
@@ -57,12 +66,10 @@ def count_training_flops(model: nn.Module, inputs: Any, target: torch.Tensor,
         for name, param in model.named_parameters()}
     state.update({name: mode.from_tensor(buffer) for name, buffer in model.named_buffers()})
     fake_inputs, fake_target = tree_map_only(torch.Tensor, mode.from_tensor, (inputs, target))
-    args, kwargs = ((), fake_inputs) if isinstance(fake_inputs, dict) else (
-        (tuple(fake_inputs) if isinstance(fake_inputs, tuple | list) else (fake_inputs,)), {})
 
     def step() -> None:
         with autocast:
-            loss = loss_fn(functional_call(model, state, args, kwargs), fake_target)
+            loss = loss_fn(call_with_state(model, state, fake_inputs), fake_target)
         loss.backward()
 
     # A model that fails here is counted for real; torch's own log of the failure, with its
