@@ -53,8 +53,8 @@ PARALLEL = {
 }
 DEFAULT_STRATEGIES = ("ddp", "fsdp")
 CONTROL = "independent"
-# comm_s (DDP communication left exposed after backward) is null under fsdp, and absent
-# from gpuflow versions that do not measure it.
+# comm_s is communication nothing overlapped: DDP's all-reduce left after backward, FSDP's
+# collectives (they hold the host on the CPU); absent from gpuflow versions without it.
 PER_STEP = ("step_time_s", "compute_s", "comm_s", "optimizer_s", "data_wait_s", "host_s")
 RUN_TIMEOUT_S = 900
 
@@ -366,9 +366,10 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     print(f"\nefficiency = samples/s of {args.nproc} ranks / ({args.nproc} x samples/s of 1 "
           f"process), each round against its own single run; ms: median per step of the "
-          f"steady windows as gpuflow splits them (compute: forward+backward, FSDP's "
-          f"gathers and reductions included; comm: DDP all-reduce left exposed after "
-          f"backward; optim: loss all-reduce + optimizer step); other%: most CPU other "
+          f"steady windows as gpuflow splits them (compute: forward+backward without "
+          f"comm; comm: exposed communication, DDP's all-reduce left after backward or "
+          f"FSDP's gathers and reductions; optim: loss all-reduce + optimizer step); "
+          f"other%: most CPU other "
           f"processes used during a run of that config")
     for name, verdict in target.items():
         print(f"{name}: median efficiency {verdict['value']:.3f} "

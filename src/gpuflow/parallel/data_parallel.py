@@ -4,6 +4,7 @@ with FSDP2 (``fully_shard``) per repeated block and at the root."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
 from torch import nn
@@ -36,11 +37,15 @@ def apply_ddp(model: nn.Module, device: torch.device,
 
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], param_dtype: torch.dtype | None,
-               reshard_after_forward: bool, mesh: DeviceMesh | None = None) -> nn.Module:
+               reshard_after_forward: bool, mesh: DeviceMesh | None = None,
+               blocking_comm: Callable[[], AbstractContextManager[None]] | None = None
+               ) -> nn.Module:
     """Shard each block, then the root; low-precision params with fp32 gradient reduction.
 
     ``reshard_after_forward=True`` frees gathered parameters after forward and gathers them
     again in backward (ZeRO-3-like); False keeps them until backward (ZeRO-2-like).
+    ``blocking_comm``, for a model on the CPU, times the collectives that hold the host (see
+    ``gpuflow.parallel.host_collectives``).
     """
     if not blocks:
         raise UserError(
@@ -55,6 +60,10 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], param_dtype: torch.dty
         fully_shard(block, mesh=mesh, mp_policy=policy,
                     reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    if blocking_comm is not None:
+        from gpuflow.parallel.host_collectives import use_host_collectives
+
+        use_host_collectives([*blocks, model], blocking_comm)  # type: ignore[list-item]
     return model
 
 

@@ -11,7 +11,7 @@ import platform
 import random
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -324,7 +324,8 @@ class Trainer:
             param_dtype = self.policy.autocast_dtype
             apply_fsdp(self.model, self.workload.blocks(), param_dtype,
                        self.config.reshard_after_forward,
-                       mesh=self.mesh["dp"] if self.mesh is not None else None)
+                       mesh=self.mesh["dp"] if self.mesh is not None else None,
+                       blocking_comm=self._blocking_comm_timer)
         return self.model
 
     def _pipeline(self, example: Batch) -> nn.Module:
@@ -345,7 +346,7 @@ class Trainer:
             for stage in stages:
                 apply_fsdp(stage.submod, self.pipeline.blocks_of(stage),
                            self.policy.autocast_dtype, self.config.reshard_after_forward,
-                           mesh=self.mesh["dp"])
+                           mesh=self.mesh["dp"], blocking_comm=self._blocking_comm_timer)
             self.pipeline.grad_shards = (self.dp, self.dp_rank)
         return self.model
 
@@ -641,9 +642,17 @@ class Trainer:
         self.progress.update(self.step, record)
 
     @property
+    def _blocking_comm_timer(self) -> Callable[[], contextlib.AbstractContextManager[None]] | None:
+        """On the CPU FSDP's collectives hold the host, so timing them there measures them."""
+        return self.timer.blocking_comm if self.device.type == "cpu" else None
+
+    @property
     def _comm_measured(self) -> bool:
-        """Exposed communication is timed for DDP (and is nil for one process); FSDP, TP and
-        pipeline collectives run inside forward and backward and are reported as unknown."""
+        """Exposed communication is timed for DDP (and is nil for one process), and for FSDP
+        alone on the CPU; on CUDA FSDP's collectives run on their own streams, and tensor and
+        pipeline parallel ones are not timed, so those are reported as unknown."""
+        if self.strategy == "fsdp":
+            return self.device.type == "cpu" and self.tp == 1 and self.pp == 1
         return self.strategy in ("single", "ddp")
 
     @torch.no_grad()

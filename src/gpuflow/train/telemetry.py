@@ -10,11 +10,12 @@ after a synchronize, so measuring never serialises the GPU between steps.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
 import statistics
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -34,8 +35,10 @@ class _Region:
         self.total_s = 0.0
         self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._start: Any = None
+        self.running = False
 
     def begin(self) -> None:
+        self.running = True
         if self._cuda is None:
             self._start = time.perf_counter()
         else:
@@ -43,6 +46,7 @@ class _Region:
             self._start.record()
 
     def end(self) -> None:
+        self.running = False
         if self._cuda is None:
             self.total_s += time.perf_counter() - self._start
         else:
@@ -55,6 +59,15 @@ class _Region:
         if self._start is not None:
             self.end()
             self._start = None
+
+    @contextlib.contextmanager
+    def host_timed(self) -> Iterator[None]:
+        """Count the enclosed wall-clock interval: for work that blocks the host until done."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.total_s += time.perf_counter() - start
 
     def drain(self) -> float:
         """Seconds spent in this region since the last drain (needs a synchronized device)."""
@@ -83,6 +96,16 @@ class StepTimer:
         self.window = WindowStats()
         self._window_start = time.perf_counter()
         self._wait_start = 0.0
+
+    @contextlib.contextmanager
+    def blocking_comm(self) -> Iterator[None]:
+        """Count a collective that holds the host until it completes (FSDP's on the CPU) as
+        exposed communication, when it runs inside a timed forward and backward."""
+        if not self.compute.running:
+            yield
+            return
+        with self.comm.host_timed():
+            yield
 
     def start_window(self) -> None:
         """Begin timing from now (set-up before the first step is not a step)."""
