@@ -15,7 +15,7 @@ control runs N independent single processes at once (no communication): its effi
 the most this machine's cores allow, so the gap between it and ddp/fsdp is what
 communication and synchronisation cost.
 
-Run: ``python benchmarks/scaling.py`` (about 8 minutes on 2 cores), or ``--quick`` (under a
+Run: ``python benchmarks/scaling.py`` (about 10 minutes on 2 cores), or ``--quick`` (under a
 minute; no control).
 """
 
@@ -279,9 +279,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     parser.add_argument("--nproc", type=int, default=2, help="ranks of the parallel runs")
-    parser.add_argument("--batch-size", type=int, default=512, help="per-rank micro-batch")
-    parser.add_argument("--steps", type=int, default=60, help="optimizer steps per run")
-    parser.add_argument("--log-every", type=int, default=5, help="steps per logged window")
+    parser.add_argument("--batch-size", type=int, default=2048,
+                        help="per-rank micro-batch (see scaling_workload.py for the choice)")
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
+    parser.add_argument("--log-every", type=int, default=4, help="steps per logged window")
     parser.add_argument("--skip-windows", type=int, default=2,
                         help="warm-up windows left out of each run's median")
     parser.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
