@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -136,3 +137,42 @@ def test_grad_accum_matches_a_larger_batch(tmp_path: Path) -> None:
                                       max_steps=4, eval_every=0))
     for name, tensor in big.model.state_dict().items():
         torch.testing.assert_close(tensor, accum.model.state_dict()[name], rtol=1e-5, atol=1e-6)
+
+
+def test_blocking_collectives_count_as_comm_only_inside_a_timed_step() -> None:
+    from gpuflow.train.telemetry import StepTimer
+
+    timer = StepTimer(torch.device("cpu"))
+    with timer.blocking_comm():  # e.g. an evaluation forward's all-gather: not a step's
+        time.sleep(0.3)
+    timer.window.steps = 1
+    timer.compute.begin()
+    with timer.blocking_comm():
+        time.sleep(0.3)
+    time.sleep(0.02)
+    timer.compute.end()
+    window = timer.close_window()
+    # Bounds a slow machine cannot break: each would fail by a whole 0.3 s sleep.
+    assert 0.3 <= window["comm_s"] < 0.6  # the step's collective, not the other one
+    assert 0.02 <= window["compute_s"] < 0.3  # forward+backward without the collective
+    assert window["compute_s"] + window["comm_s"] <= window["step_time_s"]
+
+
+def test_optimizer_is_fused_on_cpu_unless_dtensors_and_tensors_mix() -> None:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DeviceMesh, distribute_tensor
+
+    from gpuflow.train.optim import build_optimizer
+
+    model = fresh_mlp().model
+    assert build_optimizer(model, TrainConfig(), torch.device("cpu")).defaults["fused"]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        # As tensor parallelism leaves it: one layer's weight a DTensor, the rest plain.
+        linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+        linear.weight = torch.nn.Parameter(distribute_tensor(linear.weight.detach(),
+                                                             DeviceMesh("cpu", [0])))
+        mixed = build_optimizer(model, TrainConfig(), torch.device("cpu"))
+        assert not mixed.defaults["fused"]
+    finally:
+        dist.destroy_process_group()
