@@ -22,7 +22,8 @@ DOC = HERE.parent / "docs" / "benchmarks.md"
 ABOUT = {
     "overhead": "gpuflow's Trainer against a plain PyTorch loop (and Lightning Fabric): "
                 "per-step cost of the engine and its telemetry; bitwise-equal weights.",
-    "scaling": "data-parallel scaling through `gpuflow train`: 1 process vs N (ddp, fsdp), at a per-rank micro-batch of 2048 by default.",
+    "scaling": "data-parallel scaling through `gpuflow train`: 1 process vs N (ddp, fsdp), "
+               "at a per-rank micro-batch of 2048 by default.",
     "compare_trainers": "the same training in gpuflow, a plain loop, Lightning Fabric and "
                         "Hugging Face Accelerate: step time, throughput, memory.",
     "gpu_suite": "matmul peak, textlm 124m/1b bf16 compiled training (tokens/s, MFU) and "
