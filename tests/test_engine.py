@@ -158,7 +158,7 @@ def test_blocking_collectives_count_as_comm_only_inside_a_timed_step() -> None:
     assert window["compute_s"] + window["comm_s"] <= window["step_time_s"]
 
 
-def test_optimizer_is_fused_on_cpu_unless_dtensors_and_tensors_mix() -> None:
+def test_optimizer_is_fused_on_cpu_where_dtensor_allows() -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DeviceMesh, distribute_tensor
 
@@ -174,5 +174,8 @@ def test_optimizer_is_fused_on_cpu_unless_dtensors_and_tensors_mix() -> None:
                                                              DeviceMesh("cpu", [0])))
         mixed = build_optimizer(model, TrainConfig(), torch.device("cpu"))
         assert not mixed.defaults["fused"]
+        # DTensor has no sharding rule for fused SGD at all.
+        sgd = build_optimizer(model, TrainConfig(optimizer="sgd"), torch.device("cpu"))
+        assert not sgd.defaults["fused"]
     finally:
         dist.destroy_process_group()

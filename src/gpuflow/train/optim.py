@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -31,20 +30,27 @@ def build_optimizer(model: nn.Module, config: TrainConfig, device: torch.device
         {"params": decay, "weight_decay": config.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    fused = device.type in FUSED_DEVICES and not _mixes_dtensors(decay + no_decay)
+    fused = _fusable(decay + no_decay, config.optimizer, device)
     if config.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=config.lr, momentum=0.9, nesterov=True,
                                fused=fused or None)
     return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), fused=fused or None)
 
 
-def _mixes_dtensors(params: Iterable[torch.Tensor]) -> bool:
-    """True if some parameters are DTensors and some are not (tensor parallelism leaves the
-    embeddings and head whole): one fused kernel call cannot take both kinds."""
+def _fusable(params: list[torch.Tensor], optimizer: str, device: torch.device) -> bool:
+    """Whether one fused kernel can update these parameters.
+
+    DTensor has a sharding rule for fused AdamW but not for fused SGD, and one fused call
+    cannot take DTensors and plain tensors together (tensor parallelism leaves the
+    embeddings and head whole).
+    """
+    if device.type not in FUSED_DEVICES:
+        return False
     tensor_module = sys.modules.get("torch.distributed.tensor")
     if tensor_module is None:  # never imported, so no parameter can be a DTensor
-        return False
-    return len({isinstance(param, tensor_module.DTensor) for param in params}) > 1
+        return True
+    kinds = {isinstance(param, tensor_module.DTensor) for param in params}
+    return not any(kinds) if optimizer == "sgd" else len(kinds) <= 1
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> float:
