@@ -165,3 +165,17 @@ def test_malformed_entries_are_rejected() -> None:
         GpuSpec("X", (r"x",), {**good, "tf32": 0.0}, 1.0, "https://example")
     with pytest.raises(ValueError, match="pattern"):
         GpuSpec("X", (), good, 1.0, "https://example")
+
+
+def test_cpu_half_precision_peak_is_never_below_fp32_and_old_probes_are_not_reused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without native bf16 units a CPU runs bf16 matmuls far below its fp32 rate (under
+    2 GFLOP/s against ~60 on an AVX2 EPYC), yet a bf16 step's small matmuls can beat the
+    probe's: against that probe MFU read 138%. A cache written by an older probe must not
+    bring such a figure back."""
+    from gpuflow import hardware
+
+    assert hardware.cpu_peak("bf16").flops >= hardware.cpu_peak("fp32").flops
+    current = hardware._cache_file("bf16", 1)
+    monkeypatch.setattr(hardware, "PROBE_REVISION", hardware.PROBE_REVISION + 1)
+    assert hardware._cache_file("bf16", 1) != current

@@ -24,6 +24,9 @@ from gpuflow.gpu_specs import lookup_gpu
 
 PROBE_SIZES = (256, 512, 1024, 2048)
 PROBE_SECONDS_PER_SIZE = 0.4
+# Part of the cache key: bump it when the probe's method changes, so that no machine keeps
+# a peak an older method measured.
+PROBE_REVISION = 2
 _DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
            "fp16": torch.float16}
 
@@ -159,7 +162,8 @@ def _sync(device: torch.device) -> None:
 
 def _cache_file(key: str, threads: int) -> Path:
     root = Path(os.environ.get("GPUFLOW_CACHE_DIR", Path.home() / ".cache" / "gpuflow"))
-    machine = f"{_cpu_model()}|{platform.machine()}|{torch.__version__}|{threads}"
+    machine = (f"{_cpu_model()}|{platform.machine()}|{torch.__version__}|{threads}|"
+               f"{PROBE_SIZES}|{PROBE_REVISION}")
     digest = hashlib.sha256(machine.encode()).hexdigest()[:16]
     return root / f"cpu-peak-{key}-{digest}.json"
 
