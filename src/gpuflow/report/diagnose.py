@@ -5,7 +5,7 @@ run's settings and, when its figure crosses a threshold, names the bottleneck, t
 that shows it and the flags to try, tailored to what the run already uses. Findings are
 ranked by the share of the step they put at stake, so the first one is the one to fix first.
 What cannot be judged (MFU without a known peak, memory without a known capacity,
-communication under FSDP) becomes a note that says so, never a guess.
+communication where it is not timed) becomes a note that says so, never a guess.
 """
 
 from __future__ import annotations
@@ -135,15 +135,23 @@ def _comm_bound(summary: Mapping[str, Any]) -> Finding | None:
         if config.get("reshard_after_forward", True):
             suggestions.append("--no-reshard-after-forward: keep gathered parameters for "
                                "backward, one all-gather per block instead of two")
-        suggestions.append("FSDP prefetch (set_modules_to_forward_prefetch / "
-                           "set_modules_to_backward_prefetch): start the next block's "
-                           "all-gather earlier")
+        if str(summary.get("device", "")).startswith("cuda"):
+            suggestions.append("FSDP prefetch (set_modules_to_forward_prefetch / "
+                               "set_modules_to_backward_prefetch): start the next block's "
+                               "all-gather earlier")
+        else:
+            suggestions.append("--strategy ddp if the model fits in one process's memory: "
+                               "one all-reduce per gradient bucket instead of three "
+                               "collectives per block, none of which overlaps compute on "
+                               "the CPU")
         if summary.get("precision") in ("fp32", "tf32"):
             suggestions.append("--precision bf16: parameters all-gathered in bf16, half "
                                "the bytes")
+    where = ("in FSDP's all-gathers and reduce-scatters" if strategy == "fsdp"
+             else "after backward's compute ended")
     return Finding(COMM, f"exposed communication is {share:.0%} of the step "
-                         f"({_ms(median['comm_s'])} of {_ms(median['step_time_s'])}) after "
-                         "backward's compute ended", tuple(suggestions), share)
+                         f"({_ms(median['comm_s'])} of {_ms(median['step_time_s'])}) {where}",
+                   tuple(suggestions), share)
 
 
 def _memory_bound(summary: Mapping[str, Any]) -> Finding | None:
