@@ -643,8 +643,12 @@ class Trainer:
 
     @property
     def _blocking_comm_timer(self) -> Callable[[], contextlib.AbstractContextManager[None]] | None:
-        """On the CPU FSDP's collectives hold the host, so timing them there measures them."""
-        return self.timer.blocking_comm if self.device.type == "cpu" else None
+        """On the CPU FSDP's collectives hold the host, so timing them there measures them;
+        beside untimed TP or pipeline collectives they are not timed either, so that the
+        step's breakdown still adds up."""
+        if self.device.type != "cpu":
+            return None
+        return self.timer.blocking_comm if self._comm_measured else contextlib.nullcontext
 
     @property
     def _comm_measured(self) -> bool:
