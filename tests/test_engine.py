@@ -160,7 +160,7 @@ def test_blocking_collectives_count_as_comm_only_inside_a_timed_step() -> None:
 
 def test_optimizer_is_fused_on_cpu_where_dtensor_allows() -> None:
     import torch.distributed as dist
-    from torch.distributed.tensor import DeviceMesh, distribute_tensor
+    from torch.distributed.tensor import DeviceMesh, DTensor, distribute_tensor
 
     from gpuflow.train.optim import build_optimizer
 
@@ -173,9 +173,38 @@ def test_optimizer_is_fused_on_cpu_where_dtensor_allows() -> None:
         linear.weight = torch.nn.Parameter(distribute_tensor(linear.weight.detach(),
                                                              DeviceMesh("cpu", [0])))
         mixed = build_optimizer(model, TrainConfig(), torch.device("cpu"))
-        assert not mixed.defaults["fused"]
+        assert mixed.defaults["fused"]
+        # Each group holds one kind (a fused call cannot take both), decay only on matrices.
+        kinds = [{isinstance(p, DTensor) for p in group["params"]}
+                 for group in mixed.param_groups]
+        assert all(len(kind) == 1 for kind in kinds) and {True} in kinds
+        assert all(p.dim() >= 2 for group in mixed.param_groups if group["weight_decay"]
+                   for p in group["params"])
+        assert sum(len(g["params"]) for g in mixed.param_groups) == len(list(model.parameters()))
+        for param in model.parameters():
+            param.grad = torch.ones_like(param)
+        before = linear.weight.full_tensor().clone()
+        mixed.step()  # one fused call per group, the DTensor one included
+        assert not torch.equal(linear.weight.full_tensor(), before)
         # DTensor has no sharding rule for fused SGD at all.
         sgd = build_optimizer(model, TrainConfig(optimizer="sgd"), torch.device("cpu"))
         assert not sgd.defaults["fused"]
     finally:
         dist.destroy_process_group()
+
+
+def test_saved_optimizer_settings_follow_group_names_across_strategies() -> None:
+    from gpuflow.train.optim import with_saved_settings
+
+    # Saved by one process (two groups), resumed under TP (each split into two kinds).
+    saved = [{"name": "decay", "weight_decay": 0.1, "lr": 0.5, "params": ["a", "b"]},
+             {"name": "no_decay", "weight_decay": 0.0, "lr": 0.5, "params": ["c"]}]
+    current = [{"name": "decay", "params": ["a"]}, {"name": "decay", "params": ["b"]},
+               {"name": "no_decay", "params": ["c"]}]
+    restored = with_saved_settings(saved, current)
+    assert [g["weight_decay"] for g in restored] == [0.1, 0.1, 0.0]
+    assert [g["params"] for g in restored] == [["a"], ["b"], ["c"]]
+    # Checkpoints from before groups had names pair up by position.
+    unnamed = [{"weight_decay": 0.1, "lr": 0.5}, {"weight_decay": 0.0, "lr": 0.5}]
+    both = [{"name": "decay", "params": ["a", "b"]}, {"name": "no_decay", "params": ["c"]}]
+    assert [g["weight_decay"] for g in with_saved_settings(unnamed, both)] == [0.1, 0.0]

@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from gpuflow.config import stages_per_rank
 from gpuflow.errors import UserError
+from gpuflow.train.optim import with_saved_settings
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 _PART = "parts."
@@ -274,11 +275,7 @@ class Pipeline:
                     # Two tied copies on one rank must not share their state tensors.
                     states[local] = _clone(saved[name]) if name in used else saved[name]
                     used.add(name)
-        groups = [
-            {**saved_group, "params": group["params"]}
-            for saved_group, group in zip(optimizer_state["param_groups"],
-                                          current["param_groups"], strict=True)
-        ]
+        groups = with_saved_settings(optimizer_state["param_groups"], current["param_groups"])
         set_optimizer_state_dict(self.parts, optimizer,
                                  {"state": states, "param_groups": groups}, options=options)
 

@@ -125,10 +125,10 @@ def predict_memory(profile: ModelProfile, layout: Layout, overhead: float = 0.0
         temporary += profile.act_const * share.params / profile.params
     if layout.strategy == "ddp":
         temporary += FP32 * share.params
-    # gpuflow's fused AdamW/SGD updates in place. Where DTensor has no rule for the fused
-    # kernel (SGD on sharded parameters; tensor parallelism's mix of sharded and whole ones)
-    # the foreach path keeps about one parameter-sized intermediate alive while it updates.
-    foreach = layout.tp > 1 or (fsdp and layout.optimizer == "sgd")
+    # gpuflow's fused AdamW/SGD updates in place. DTensor has no rule for fused SGD, so SGD
+    # on sharded or tensor-parallel parameters takes the foreach path, which keeps about one
+    # parameter-sized intermediate alive while it updates.
+    foreach = layout.optimizer == "sgd" and (fsdp or layout.tp > 1)
     optimizer_temporary = FP32 * share.params / shard if foreach else 0.0
 
     held_grads = grads if layout.grad_accum > 1 and not fsdp else 0.0

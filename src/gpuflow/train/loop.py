@@ -44,7 +44,7 @@ from gpuflow.parallel.data_parallel import apply_ddp, apply_fsdp, set_gradient_s
 from gpuflow.parallel.env import init_distributed
 from gpuflow.precision import make_policy
 from gpuflow.train.flops import count_flops, count_training_flops
-from gpuflow.train.optim import build_optimizer, build_scheduler
+from gpuflow.train.optim import build_optimizer, build_scheduler, restore_schedule
 from gpuflow.train.progress import ProgressDisplay
 from gpuflow.train.telemetry import MetricsLog, StepTimer, medians, peak_memory_bytes
 from gpuflow.workload import Batch, Workload
@@ -415,7 +415,7 @@ class Trainer:
                 f"--resume: the state in {checkpoint.path} does not fit this workload's model "
                 f"({str(exc).splitlines()[0]}). Resume with the workload that wrote it."
             ) from None
-        self.scheduler.load_state_dict(state["scheduler"])
+        restore_schedule(self.scheduler, state["scheduler"])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         ckpt.restore_rng_state(state["rng"])

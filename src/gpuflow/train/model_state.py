@@ -21,6 +21,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from gpuflow.train.optim import with_saved_settings
+
 if TYPE_CHECKING:
     from gpuflow.parallel.pipeline import Pipeline
 
@@ -72,9 +74,7 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer,
         optimizer_request = get_optimizer_state_dict(model, optimizer)
     state = {"model": model_request, "optimizer": optimizer_request["state"]}
     dcp.load(state, checkpoint_id=path)
-    groups = [{**saved_group, "params": group["params"]}
-              for saved_group, group in zip(param_groups, optimizer_request["param_groups"],
-                                            strict=True)]
+    groups = with_saved_settings(param_groups, optimizer_request["param_groups"])
     optimizer_state = {"state": state["optimizer"], "param_groups": groups}
     if pipeline is not None:
         pipeline.load(state["model"], optimizer, optimizer_state, full=False)
