@@ -186,6 +186,19 @@ def _training_step(forward_backward: Any, optimizer: Any, batch: Any) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def _median_step_s(forward_backward: Any, optimizer: Any, batch: Any, steps: int,
+                   warmup: int) -> float:
+    """Median wall time of ``steps`` training steps after ``warmup``, every rank in step."""
+    times = []
+    for _ in range(warmup + steps):
+        dist.barrier()
+        start = time.perf_counter()
+        _training_step(forward_backward, optimizer, batch)
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    return sorted(times[warmup:])[steps // 2]
+
+
 # The other built-in workloads under the data-parallel strategies (they have no
 # tensor-parallel plan), at their single-process cases' micro-batches.
 OTHER_WORKLOAD_CASES = {
@@ -233,14 +246,7 @@ def _two_rank_worker(rank: int, port: int, out: str) -> None:
         # Then timed, untracked, at the global batch every strategy shares.
         timed = TIMED_LAYOUTS.get(name, layout)
         batch = _batch(workload, timed.global_batch // timed.dp)
-        times = []
-        for _ in range(8):
-            dist.barrier()
-            start = time.perf_counter()
-            _training_step(forward_backward, optimizer, batch)
-            dist.barrier()
-            times.append(time.perf_counter() - start)
-        step_s[name] = sorted(times[2:])[3]
+        step_s[name] = _median_step_s(forward_backward, optimizer, batch, steps=6, warmup=2)
     for key, (name, size, layout) in OTHER_WORKLOAD_CASES.items():
         peaks[key] = _measure_peak(_workload(name, size), layout)[0]
     Path(f"{out}.{rank}").write_text(json.dumps({"peaks": peaks, "step_s": step_s}))
@@ -317,14 +323,7 @@ def _compute_bound_worker(rank: int, port: int, out: str) -> None:
         forward_backward, local = _strategy_step(workload, layout)
         optimizer = build_optimizer(local, TrainConfig(), torch.device("cpu"))
         batch = _batch(workload, layout.global_batch // layout.dp)
-        times = []
-        for _ in range(5):
-            dist.barrier()
-            start = time.perf_counter()
-            _training_step(forward_backward, optimizer, batch)
-            dist.barrier()
-            times.append(time.perf_counter() - start)
-        step_s[name] = sorted(times[1:])[1]
+        step_s[name] = _median_step_s(forward_backward, optimizer, batch, steps=4, warmup=1)
     Path(f"{out}.{rank}").write_text(json.dumps(step_s))
     dist.destroy_process_group()
 
