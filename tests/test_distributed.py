@@ -21,9 +21,14 @@ COMMON = ["train", "--workload", "user_workloads:mlp", "--schedule", "constant",
           "--no-progress"]
 
 
-def losses(run_dir: Path) -> list[float]:
+def step_records(run_dir: Path) -> list[dict]:
+    """The per-window training records of metrics.jsonl (not its events)."""
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r["loss"] for r in map(json.loads, lines) if "event" not in r]
+    return [r for r in map(json.loads, lines) if "event" not in r]
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in step_records(run_dir)]
 
 
 def train(run_dir: Path, *args: str, env: dict[str, str] | None = None) -> dict:
@@ -49,8 +54,7 @@ def test_two_ranks_reproduce_the_single_process_loss_curve(
     assert summary["global_batch"] == 32
     measured = losses(tmp_path)
     assert len(measured) == 20
-    records = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
-               if "event" not in r]
+    records = step_records(tmp_path)
     assert all(r["world_size"] == 2 for r in records)
     # Exposed communication is measured for both: DDP's after backward, FSDP's collectives
     # (which hold the host on the CPU) inside it; either way a part of the step.
@@ -113,8 +117,7 @@ def test_a_killed_rank_is_restarted_and_the_job_finishes(tmp_path: Path) -> None
         "exitcode: -9" in result.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 12 and summary["world_size"] == 2
-    steps = [r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text()
-                                    .splitlines()) if "event" not in r]
+    steps = [r["step"] for r in step_records(run_dir)]
     assert steps == [10, 12] or steps[-1] == 12
 
 
@@ -202,8 +205,7 @@ def test_fsdp_by_tensor_parallel_on_a_2x2_mesh(gpt_single: list[float], tmp_path
     assert summary["mesh"] == {"dp": 2, "tp": 2, "pp": 1} and summary["global_batch"] == 16
     # Tensor-parallel collectives are not timed, so exposed communication is not claimed,
     # nor FSDP's taken out of compute: the parts still add up to the step.
-    records = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
-               if "event" not in r]
+    records = step_records(tmp_path)
     assert records and all(r["comm_s"] is None for r in records)
     for r in records:
         parts = r["data_wait_s"] + r["compute_s"] + r["optimizer_s"] + r["host_s"]

@@ -12,7 +12,7 @@ from torch import nn
 from gpuflow.config import TrainConfig
 
 MIN_LR_FRACTION = 0.1
-# Devices with fused optimizer kernels; anything else takes the foreach path.
+# Devices with fused optimizer kernels; on any other, torch picks foreach or a plain loop.
 FUSED_DEVICES = ("cuda", "cpu")
 
 
