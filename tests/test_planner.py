@@ -80,9 +80,12 @@ def measured_peak(workload: Workload, precision: str, micro_batch: int) -> int:
     return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 
-CASES = [("digits", None, "fp32", 64), ("mnist-idx", None, "fp32", 32),
-         ("textlm", SMALL_GPT, "fp32", 8), ("textlm", SMALL_GPT, "bf16", 8),
-         ("speech", "tiny", "fp32", 8)]
+# bf16 cases catch what autocast changes: weight copies that outsize a sample's activations
+# (digits) and a front end that holds more at once than all that is saved (speech).
+CASES = [("digits", None, "fp32", 64), ("digits", None, "bf16", 64),
+         ("mnist-idx", None, "fp32", 32), ("textlm", SMALL_GPT, "fp32", 8),
+         ("textlm", SMALL_GPT, "bf16", 8), ("speech", "tiny", "fp32", 8),
+         ("speech", "tiny", "bf16", 8)]
 
 
 @pytest.mark.parametrize(("name", "size", "precision", "micro_batch"), CASES)
@@ -204,7 +207,7 @@ def _median_step_s(forward_backward: Any, optimizer: Any, batch: Any, steps: int
 OTHER_WORKLOAD_CASES = {
     f"{name}/{strategy}": (name, size, Layout(strategy, dp=2, micro_batch=micro_batch))
     for name, size, precision, micro_batch in CASES
-    if name != "textlm" for strategy in ("ddp", "fsdp")
+    if name != "textlm" and precision == "fp32" for strategy in ("ddp", "fsdp")
 }
 
 

@@ -56,14 +56,23 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], param_dtype: torch.dty
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy,
+    # Batch norm's kernels want its weights in the dtype of its fp32 running statistics, so
+    # under low-precision parameters each one is a unit of its own kept in fp32 (FSDP1's
+    # default too). Its input is left as it comes, as under autocast alone: the kernel takes
+    # a bf16 input with fp32 weights and returns bf16, so nothing fp32 is saved for backward.
+    low_precision = param_dtype not in (None, torch.float32)
+    norms = [m for m in model.modules()
+             if low_precision and isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                cast_forward_inputs=False)
+    units = [*norms, *blocks, model]
+    for unit in units:
+        fully_shard(unit, mesh=mesh, mp_policy=fp32 if unit in norms else policy,
                     reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     if blocking_comm is not None:
         from gpuflow.parallel.host_collectives import use_host_collectives
 
-        use_host_collectives([*blocks, model], blocking_comm)  # type: ignore[list-item]
+        use_host_collectives(units, blocking_comm)  # type: ignore[arg-type]
     return model
 
 

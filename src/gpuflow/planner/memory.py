@@ -2,13 +2,16 @@
 
 Model state follows gpuflow's precision policy: fp32 master weights, fp32 gradients and fp32
 optimizer state in every precision (bf16/fp16 only change what autocast computes in).
-Activations come from the model's profile. The peak is the larger of two phases:
+Activations come from the model's profile. The micro-batch itself is held throughout; on
+top of it the peak is the larger of two phases:
 
 * forward/backward: parameters, optimizer state, activations (while backward frees them it
   fills gradients, so one step holds the larger of the two, or both when earlier
   micro-batches already left gradients), and temporary buffers (low-precision weight copies
-  made by autocast, FSDP's gathered parameters, DDP's buckets, and
-  backward's first gradients, taken as the fp32 size of the largest saved tensor);
+  made by autocast, FSDP's gathered parameters, DDP's buckets, and backward's first
+  gradients: an op's backward holds its output's and its input's, twice the largest saved
+  tensor). Two other moments can hold more: the front end's transient peak in forward,
+  and, with checkpointing, the re-creation of one block in backward;
 * optimizer step: parameters, gradients, optimizer state and the optimizer's temporaries.
 """
 
@@ -74,23 +77,34 @@ def model_state_bytes(params: float, dp: int, shard_optimizer: bool, shard_gradi
                      + optimizer_bytes / (dp if shard_optimizer else 1))
 
 
+def _block_local(profile: ModelProfile, layout: Layout, share: LocalShare) -> float:
+    """What this rank's blocks save per sample: tensor parallelism splits its layers' share."""
+    return (profile.act_block_per_sample - profile.act_tp_per_sample
+            + profile.act_tp_per_sample / layout.tp) * share.stage_fraction
+
+
+def _checkpointed(layout: Layout, share: LocalShare) -> bool:
+    return layout.activation_checkpointing and share.layers > 0
+
+
 def activation_bytes(profile: ModelProfile, layout: Layout, share: LocalShare) -> float:
-    """Saved activations of the in-flight micro-batches on the most loaded stage.
+    """Saved activations of the in-flight micro-batches on the most loaded stage, as
+    backward begins.
 
     Tensor parallelism splits what its plan's layers save; activation checkpointing keeps
-    each block's input and re-creates one block's activations at a time in backward. A
+    each block's input (and a pipeline stage is charged one re-created block on top). A
     1F1B pipeline's first stage holds ``pp`` micro-batches at once, its last stage one at a
     time and the outputs of all of them; the busier of the two sets the peak.
     """
-    block = profile.act_block_per_sample
-    block_local = (block - profile.act_tp_per_sample
-                   + profile.act_tp_per_sample / layout.tp) * share.stage_fraction
-    outer = profile.act_per_sample - block
-    if layout.activation_checkpointing and share.layers:
+    block_local = _block_local(profile, layout, share)
+    outer = profile.act_per_sample - profile.act_block_per_sample
+    if layout.pp == 1:
+        if _checkpointed(layout, share):
+            block_local = share.layers * profile.block_input_per_sample
+        return layout.micro_batch * (block_local + outer)
+    if _checkpointed(layout, share):
         block_local = (share.layers * profile.block_input_per_sample
                        + block_local / share.layers)
-    if layout.pp == 1:
-        return layout.micro_batch * (block_local + outer)
     # The first stage holds what is saved before the blocks for every micro-batch in flight;
     # the last stage runs each micro-batch's backward right after its forward, but
     # torch.distributed.pipelining's schedules keep its output of every micro-batch until
@@ -100,6 +114,30 @@ def activation_bytes(profile: ModelProfile, layout: Layout, share: LocalShare) -
     retained = profile.output_per_sample * layout.micro_batch * layout.grad_accum
     last = layout.micro_batch * (block_local + outer - before) + retained
     return max(first, last)
+
+
+def front_end_bytes(profile: ModelProfile, layout: Layout, share: LocalShare) -> float:
+    """What forward holds while its front end (up to the first block) peaks: that peak, and
+    on a pipeline's first stage what the earlier micro-batches in flight saved."""
+    if layout.pp == 1:
+        return layout.micro_batch * profile.front_peak_per_sample
+    in_flight = min(layout.pp, layout.grad_accum)
+    earlier = in_flight - 1
+    block_local = _block_local(profile, layout, share)
+    return layout.micro_batch * (earlier * (block_local + profile.act_before_blocks_per_sample)
+                                 + profile.front_peak_per_sample)
+
+
+def recompute_bytes(profile: ModelProfile, layout: Layout, share: LocalShare) -> float:
+    """With checkpointing on one stage, what backward holds while it re-creates a block:
+    every block's input, what was saved before the blocks, that block's activations and
+    the gradients of its largest tensor. What was saved after the blocks is freed by then."""
+    if layout.pp > 1 or not _checkpointed(layout, share):
+        return 0.0
+    one_block = _block_local(profile, layout, share) / share.layers
+    return layout.micro_batch * (share.layers * profile.block_input_per_sample
+                                 + profile.act_before_blocks_per_sample + one_block
+                                 + 2 * profile.largest_block_saved_per_sample)
 
 
 def predict_memory(profile: ModelProfile, layout: Layout, overhead: float = 0.0
@@ -113,18 +151,21 @@ def predict_memory(profile: ModelProfile, layout: Layout, overhead: float = 0.0
     optimizer = OPTIMIZER_STATE_BYTES[layout.optimizer] * share.params / shard
     activations = activation_bytes(profile, layout, share)
 
-    temporary = profile.largest_saved_per_sample * layout.micro_batch
+    # An op's backward holds the gradients of its output and of its input at once.
+    backward_gradients = 2 * profile.largest_saved_per_sample * layout.micro_batch
+    # Buffers alive through forward and backward.
+    buffers = 0.0
     compute_bytes = 2 if layout.low_precision else FP32
     per_block = share.block_params / max(1.0, share.layers)
     if fsdp:
         outer = share.params - share.block_params
         gathered = (share.params if not layout.reshard_after_forward
                     else outer + 2 * per_block)
-        temporary += compute_bytes * gathered
+        buffers += compute_bytes * gathered
     elif layout.low_precision:
-        temporary += profile.act_const * share.params / profile.params
+        buffers += profile.act_const * share.params / profile.params
     if layout.strategy == "ddp":
-        temporary += FP32 * share.params
+        buffers += FP32 * share.params
     # gpuflow's fused AdamW/SGD updates in place. DTensor has no rule for fused SGD, so SGD
     # on sharded or tensor-parallel parameters takes the foreach path, which keeps about one
     # parameter-sized intermediate alive while it updates.
@@ -132,9 +173,17 @@ def predict_memory(profile: ModelProfile, layout: Layout, overhead: float = 0.0
     optimizer_temporary = FP32 * share.params / shard if foreach else 0.0
 
     held_grads = grads if layout.grad_accum > 1 and not fsdp else 0.0
-    forward_backward = optimizer + max(activations + held_grads, grads) + temporary
+    # The front end can hold more at once than all that forward saves (a speech model's
+    # spectrogram under autocast), but not while backward's temporaries exist.
+    front = front_end_bytes(profile, layout, share)
+    recompute = recompute_bytes(profile, layout, share)
+    forward_backward = optimizer + max(
+        max(activations + held_grads, grads) + backward_gradients + buffers,
+        recompute + held_grads + buffers, front + held_grads)
     optimizer_step = grads + optimizer + optimizer_temporary
     if layout.strategy == "ddp":
         optimizer_step += FP32 * share.params
-    peak = overhead + params + max(forward_backward, optimizer_step)
-    return MemoryBreakdown(params, grads, optimizer, activations, temporary, overhead, peak)
+    batch = profile.batch_per_sample * layout.micro_batch
+    peak = overhead + params + batch + max(forward_backward, optimizer_step)
+    return MemoryBreakdown(params, grads, optimizer, activations, backward_gradients + buffers,
+                           overhead, peak)

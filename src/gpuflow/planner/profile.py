@@ -5,7 +5,10 @@ fake tensors (``FakeTensorMode``): shapes, dtypes and FLOPs are exact and no mem
 a model built on the meta device (a 1B GPT on a laptop) profiles as cheaply as a small one.
 ``saved_tensors_hooks`` records every tensor autograd keeps for backward; hooks on the
 repeated blocks and on the tensor-parallel plan's layers say which of them a block, or a
-tensor-parallel shard, holds. Tracing at batch 1 and 2 separates what grows with the batch
+tensor-parallel shard, holds. A dispatch mode follows every storage the ops allocate until it
+is freed: what the front end (everything before the first block) keeps alive at once can
+exceed everything saved, as a speech model's spectrogram does once autocast halves the
+rest. Tracing at batch 1 and 2 separates what grows with the batch
 from what does not (low-precision copies of the weights); a token model is traced at the
 sequence length asked for (its example cut shorter), since fake tensors of any length are free.
 
@@ -16,14 +19,16 @@ models gpuflow does not build, such as Llama 3.1 8B.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.utils import flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpuflow.errors import UserError
 from gpuflow.train.flops import CUSTOM_FLOP_FORMULAS, call_with_state
@@ -57,6 +62,12 @@ class ModelProfile:
     # Saved before the first block (e.g. the embedding's token ids): a pipeline's first stage
     # holds these, its last stage the rest of what lies outside the blocks.
     act_before_blocks_per_sample: float = 0.0
+    # The most the front end (forward up to the first block) holds alive at once, saved or
+    # not; and the micro-batch itself (inputs and target), which the step keeps throughout.
+    front_peak_per_sample: float = 0.0
+    batch_per_sample: float = 0.0
+    # The largest tensor a block saves: checkpointing's recompute holds its gradients.
+    largest_block_saved_per_sample: float = 0.0
 
 
 # --- tracing ---------------------------------------------------------------------------------
@@ -70,17 +81,50 @@ class _Trace:
     block: float = 0.0
     sharded: float = 0.0
     block_input: float = 0.0
-    largest: float = 0.0
     flops: float = 0.0
     output: float = 0.0
     before_blocks: float = 0.0
+    front_peak: float = 0.0
+    batch: float = 0.0
+    # Each saved tensor's bytes and whether a block saved it, in the order they were saved.
+    saved: list[tuple[float, bool]] = field(default_factory=list)
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Bytes of the storages ops allocate, counted from allocation until freed, and their
+    running peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self.seen: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for tensor in torch.utils._pytree.tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                key = storage._cdata
+                if key not in self.seen:
+                    self.seen.add(key)
+                    self.live += storage.nbytes()
+                    weakref.finalize(storage, self._free, key, storage.nbytes())
+        self.peak = max(self.peak, self.live)
+        return out
+
+    def _free(self, key: int, size: int) -> None:
+        self.seen.discard(key)
+        self.live -= size
 
 
 class _SavedTensorRecorder:
     """Counts each storage autograd saves once, excluding the parameters' own storages."""
 
-    def __init__(self, params: list[torch.Tensor]) -> None:
+    def __init__(self, params: list[torch.Tensor], live: _LiveBytes) -> None:
         self.exclude = {_storage_key(p) for p in params}
+        self.live = live
         self.seen: set[int] = set()
         self.in_block = 0
         self.blocks_started = False
@@ -93,9 +137,8 @@ class _SavedTensorRecorder:
             self.seen.add(key)
             size = tensor.untyped_storage().nbytes()
             self.trace.total += size
-            # Its gradient, in fp32 whatever autocast saved it in, sizes backward's transients.
-            self.trace.largest = max(self.trace.largest,
-                                     tensor.numel() * max(4, tensor.element_size()))
+            self.trace.saved.append((tensor.numel() * tensor.element_size(),
+                                     bool(self.in_block)))
             if self.in_block:
                 self.trace.block += size
                 if self.sharded:
@@ -123,6 +166,8 @@ class _SavedTensorRecorder:
     def _enter(self, first: bool) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             self.in_block += 1
+            if not self.blocks_started:
+                self.trace.front_peak = self.live.peak
             self.blocks_started = True
             if first:
                 tensors = [a for a in args if isinstance(a, torch.Tensor)]
@@ -180,7 +225,8 @@ def _trace_once(workload: Workload, inputs: Any, target: torch.Tensor, precision
         inputs = _map_tensors(inputs, lambda t: t.to("cpu") if not fake
                               else torch.zeros_like(t, device="cpu"))
         target = target.to("cpu") if not fake else torch.zeros_like(target, device="cpu")
-        recorder = _SavedTensorRecorder(list(state.values()))
+        live = _LiveBytes()
+        recorder = _SavedTensorRecorder(list(state.values()), live)
         handles = recorder.hooks(workload)
         counter = (flop_counter.FlopCounterMode(display=False,
                                                 custom_mapping=CUSTOM_FLOP_FORMULAS)
@@ -189,16 +235,21 @@ def _trace_once(workload: Workload, inputs: Any, target: torch.Tensor, precision
         autocast = (torch.autocast("cpu", dtype=dtype) if dtype is not None
                     else contextlib.nullcontext())
         try:
-            with counter or contextlib.nullcontext():
+            with counter or contextlib.nullcontext(), live:
                 saving = torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t)
                 with saving, autocast:
                     outputs = call_with_state(model, state, inputs)
                     loss = workload.loss_fn(outputs, target)
+                if not recorder.blocks_started:
+                    recorder.trace.front_peak = live.peak
                 loss.backward()
         finally:
             for handle in handles:
                 handle.remove()
     recorder.trace.flops = counter.get_total_flops() if counter is not None else 0.0
+    recorder.trace.batch = float(sum(t.untyped_storage().nbytes() for t in
+                                     torch.utils._pytree.tree_leaves((inputs, target))
+                                     if isinstance(t, torch.Tensor)))
     recorder.trace.output = float(sum(
         t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(outputs)
         if isinstance(t, torch.Tensor)))
@@ -252,7 +303,7 @@ def profile_workload(workload: Workload, precision: str = "fp32",
         fake = False
         one, two = trace(1, fake), trace(2, fake)
     per_sample = _Trace(**{f.name: getattr(two, f.name) - getattr(one, f.name)
-                           for f in fields(_Trace)})
+                           for f in fields(_Trace) if f.name != "saved"})
     block_ids = {id(p) for block in workload.blocks() for p in block.parameters()}
     tp_ids = {id(p) for block in workload.blocks()
               for name, style in (workload.tensor_parallel_plan or {}).items()
@@ -270,13 +321,29 @@ def profile_workload(workload: Workload, precision: str = "fp32",
         act_block_per_sample=per_sample.block,
         act_tp_per_sample=per_sample.sharded,
         block_input_per_sample=two.block_input / 2,
-        largest_saved_per_sample=per_sample.largest,
+        largest_saved_per_sample=_largest_per_sample(one.saved, two.saved),
         act_const=one.total - per_sample.total,
         tokens_per_sample=seq_len or workload.tokens_per_sample,
         source=f"traced ({'fake tensors' if fake else 'real CPU tensors'})",
         output_per_sample=per_sample.output,
         act_before_blocks_per_sample=per_sample.before_blocks,
+        front_peak_per_sample=per_sample.front_peak,
+        batch_per_sample=per_sample.batch,
+        largest_block_saved_per_sample=_largest_per_sample(one.saved, two.saved,
+                                                           blocks_only=True),
     )
+
+
+def _largest_per_sample(one: list[tuple[float, bool]], two: list[tuple[float, bool]],
+                        blocks_only: bool = False) -> float:
+    """The largest saved tensor's growth per sample. Both traces save the same tensors in the
+    same order, so pairing them separates what scales with the batch from what does not:
+    under autocast a weight's low-precision copy can outsize every activation at batch 1."""
+    if len(one) != len(two):
+        return max((size for size, in_block in two if in_block or not blocks_only),
+                   default=0.0) / 2
+    return max((b - a for (a, _), (b, in_block) in zip(one, two, strict=True)
+                if in_block or not blocks_only), default=0.0)
 
 
 # --- a transformer described by its dimensions ------------------------------------------------
@@ -350,10 +417,12 @@ class TransformerDims:
             act_block_per_sample=float(t * self.layers * per_layer),
             act_tp_per_sample=float(t * self.layers * sharded),
             block_input_per_sample=float(t * r * d),
-            largest_saved_per_sample=float(t * 4 * max(self.vocab, f)), act_const=const,
+            largest_saved_per_sample=float(t * max(4 * self.vocab, a * mlp)),
+            largest_block_saved_per_sample=float(t * a * mlp), act_const=const,
             tokens_per_sample=t, source="analytic (dimensions)",
             output_per_sample=float(t * a * self.vocab),
             act_before_blocks_per_sample=float(8 * t),  # the embedding saves the token ids
+            batch_per_sample=float(16 * t),  # int64 tokens and targets
         )
 
 
