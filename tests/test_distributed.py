@@ -283,3 +283,12 @@ def test_fsdp_with_bf16_parameters_trains_a_batch_norm_model(tmp_path: Path) -> 
     print("max |fsdp - ddp| loss:", max(abs(a - b) for a, b in zip(ddp, fsdp, strict=True)))
     # Measured here: identical curves (each conv sees the same bf16 weights either way).
     assert fsdp == pytest.approx(ddp, abs=1e-3)
+
+
+def test_batches_shaped_unlike_the_traced_one_are_explained_under_pp(tmp_path: Path) -> None:
+    """Speech pads each batch to its longest clip; pipeline stages exchange fixed shapes."""
+    result = run_cli(*COMMON, "--run-dir", str(tmp_path), "--workload", "speech",
+                     "--data", "synthetic", "--strategy", "pp", "--nproc", "2",
+                     "--max-steps", "2")
+    assert result.returncode != 0
+    assert "cannot be pipelined; use --strategy fsdp or ddp" in result.stderr + result.stdout

@@ -67,13 +67,17 @@ class LogMel(nn.Module):
 
     def forward(self, waves: torch.Tensor,
                 lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        with torch.autocast(waves.device.type, enabled=False):
-            inside = torch.arange(waves.shape[1], device=waves.device) < lengths[:, None]
-            waves = F.pad(waves.float() * inside, (0, self.n_fft))
-            spec = torch.stft(waves, self.n_fft, self.hop, window=self.window, center=False,
-                              return_complex=True)
-            power = spec.real.square() + spec.imag.square()
-            logmel = torch.log(power.transpose(1, 2) @ self.filters + self.eps)
+        inside = torch.arange(waves.shape[1], device=waves.device) < lengths[:, None]
+        waves = F.pad(waves.float() * inside, (0, self.n_fft))
+        spec = torch.stft(waves, self.n_fft, self.hop, window=self.window, center=False,
+                          return_complex=True)
+        power = spec.real.square() + spec.imag.square()
+        # The filterbank's matmul is the one op here autocast would run in half precision;
+        # it leaves float64 alone. (A `torch.autocast(enabled=False)` region would do too,
+        # but torch.export makes it a submodule named like the stages torch's pipeline
+        # splitter creates, and pipeline parallelism then fails to trace the model.)
+        mel = (power.transpose(1, 2).double() @ self.filters.double()).float()
+        logmel = torch.log(mel + self.eps)
         counts = frame_counts(lengths, self.hop)
         mask = frame_mask(counts, logmel.shape[1])
         weights = mask.unsqueeze(-1).to(logmel.dtype)

@@ -59,6 +59,12 @@ def _original_name(local: str) -> str:
     return local[len(_PART):].split(".", 1)[1]
 
 
+def _sample_shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[int, ...]]:
+    """Each input tensor's shape without its batch dimension."""
+    return [tuple(t.shape[1:]) for t in torch.utils._pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)]
+
+
 def _as_call(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     if isinstance(inputs, dict):
         return (), dict(inputs)
@@ -88,6 +94,7 @@ class Pipeline:
         total_stages = self.size * stages_per_rank(schedule)
         split_spec = _split_points(self.block_names, total_stages)
         args, kwargs = _as_call(example_inputs)
+        self._sample_shapes = _sample_shapes(args, kwargs)
         try:
             with warnings.catch_warnings():
                 # torch's own tracing machinery warns about its own deprecated pytree calls.
@@ -155,7 +162,7 @@ class Pipeline:
         micro-batches. Returns the batch's mean loss on the last stage, 0 elsewhere."""
         self._loss_scale = scale / self.microbatches
         self._losses = []
-        args, kwargs = _as_call(inputs) if self.first else ((), {})
+        args, kwargs = self._call_args(inputs)
         self.schedule.step(*args, target=target if self.last else None, **kwargs)
         if not self.last:
             return torch.zeros((), device=target.device)
@@ -164,10 +171,25 @@ class Pipeline:
     @torch.no_grad()
     def forward(self, inputs: Any, target: torch.Tensor) -> Any:
         """Outputs of a whole batch (on the last stage; None elsewhere), no gradients."""
-        args, kwargs = _as_call(inputs) if self.first else ((), {})
+        args, kwargs = self._call_args(inputs)
         self._losses = []
         outputs = self.schedule.eval(*args, target=target if self.last else None, **kwargs)
         return outputs if self.last else None
+
+    def _call_args(self, inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The first stage's arguments, shaped per sample as the model was traced."""
+        if not self.first:
+            return (), {}
+        args, kwargs = _as_call(inputs)
+        shapes = _sample_shapes(args, kwargs)
+        if shapes != self._sample_shapes:
+            raise UserError(
+                "Pipeline parallelism runs the model as traced, and its stages exchange "
+                f"fixed-size activations: inputs were traced shaped {self._sample_shapes} per "
+                f"sample, and this batch's are {shapes}. A workload whose batches vary in "
+                "length (such as speech, padded to each batch's longest clip) cannot be "
+                "pipelined; use --strategy fsdp or ddp.")
+        return args, kwargs
 
     def broadcast_from_last(self, value: Any) -> Any:
         """Hand an object computed on the last stage to every stage of this pipeline."""
