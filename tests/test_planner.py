@@ -203,11 +203,15 @@ def _median_step_s(forward_backward: Any, optimizer: Any, batch: Any, steps: int
 
 
 # The other built-in workloads under the data-parallel strategies (they have no
-# tensor-parallel plan), at their single-process cases' micro-batches.
+# tensor-parallel plan) and, where batches have one shape (not speech), two pipeline stages,
+# at their single-process cases' micro-batches.
 OTHER_WORKLOAD_CASES = {
-    f"{name}/{strategy}": (name, size, Layout(strategy, dp=2, micro_batch=micro_batch))
-    for name, size, precision, micro_batch in CASES
-    if name != "textlm" and precision == "fp32" for strategy in ("ddp", "fsdp")
+    **{f"{name}/{strategy}": (name, size, Layout(strategy, dp=2, micro_batch=micro_batch))
+       for name, size, precision, micro_batch in CASES
+       if name != "textlm" and precision == "fp32" for strategy in ("ddp", "fsdp")},
+    **{f"{name}/pp": (name, size, Layout("single", pp=2, micro_batch=micro_batch))
+       for name, size, precision, micro_batch in CASES
+       if name in ("digits", "mnist-idx") and precision == "fp32"},
 }
 
 

@@ -105,12 +105,15 @@ def activation_bytes(profile: ModelProfile, layout: Layout, share: LocalShare) -
     if _checkpointed(layout, share):
         block_local = (share.layers * profile.block_input_per_sample
                        + block_local / share.layers)
-    # The first stage holds what is saved before the blocks for every micro-batch in flight;
+    # The first stage holds what is saved before the blocks, and the output it sent on (kept
+    # to run backward with the gradient that comes back), for every micro-batch in flight;
     # the last stage runs each micro-batch's backward right after its forward, but
     # torch.distributed.pipelining's schedules keep its output of every micro-batch until
     # the step ends (they return them merged).
     before = profile.act_before_blocks_per_sample
-    first = layout.micro_batch * min(layout.pp, layout.grad_accum) * (block_local + before)
+    sent = profile.block_input_per_sample
+    first = (layout.micro_batch * min(layout.pp, layout.grad_accum)
+             * (block_local + before + sent))
     retained = profile.output_per_sample * layout.micro_batch * layout.grad_accum
     last = layout.micro_batch * (block_local + outer - before) + retained
     return max(first, last)
@@ -151,8 +154,11 @@ def predict_memory(profile: ModelProfile, layout: Layout, overhead: float = 0.0
     optimizer = OPTIMIZER_STATE_BYTES[layout.optimizer] * share.params / shard
     activations = activation_bytes(profile, layout, share)
 
-    # An op's backward holds the gradients of its output and of its input at once.
-    backward_gradients = 2 * profile.largest_saved_per_sample * layout.micro_batch
+    # An op's backward holds the gradients of its output and of its input at once; a
+    # pipeline stage also holds the gradient exchanged with its neighbour.
+    largest_gradients = 2 * profile.largest_saved_per_sample
+    exchanged = profile.block_input_per_sample if layout.pp > 1 else 0.0
+    backward_gradients = (largest_gradients + exchanged) * layout.micro_batch
     # Buffers alive through forward and backward.
     buffers = 0.0
     compute_bytes = 2 if layout.low_precision else FP32
