@@ -417,12 +417,13 @@ class TransformerDims:
             act_block_per_sample=float(t * self.layers * per_layer),
             act_tp_per_sample=float(t * self.layers * sharded),
             block_input_per_sample=float(t * r * d),
-            largest_saved_per_sample=float(t * max(4 * self.vocab, a * mlp)),
-            largest_block_saved_per_sample=float(t * a * mlp), act_const=const,
+            largest_saved_per_sample=float(t * max(4 * self.vocab, a * f)),
+            largest_block_saved_per_sample=float(t * a * f), act_const=const,
             tokens_per_sample=t, source="analytic (dimensions)",
             output_per_sample=float(t * a * self.vocab),
             act_before_blocks_per_sample=float(8 * t),  # the embedding saves the token ids
             batch_per_sample=float(16 * t),  # int64 tokens and targets
+            front_peak_per_sample=float(t * 2 * r * d),  # token embeddings, plus positions
         )
 
 
