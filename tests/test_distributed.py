@@ -27,6 +27,16 @@ def step_records(run_dir: Path) -> list[dict]:
     return [r for r in map(json.loads, lines) if "event" not in r]
 
 
+def assert_exposed_comm_measured(records: list[dict]) -> None:
+    """Some communication was left exposed, and the breakdown's parts add up to the step."""
+    assert records and all(0 <= r["comm_frac"] <= 1 for r in records)
+    assert any(r["comm_s"] > 0 for r in records)
+    for r in records:
+        parts = (r["data_wait_s"] + r["compute_s"] + r["comm_s"] + r["optimizer_s"]
+                 + r["host_s"])
+        assert parts == pytest.approx(r["step_time_s"], rel=1e-6), r
+
+
 def losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in step_records(run_dir)]
 
@@ -58,10 +68,7 @@ def test_two_ranks_reproduce_the_single_process_loss_curve(
     assert all(r["world_size"] == 2 for r in records)
     # Exposed communication is measured for both: DDP's after backward, FSDP's collectives
     # (which hold the host on the CPU) inside it; either way a part of the step.
-    assert all(0 <= r["comm_frac"] <= 1 for r in records)
-    assert any(r["comm_s"] > 0 for r in records)
-    assert all(r["compute_s"] + r["comm_s"] + r["optimizer_s"] <= r["step_time_s"] * 1.001
-               for r in records)
+    assert_exposed_comm_measured(records)
     # Measured here: max |difference| about 1e-7 (fp32 reduction order).
     assert measured == pytest.approx(single_20, abs=1e-5)
 
@@ -181,6 +188,8 @@ def test_tensor_parallel_matches_one_process_and_resumes_in_one(
                       "--max-steps", "10") == pytest.approx(gpt_single[:10], abs=1e-4)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["mesh"] == {"dp": 1, "tp": 2, "pp": 1} and summary["global_batch"] == 16
+    # DTensor's collectives are waited for on the host on the CPU; those waits are timed.
+    assert_exposed_comm_measured(step_records(run_dir))
     result = run_cli("train", "--resume", str(run_dir), "--nproc", "1", "--strategy", "single",
                      "--tp", "1", "--max-steps", "12", "--no-progress")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -203,13 +212,8 @@ def test_fsdp_by_tensor_parallel_on_a_2x2_mesh(gpt_single: list[float], tmp_path
     assert measured == pytest.approx(gpt_single[:10], abs=1e-4)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["mesh"] == {"dp": 2, "tp": 2, "pp": 1} and summary["global_batch"] == 16
-    # Tensor-parallel collectives are not timed, so exposed communication is not claimed,
-    # nor FSDP's taken out of compute: the parts still add up to the step.
-    records = step_records(tmp_path)
-    assert records and all(r["comm_s"] is None for r in records)
-    for r in records:
-        parts = r["data_wait_s"] + r["compute_s"] + r["optimizer_s"] + r["host_s"]
-        assert parts == pytest.approx(r["step_time_s"], rel=1e-6), r
+    # FSDP's collectives and DTensor's waits both hold the host on the CPU: both are timed.
+    assert_exposed_comm_measured(step_records(tmp_path))
 
 
 def eval_loss(run_dir: Path) -> float:
@@ -230,6 +234,8 @@ def test_pipeline_matches_one_process_and_resumes_in_one(
     assert summary["config"]["pp_schedule"] == "1f1b"
     # The last stage evaluates (the tied head and embedding live on different ranks).
     assert summary["final_metrics"]["val_loss"] > 0
+    # Pipeline sends are not timed: exposed communication is unknown, not claimed as 0.
+    assert all(r["comm_s"] is None and r["comm_frac"] is None for r in step_records(run_dir))
     result = run_cli("train", "--resume", str(run_dir), "--nproc", "1", "--strategy", "single",
                      "--pp", "1", "--max-steps", "12", "--no-progress")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -192,6 +192,7 @@ class Trainer:
         self.flops_per_step = self._count_step_flops(example) * self.dp
         self.timer = StepTimer(self.device)
         self.pipeline: Pipeline | None = None
+        self._collective_waits: contextlib.AbstractContextManager[Any] | None = None
         self.forward_model: nn.Module = self._parallelize(example)
         self.compiled = False
         self.compile_scope: str | None = None
@@ -312,10 +313,13 @@ class Trainer:
         if self.pp > 1:
             return self._pipeline(example)
         if self.mesh is not None:
-            from gpuflow.parallel.tensor import apply_tensor_parallel  # imports DTensor
+            # Imports DTensor.
+            from gpuflow.parallel.tensor import TimedCollectiveWaits, apply_tensor_parallel
 
             apply_tensor_parallel(self.workload.blocks(), self.workload.tensor_parallel_plan,
                                   self.mesh["tp"])
+            if self._comm_measured:
+                self._collective_waits = TimedCollectiveWaits(self.timer.blocking_comm)
         if self.config.activation_checkpointing:
             apply_activation_checkpointing(self.model, self.workload.blocks())
         if self.strategy == "ddp":
@@ -468,7 +472,7 @@ class Trainer:
                 with self.policy.autocast():
                     loss = self.pipeline.forward_backward(inputs, target, 1 / accum)
             else:
-                with self._grad_sync(micro):
+                with self._grad_sync(micro), self._collective_waits or contextlib.nullcontext():
                     with self.policy.autocast():
                         loss = self.workload.loss_fn(call_model(self.forward_model, inputs),
                                                      target)
@@ -644,20 +648,24 @@ class Trainer:
     @property
     def _blocking_comm_timer(self) -> Callable[[], contextlib.AbstractContextManager[None]] | None:
         """On the CPU FSDP's collectives hold the host, so timing them there measures them;
-        beside untimed TP or pipeline collectives they are not timed either, so that the
-        step's breakdown still adds up."""
+        beside untimed tensor-parallel or pipeline collectives they are not timed either, so
+        that the step's breakdown still adds up."""
         if self.device.type != "cpu":
             return None
         return self.timer.blocking_comm if self._comm_measured else contextlib.nullcontext
 
     @property
     def _comm_measured(self) -> bool:
-        """Exposed communication is timed for DDP (and is nil for one process), and for FSDP
-        alone on the CPU; on CUDA FSDP's collectives run on their own streams, and tensor and
-        pipeline parallel ones are not timed, so those are reported as unknown."""
-        if self.strategy == "fsdp":
-            return self.device.type == "cpu" and self.tp == 1 and self.pp == 1
-        return self.strategy in ("single", "ddp")
+        """Exposed communication is timed for DDP (and is nil for one process), and on the
+        CPU, where their collectives hold the host, for FSDP and tensor parallelism (not
+        under --compile: its waits are timed by a dispatch mode compiled code does not run
+        under). On CUDA FSDP's and DTensor's collectives run on their own streams, and
+        pipeline sends are not timed: those are reported as unknown."""
+        if self.pp > 1:
+            return False
+        if self.strategy in ("single", "ddp"):
+            return True
+        return self.device.type == "cpu" and not (self.tp > 1 and self.config.compile)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
