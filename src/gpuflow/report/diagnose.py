@@ -124,10 +124,13 @@ def _comm_bound(summary: Mapping[str, Any]) -> Finding | None:
     share = _share(median, "comm_s")
     if share is None or share < COMM_FRAC:
         return None
-    accum = int(config.get("grad_accum", 1))
-    suggestions = [f"--grad-accum {2 * accum} (now {accum}): one gradient reduction per "
-                   f"{2 * accum} micro-batches"]
     strategy = summary.get("strategy")
+    tp = int(summary.get("mesh", {}).get("tp", 1))
+    suggestions = []
+    if strategy in ("ddp", "fsdp"):
+        accum = int(config.get("grad_accum", 1))
+        suggestions.append(f"--grad-accum {2 * accum} (now {accum}): one gradient reduction "
+                           f"per {2 * accum} micro-batches")
     if strategy == "ddp":
         suggestions.append("larger DDP gradient buckets (bucket_cap_mb; DDP's default is 25 "
                            "MB): fewer all-reduces, and more of them overlap backward")
@@ -147,8 +150,15 @@ def _comm_bound(summary: Mapping[str, Any]) -> Finding | None:
         if summary.get("precision") in ("fp32", "tf32"):
             suggestions.append("--precision bf16: parameters all-gathered in bf16, half "
                                "the bytes")
-    where = ("in FSDP's all-gathers and reduce-scatters" if strategy == "fsdp"
-             else "after backward's compute ended")
+    if tp > 1:
+        fewer = f"--tp {tp // 2}" if tp > 2 else "--strategy fsdp (or ddp) without --tp"
+        suggestions.append(f"{fewer}, if the model fits: tensor parallelism exchanges "
+                           "activations in every block, forward and backward, on every "
+                           "micro-batch, and more data parallelism replaces it with one "
+                           "gradient reduction per step")
+    kinds = ((["FSDP's all-gathers and reduce-scatters"] if strategy == "fsdp" else [])
+             + (["waits for tensor parallelism's collectives"] if tp > 1 else []))
+    where = f"in {' and '.join(kinds)}" if kinds else "after backward's compute ended"
     return Finding(COMM, f"exposed communication is {share:.0%} of the step "
                          f"({_ms(median['comm_s'])} of {_ms(median['step_time_s'])}) {where}",
                    tuple(suggestions), share)
