@@ -16,7 +16,7 @@ results file is rewritten after every stage, so a cut-off run still leaves what 
    with ``--cuda-graphs``.
 
     python3 benchmarks/gpu_suite.py             # on the GPU machine
-    python3 benchmarks/gpu_suite.py --dry-run   # the same stages on the CPU, tiny sizes (CI)
+    python3 benchmarks/gpu_suite.py --dry-run   # the same stages on the CPU, small sizes (CI)
 """
 
 from __future__ import annotations
@@ -41,6 +41,13 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 MFU_TARGETS = {"124m": 0.45, "1b": 0.50}
 STAGES = ("matmul", "train", "batch-auto", "fp16-resume", "serving")
+
+
+# The dry run's model: the stages' code paths at the smallest size (bf16 and fp16 are
+# emulated, many times slower, on CPUs without native support).
+DRY_MODEL = "layers=2,dim=64,heads=2,seq=64"
+# fp16 steps before and after the resume: (run, resume to) on the GPU and in the dry run.
+FP16_STEPS = {False: (40, 60), True: (6, 9)}
 
 
 @dataclass(frozen=True)
@@ -209,13 +216,14 @@ def paths_stage(suite: Suite, device: str) -> None:
     """fp16 with a GradScaler, then a resume from its checkpoint: the device-specific paths."""
     run_dir = suite.work / "digits-fp16"
     suite.log("digits fp16 + resume")
+    steps, resumed_to = FP16_STEPS[suite.dry_run]
     common = ["--workload", "digits", "--device", device, "--precision", "fp16",
               "--eval-every", "0", "--no-progress", "--run-dir", str(run_dir)]
-    first, log1 = suite.run("fp16", gpuflow("train", *common, "--max-steps", "40",
-                                             "--checkpoint-every", "20"), 90)
-    second, log2 = suite.run("fp16-resume", gpuflow("train", *common, "--max-steps", "60",
-                                                    "--resume"), 90)
-    entry: dict[str, Any] = {"exit_codes": [first, second]}
+    first, log1 = suite.run("fp16", gpuflow("train", *common, "--max-steps", str(steps),
+                                             "--checkpoint-every", str(steps // 2)), 90)
+    second, log2 = suite.run("fp16-resume", gpuflow("train", *common, "--max-steps",
+                                                    str(resumed_to), "--resume"), 90)
+    entry: dict[str, Any] = {"exit_codes": [first, second], "resumed_to": resumed_to}
     if first == 0 and second == 0:
         s = json.loads((run_dir / "summary.json").read_text())
         entry.update({"steps": s["steps"], "skipped_steps": s["skipped_steps"],
@@ -241,7 +249,7 @@ def serving_stage(suite: Suite, device: str, name: str, *extra: str) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true",
-                        help="the same stages on the CPU at tiny sizes (checks the script)")
+                        help="the same stages on the CPU at small sizes (checks the script)")
     parser.add_argument("--out", type=Path, default=None,
                         help="default benchmarks/results/gpu_suite-<host>.json")
     parser.add_argument("--workdir", type=Path, default=None, help="scratch folder (default: temp)")
@@ -265,7 +273,7 @@ def main() -> int:
     suite = Suite(args.dry_run, out, work, args.budget_s)
     if args.dry_run:
         device = "cpu"
-        runs = [TrainRun("tiny-b4", "tiny", 4, 6, 2)]
+        runs = [TrainRun("small-b4", DRY_MODEL, 4, 6, 2)]
         matmul_sizes = [256]
     else:
         device = "cuda"
@@ -298,7 +306,7 @@ def main() -> int:
     if "train" in stages:
         train_stage(suite, runs, device, limit_s=300 if args.dry_run else 150)
     if "batch-auto" in stages:
-        batch_size_auto_stage(suite, device, "tiny" if args.dry_run else "124m",
+        batch_size_auto_stage(suite, device, DRY_MODEL if args.dry_run else "124m",
                               8 if args.dry_run else 1024)
     if "fp16-resume" in stages:
         paths_stage(suite, device)
