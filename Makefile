@@ -31,6 +31,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/scaling.py
+	$(BIN)/python benchmarks/lockstep.py
 	$(BIN)/python benchmarks/compare_trainers.py
 	test ! -f benchmarks/serving.py || $(BIN)/python benchmarks/serving.py
 	$(BIN)/python benchmarks/render_docs.py

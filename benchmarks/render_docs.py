@@ -24,6 +24,9 @@ ABOUT = {
                 "per-step cost of the engine and its telemetry; bitwise-equal weights.",
     "scaling": "data-parallel scaling through `gpuflow train`: 1 process vs N (ddp, fsdp), "
                "at a per-rank micro-batch of 2048 by default.",
+    "lockstep": "what ranks that synchronise at every block (as FSDP's collectives make "
+                "them) pay on this machine with no communication: N processes train alone, "
+                "free-running and with a barrier per block, interleaved.",
     "compare_trainers": "the same training in gpuflow, a plain loop, Lightning Fabric and "
                         "Hugging Face Accelerate: step time, throughput, memory.",
     "gpu_suite": "matmul peak, textlm 124m/1b bf16 compiled training (tokens/s, MFU) and "

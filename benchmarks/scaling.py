@@ -13,7 +13,8 @@ windows. The configurations run interleaved in rounds, in a rotating order, so m
 drift hits all alike; each round gives an efficiency against that round's single run. A
 control runs N independent single processes at once (no communication): its efficiency is
 the most this machine's cores allow, so the gap between it and ddp/fsdp is what
-communication and synchronisation cost.
+communication and synchronisation cost. ``benchmarks/lockstep.py`` splits off the second:
+what ranks that synchronise at every block (as FSDP's do) pay with nothing to communicate.
 
 Run: ``python benchmarks/scaling.py`` (about 10 minutes on 2 cores), or ``--quick`` (under a
 minute; no control).

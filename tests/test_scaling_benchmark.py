@@ -1,4 +1,5 @@
-"""The scaling benchmark: its quick mode end to end, and its efficiency arithmetic.
+"""The scaling benchmarks: scaling.py's quick mode end to end and its efficiency arithmetic,
+and lockstep.py's measurement.
 
 It checks that the script drives `gpuflow train` for 1 and 2 processes under ddp and fsdp and
 writes the documented result. Whether the efficiency target is met is the benchmark's
@@ -55,6 +56,24 @@ def test_quick_scaling_benchmark_reports_ddp_and_fsdp_efficiency(tmp_path: Path)
         assert run["global_batch"] == 2 * runs["single"]["global_batch"]
         assert run["samples_per_s"] > 0
     assert all(part["steps"] == 8 for run in runs.values() for part in run["parts"])
+
+
+@pytest.mark.slow
+def test_lockstep_benchmark_times_both_modes_in_every_round(tmp_path: Path) -> None:
+    out = tmp_path / "lockstep.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "lockstep.py"), "--batch-size", "64",
+         "--steps", "1", "--rounds", "2", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "lockstep" and result["settings"]["processes"] == 2
+    times = result["step_s_per_round"]
+    assert times.keys() == {"free", "lockstep"} and all(len(v) == 2 for v in times.values())
+    medians = result["median_step_s"]
+    assert result["lockstep_cost"] == pytest.approx(medians["lockstep"] / medians["free"])
+    assert result["efficiency_bound"] == pytest.approx(1 / result["lockstep_cost"])
 
 
 def load_benchmark() -> ModuleType:
