@@ -139,12 +139,16 @@ STRATEGIES = {
     "tp": Layout("tp", tp=2, micro_batch=4),
     # two stages, one micro-batch: MemTracker refuses a module called twice in a step
     "pp": Layout("single", pp=2, micro_batch=8),
+    # FSDP gathers bf16 parameters, so bf16 flows between the layers (memory only: bf16 is
+    # emulated, slowly, on CPUs without native support)
+    "fsdp-bf16": Layout("fsdp", dp=2, micro_batch=4, precision="bf16"),
 }
 # The same global batch of 8 for timing: tensor-parallel ranks share one micro-batch. The
 # pipeline is ranked at a larger size (test_pipeline_is_ranked_where_compute_dominates):
 # at this one its time goes to the schedule's per-micro-batch work (49-61 ms measured
 # against 4-6 ms of modelled compute, bubble and sends), which the planner does not model.
-TIMED_LAYOUTS = {**{name: layout for name, layout in STRATEGIES.items() if name != "pp"},
+TIMED_LAYOUTS = {**{name: layout for name, layout in STRATEGIES.items()
+                    if name != "pp" and layout.precision == "fp32"},
                  "tp": Layout("tp", tp=2, micro_batch=8)}
 
 
@@ -174,13 +178,16 @@ def _strategy_step(workload: Workload, layout: Layout) -> tuple[Any, nn.Module]:
     if layout.strategy == "ddp":
         forward = apply_ddp(model, cpu)
     elif layout.strategy == "fsdp":
-        apply_fsdp(model, workload.blocks(), None, layout.reshard_after_forward)
+        param_dtype = torch.bfloat16 if layout.precision == "bf16" else None
+        apply_fsdp(model, workload.blocks(), param_dtype, layout.reshard_after_forward)
     else:
         mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
         apply_tensor_parallel(workload.blocks(), workload.tensor_parallel_plan, mesh["tp"])
 
     def plain(batch: Any) -> None:
-        workload.loss_fn(call_model(forward, batch[0]), batch[1]).backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=layout.precision == "bf16"):
+            loss = workload.loss_fn(call_model(forward, batch[0]), batch[1])
+        loss.backward()
 
     return plain, model
 
@@ -252,6 +259,8 @@ def _two_rank_worker(rank: int, port: int, out: str) -> None:
     for name, layout in STRATEGIES.items():
         workload = _workload("textlm", SMALL_GPT)
         peaks[name], forward_backward, optimizer = _measure_peak(workload, layout)
+        if layout.precision != "fp32":
+            continue
         # Then timed, untracked, at the global batch every strategy shares.
         timed = TIMED_LAYOUTS.get(name, layout)
         batch = _batch(workload, timed.global_batch // timed.dp)
@@ -276,10 +285,11 @@ def test_two_rank_peak_memory_is_predicted_within_15_percent(
 ) -> None:
     cases = {**{name: ("textlm", SMALL_GPT, layout) for name, layout in STRATEGIES.items()},
              **OTHER_WORKLOAD_CASES}
-    profiles = {name: profile_workload(_workload(name, size), "fp32")
-                for name, size, _ in cases.values()}
+    profiles = {(name, layout.precision): profile_workload(_workload(name, size),
+                                                           layout.precision)
+                for name, size, layout in cases.values()}
     for key, (name, _, layout) in cases.items():
-        predicted = predict_memory(profiles[name], layout).peak
+        predicted = predict_memory(profiles[name, layout.precision], layout).peak
         peaks = [measured["peaks"][key] for measured in two_rank_measurements]
         # The ranks of a data-parallel or tensor-parallel layout are alike; pipeline stages
         # are not, and the planner predicts the most loaded one.
@@ -455,6 +465,11 @@ def test_plan_cli_table_json_and_errors(capsys: pytest.CaptureFixture[str]) -> N
                  "--precision", "fp32,bf16"]) == 0
     table = capsys.readouterr().out
     assert "Candidate plans" in table and "Run " in table
+    assert main(["plan", "--workload", "digits", "--gpus", "2", "--gpu-type", "a100-80g",
+                 "--precision", "fp32,bf16", "--json"]) == 0
+    models = json.loads(capsys.readouterr().out)["model"]
+    assert models["fp32"]["with_low_precision_params"] is None
+    assert models["bf16"]["with_low_precision_params"]["precision"] == "bf16"
     bad = run_cli("plan", "--gpu-type", "h900", "--transformer", "llama3-8b")
     assert bad.returncode == 2
     assert "h100" in bad.stderr and "a100-80g" in bad.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -116,7 +117,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                          "efficiency": hardware.efficiency,
                          "intra": hardware.intra.__dict__, "inter": hardware.inter.__dict__,
                          "peak_flops": hardware.peak_flops, "source": hardware.source},
-            "model": {k: v.__dict__ for k, v in profiles.items()},
+            "model": {k: dataclasses.asdict(v) for k, v in profiles.items()},
             "global_batch": global_batch, "calibration": notes,
             "plans": [p.as_dict() for p in plans],
             "recommended": plans[0].as_dict() if plans[0].fits else None,

@@ -36,6 +36,13 @@ def apply_ddp(model: nn.Module, device: torch.device,
     return ddp
 
 
+def kept_in_fp32(model: nn.Module) -> list[nn.Module]:
+    """Modules whose parameters stay fp32 under FSDP's low-precision parameters: batch norms,
+    whose kernels want their weights in the dtype of their fp32 running statistics (FSDP1's
+    default too)."""
+    return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], param_dtype: torch.dtype | None,
                reshard_after_forward: bool, mesh: DeviceMesh | None = None,
                blocking_comm: Callable[[], AbstractContextManager[None]] | None = None
@@ -56,13 +63,11 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], param_dtype: torch.dty
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    # Batch norm's kernels want its weights in the dtype of its fp32 running statistics, so
-    # under low-precision parameters each one is a unit of its own kept in fp32 (FSDP1's
-    # default too). Its input is left as it comes, as under autocast alone: the kernel takes
-    # a bf16 input with fp32 weights and returns bf16, so nothing fp32 is saved for backward.
+    # Each module kept in fp32 is a unit of its own. Its input is left as it comes, as under
+    # autocast alone: batch norm takes a bf16 input with fp32 weights and returns bf16, so
+    # nothing fp32 is saved for backward.
     low_precision = param_dtype not in (None, torch.float32)
-    norms = [m for m in model.modules()
-             if low_precision and isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    norms = kept_in_fp32(model) if low_precision else []
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
                                 cast_forward_inputs=False)
     units = [*norms, *blocks, model]

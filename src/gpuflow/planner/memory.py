@@ -146,8 +146,10 @@ def recompute_bytes(profile: ModelProfile, layout: Layout, share: LocalShare) ->
 def predict_memory(profile: ModelProfile, layout: Layout, overhead: float = 0.0
                    ) -> MemoryBreakdown:
     """Peak bytes on the most loaded device of ``layout``."""
-    share = local_share(profile, layout)
     fsdp = layout.strategy == "fsdp"
+    if fsdp and profile.with_low_precision_params is not None:
+        profile = profile.with_low_precision_params  # what FSDP's mixed precision runs
+    share = local_share(profile, layout)
     shard = layout.dp if fsdp else 1
     params = FP32 * share.params / shard
     grads = FP32 * share.params / shard

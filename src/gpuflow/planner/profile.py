@@ -68,6 +68,10 @@ class ModelProfile:
     batch_per_sample: float = 0.0
     # The largest tensor a block saves: checkpointing's recompute holds its gradients.
     largest_block_saved_per_sample: float = 0.0
+    # The same model traced with its parameters in the compute dtype, as FSDP's mixed
+    # precision gathers them (what flows between layers can then be low precision too);
+    # None in fp32, or for this variant itself.
+    with_low_precision_params: ModelProfile | None = None
 
 
 # --- tracing ---------------------------------------------------------------------------------
@@ -209,15 +213,22 @@ def _train_mode(model: nn.Module) -> Iterator[None]:
 
 
 def _trace_once(workload: Workload, inputs: Any, target: torch.Tensor, precision: str,
-                fake: bool, count_flops: bool = True) -> _Trace:
-    """One training forward+backward on copies of the parameters (fake or real)."""
+                fake: bool, count_flops: bool = True, low_precision_params: bool = False
+                ) -> _Trace:
+    """One training forward+backward on copies of the parameters (fake or real), in the
+    compute dtype where ``low_precision_params`` (except where FSDP keeps them fp32)."""
+    from gpuflow.parallel.data_parallel import kept_in_fp32
+
     model = workload.model
     mode = (torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
             if fake else contextlib.nullcontext())
+    fp32_params = {id(p) for module in kept_in_fp32(model) for p in module.parameters()}
+    low = AUTOCAST.get(precision) if low_precision_params else None
     with mode, _train_mode(model):
         state: dict[str, torch.Tensor] = {}
         for name, param in model.named_parameters():
-            state[name] = torch.zeros_like(param, device="cpu").requires_grad_(
+            dtype = low if low is not None and id(param) not in fp32_params else param.dtype
+            state[name] = torch.zeros_like(param, device="cpu", dtype=dtype).requires_grad_(
                 param.requires_grad)
         for name, buffer in model.named_buffers():
             state[name] = (torch.empty_like(buffer, device="cpu") if fake
@@ -278,12 +289,15 @@ def _check_seq(workload: Workload, inputs: Any, seq_len: int | None) -> None:
 
 
 def profile_workload(workload: Workload, precision: str = "fp32",
-                     seq_len: int | None = None) -> ModelProfile:
+                     seq_len: int | None = None, low_precision_params: bool = False
+                     ) -> ModelProfile:
     """Profile ``workload``'s model in ``precision``, optionally at a shorter ``seq_len``.
 
     Fake tensors cost nothing whatever their size, so the trace runs at the real sequence
     length; the batch is traced at 1 and 2 samples and the difference is one sample's share.
     A model fake tensors cannot run is traced for real on the CPU (if it is not on meta).
+    In bf16/fp16 the model is traced a second time with its parameters in that dtype, for
+    FSDP's layouts.
     """
     inputs, target = workload.get_example_batch()
     _check_seq(workload, inputs, seq_len)
@@ -292,7 +306,7 @@ def profile_workload(workload: Workload, precision: str = "fp32",
     def trace(count: int, fake: bool) -> _Trace:
         return _trace_once(workload, _rows(inputs, count, seq_len),
                            _rows(target, count, seq_len), precision, fake,
-                           count_flops=count == 2)
+                           count_flops=count == 2, low_precision_params=low_precision_params)
 
     fake = True
     try:
@@ -331,6 +345,9 @@ def profile_workload(workload: Workload, precision: str = "fp32",
         batch_per_sample=per_sample.batch,
         largest_block_saved_per_sample=_largest_per_sample(one.saved, two.saved,
                                                            blocks_only=True),
+        with_low_precision_params=(
+            profile_workload(workload, precision, seq_len, low_precision_params=True)
+            if precision in AUTOCAST and not low_precision_params else None),
     )
 
 
