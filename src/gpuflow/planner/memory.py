@@ -165,11 +165,14 @@ def predict_memory(profile: ModelProfile, layout: Layout, overhead: float = 0.0
     buffers = 0.0
     compute_bytes = 2 if layout.low_precision else FP32
     per_block = share.block_params / max(1.0, share.layers)
-    if fsdp:
-        outer = share.params - share.block_params
-        gathered = (share.params if not layout.reshard_after_forward
-                    else outer + 2 * per_block)
-        buffers += compute_bytes * gathered
+    # Resharded blocks are gathered one at a time (and the next prefetched), in forward and
+    # again once backward reaches them; backward begins with only the root's gathered.
+    blocks_gathered = 0.0
+    if fsdp and layout.reshard_after_forward:
+        buffers += compute_bytes * (share.params - share.block_params)
+        blocks_gathered = compute_bytes * 2 * per_block
+    elif fsdp:
+        buffers += compute_bytes * share.params
     elif layout.low_precision:
         buffers += profile.act_const * share.params / profile.params
     if layout.strategy == "ddp":
@@ -185,13 +188,20 @@ def predict_memory(profile: ModelProfile, layout: Layout, overhead: float = 0.0
     # spectrogram under autocast), but not while backward's temporaries exist.
     front = front_end_bytes(profile, layout, share)
     recompute = recompute_bytes(profile, layout, share)
+    in_blocks = buffers + blocks_gathered
+    # By then what was saved after the blocks (the logits) is freed.
+    after_blocks = (profile.act_per_sample - profile.act_block_per_sample
+                    - profile.act_before_blocks_per_sample) * layout.micro_batch
+    block_gradients = 2 * profile.largest_block_saved_per_sample * layout.micro_batch
+    in_block_backward = (activations - after_blocks + held_grads + block_gradients + in_blocks
+                         if blocks_gathered and layout.pp == 1 else 0.0)
     forward_backward = optimizer + max(
         max(activations + held_grads, grads) + backward_gradients + buffers,
-        recompute + held_grads + buffers, front + held_grads)
+        in_block_backward, recompute + held_grads + in_blocks, front + held_grads)
     optimizer_step = grads + optimizer + optimizer_temporary
     if layout.strategy == "ddp":
         optimizer_step += FP32 * share.params
     batch = profile.batch_per_sample * layout.micro_batch
     peak = overhead + params + batch + max(forward_backward, optimizer_step)
-    return MemoryBreakdown(params, grads, optimizer, activations, backward_gradients + buffers,
-                           overhead, peak)
+    return MemoryBreakdown(params, grads, optimizer, activations,
+                           backward_gradients + in_blocks, overhead, peak)
