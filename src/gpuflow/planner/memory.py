@@ -2,17 +2,18 @@
 
 Model state follows gpuflow's precision policy: fp32 master weights, fp32 gradients and fp32
 optimizer state in every precision (bf16/fp16 only change what autocast computes in).
-Activations come from the model's profile. The micro-batch itself is held throughout; on
-top of it the peak is the larger of two phases:
+Activations come from the model's profile. Parameters and the micro-batch are held
+throughout; on top of them the peak is the largest of these moments:
 
-* forward/backward: parameters, optimizer state, activations (while backward frees them it
+* backward begins: optimizer state, all saved activations (while backward frees them it
   fills gradients, so one step holds the larger of the two, or both when earlier
-  micro-batches already left gradients), and temporary buffers (low-precision weight copies
-  made by autocast, FSDP's gathered parameters, DDP's buckets, and backward's first
-  gradients: an op's backward holds its output's and its input's, twice the largest saved
-  tensor). Two other moments can hold more: the front end's transient peak in forward,
-  and, with checkpointing, the re-creation of one block in backward;
-* optimizer step: parameters, gradients, optimizer state and the optimizer's temporaries.
+  micro-batches already left gradients), backward's first gradients (an op's backward
+  holds its output's and its input's: twice the largest saved tensor) and buffers
+  (low-precision weight copies made by autocast, FSDP's gathered root, DDP's buckets);
+* backward inside the blocks, once what was saved after them is freed: FSDP's resharded
+  blocks gathered again, or checkpointing re-creating one block;
+* forward's front end (up to the first block) at its transient peak;
+* the optimizer step: gradients, optimizer state and the optimizer's temporaries.
 """
 
 from __future__ import annotations
@@ -175,6 +176,10 @@ def predict_memory(profile: ModelProfile, layout: Layout, overhead: float = 0.0
         buffers += compute_bytes * share.params
     elif layout.low_precision:
         buffers += profile.act_const * share.params / profile.params
+    if layout.pp > 1:
+        # A stage's micro-batches overlap these moments: its gathered blocks count throughout.
+        buffers += blocks_gathered
+        blocks_gathered = 0.0
     if layout.strategy == "ddp":
         buffers += FP32 * share.params
     # gpuflow's fused AdamW/SGD updates in place. DTensor has no rule for fused SGD, so SGD
@@ -189,12 +194,12 @@ def predict_memory(profile: ModelProfile, layout: Layout, overhead: float = 0.0
     front = front_end_bytes(profile, layout, share)
     recompute = recompute_bytes(profile, layout, share)
     in_blocks = buffers + blocks_gathered
-    # By then what was saved after the blocks (the logits) is freed.
+    # Inside the blocks' backward, what was saved after them (the logits) is already freed.
     after_blocks = (profile.act_per_sample - profile.act_block_per_sample
                     - profile.act_before_blocks_per_sample) * layout.micro_batch
     block_gradients = 2 * profile.largest_block_saved_per_sample * layout.micro_batch
     in_block_backward = (activations - after_blocks + held_grads + block_gradients + in_blocks
-                         if blocks_gathered and layout.pp == 1 else 0.0)
+                         if blocks_gathered else 0.0)
     forward_backward = optimizer + max(
         max(activations + held_grads, grads) + backward_gradients + buffers,
         in_block_backward, recompute + held_grads + in_blocks, front + held_grads)
