@@ -306,7 +306,8 @@ def profile_workload(workload: Workload, precision: str = "fp32",
     def trace(count: int, fake: bool) -> _Trace:
         return _trace_once(workload, _rows(inputs, count, seq_len),
                            _rows(target, count, seq_len), precision, fake,
-                           count_flops=count == 2, low_precision_params=low_precision_params)
+                           count_flops=count == 2 and not low_precision_params,
+                           low_precision_params=low_precision_params)
 
     fake = True
     try:
@@ -345,8 +346,10 @@ def profile_workload(workload: Workload, precision: str = "fp32",
         batch_per_sample=per_sample.batch,
         largest_block_saved_per_sample=_largest_per_sample(one.saved, two.saved,
                                                            blocks_only=True),
+        # The same FLOPs either way: counted once.
         with_low_precision_params=(
-            profile_workload(workload, precision, seq_len, low_precision_params=True)
+            replace(profile_workload(workload, precision, seq_len, low_precision_params=True),
+                    flops_per_sample=two.flops / 2)
             if precision in AUTOCAST and not low_precision_params else None),
     )
 
