@@ -22,8 +22,8 @@ DOC = HERE.parent / "docs" / "benchmarks.md"
 ABOUT = {
     "overhead": "gpuflow's Trainer against a plain PyTorch loop (and Lightning Fabric): "
                 "per-step cost of the engine and its telemetry; bitwise-equal weights.",
-    "scaling": "data-parallel scaling through `gpuflow train`: 1 process vs N (ddp, fsdp), "
-               "at a per-rank micro-batch of 2048 by default.",
+    "scaling": "data-parallel scaling through `gpuflow train`: 1 process vs N (ddp, fsdp "
+               "per block, fsdp as one unit), at a per-rank micro-batch of 2048 by default.",
     "lockstep": "what ranks that synchronise at every block (as FSDP's collectives make "
                 "them) pay on this machine with no communication: N processes train alone, "
                 "free-running and with a barrier per block, interleaved.",

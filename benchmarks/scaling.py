@@ -3,8 +3,9 @@
 ``gpuflow train`` is run as a user runs it (a subprocess of ``python -m gpuflow.cli``) on a
 compute-heavy workload (``benchmarks/scaling_workload.py``), once as a single one-thread
 process and once as N ranks (``--nproc N``, the launcher gives each rank cores // N threads)
-for ddp and for fsdp. The per-rank micro-batch is the same (weak scaling), so N ranks should
-reach N times the throughput; the scaling efficiency is
+for ddp, for fsdp per block and for fsdp as one unit (``--fsdp-wrap model``). The per-rank
+micro-batch is the same (weak scaling), so N ranks should reach N times the throughput; the
+scaling efficiency is
 
     efficiency = throughput(N ranks) / (N x throughput(1 process)).
 
@@ -16,7 +17,7 @@ the most this machine's cores allow, so the gap between it and ddp/fsdp is what
 communication and synchronisation cost. ``benchmarks/lockstep.py`` splits off the second:
 what ranks that synchronise at every block (as FSDP's do) pay with nothing to communicate.
 
-Run: ``python benchmarks/scaling.py`` (about 10 minutes on 2 cores), or ``--quick`` (under a
+Run: ``python benchmarks/scaling.py`` (about 15 minutes on 2 cores), or ``--quick`` (under a
 minute; no control).
 """
 
@@ -46,13 +47,15 @@ WORKLOAD = "scaling_workload:build"
 TARGET = 0.90
 FOREIGN_LOAD_WARN = 0.05
 # The parallel configurations and their `gpuflow train` flags; fsdp-zero2 keeps gathered
-# parameters from forward to backward (one all-gather per block per step instead of two).
+# parameters from forward to backward (one all-gather per block per step instead of two);
+# fsdp-model shards the model as one unit (one all-gather and one reduction per step).
 PARALLEL = {
     "ddp": ["--strategy", "ddp"],
     "fsdp": ["--strategy", "fsdp"],
     "fsdp-zero2": ["--strategy", "fsdp", "--no-reshard-after-forward"],
+    "fsdp-model": ["--strategy", "fsdp", "--fsdp-wrap", "model"],
 }
-DEFAULT_STRATEGIES = ("ddp", "fsdp")
+DEFAULT_STRATEGIES = ("ddp", "fsdp", "fsdp-model")
 CONTROL = "independent"
 # comm_s is communication nothing overlapped: DDP's all-reduce left after backward, FSDP's
 # collectives (they hold the host on the CPU); absent from gpuflow versions without it.

@@ -79,11 +79,14 @@ def test_gradients_are_averaged_over_ranks_not_summed(tmp_path: Path) -> None:
     Measured here: a doubled learning rate moves the 8-step curve by up to 0.6."""
     sgd = ["--optimizer", "sgd", "--max-steps", "8"]
     train(tmp_path / "single", *sgd, "--batch-size", "32")
-    for strategy in ("ddp", "fsdp"):
-        train(tmp_path / strategy, *sgd, "--nproc", "2", "--strategy", strategy,
-              "--batch-size", "16")
-        assert losses(tmp_path / strategy) == pytest.approx(losses(tmp_path / "single"),
-                                                            abs=1e-5), strategy
+    # fsdp-model: the whole model one FSDP unit, its gradients reduced in one collective.
+    parallel = {"ddp": ["--strategy", "ddp"], "fsdp": ["--strategy", "fsdp"],
+                "fsdp-model": ["--strategy", "fsdp", "--fsdp-wrap", "model"]}
+    for name, flags in parallel.items():
+        train(tmp_path / name, *sgd, *flags, "--nproc", "2", "--batch-size", "16")
+        assert losses(tmp_path / name) == pytest.approx(losses(tmp_path / "single"),
+                                                        abs=1e-5), name
+    assert_exposed_comm_measured(step_records(tmp_path / "fsdp-model"))
 
 
 def test_fsdp_checkpoint_resumes_in_one_process_and_back(

@@ -136,6 +136,8 @@ STRATEGIES = {
     "ddp": Layout("ddp", dp=2, micro_batch=4),
     "fsdp": Layout("fsdp", dp=2, micro_batch=4),
     "fsdp-no-reshard": Layout("fsdp", dp=2, reshard_after_forward=False, micro_batch=4),
+    "fsdp-model": Layout("fsdp", dp=2, reshard_after_forward=False, fsdp_wrap="model",
+                         micro_batch=4),
     "tp": Layout("tp", tp=2, micro_batch=4),
     # two stages, one micro-batch: MemTracker refuses a module called twice in a step
     "pp": Layout("single", pp=2, micro_batch=8),
@@ -179,7 +181,8 @@ def _strategy_step(workload: Workload, layout: Layout) -> tuple[Any, nn.Module]:
         forward = apply_ddp(model, cpu)
     elif layout.strategy == "fsdp":
         param_dtype = torch.bfloat16 if layout.precision == "bf16" else None
-        apply_fsdp(model, workload.blocks(), param_dtype, layout.reshard_after_forward)
+        apply_fsdp(model, workload.blocks(), param_dtype, layout.reshard_after_forward,
+                   wrap=layout.fsdp_wrap)
     else:
         mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
         apply_tensor_parallel(workload.blocks(), workload.tensor_parallel_plan, mesh["tp"])

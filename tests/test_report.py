@@ -92,7 +92,14 @@ CASES = [
     ("comm-ddp", regions(comm=8.0), {"strategy": "ddp", "world_size": 2}, dx.COMM,
      ["--grad-accum 2", "bucket_cap_mb"]),
     ("comm-fsdp-cpu", regions(comm=8.0), {"strategy": "fsdp", "world_size": 2}, dx.COMM,
-     ["--no-reshard-after-forward", "--strategy ddp", "--precision bf16"]),
+     ["--no-reshard-after-forward", "--fsdp-wrap model", "--strategy ddp",
+      "--precision bf16"]),
+    ("comm-fsdp-model-cpu", regions(comm=8.0),
+     {"strategy": "fsdp", "world_size": 2, "config": {"fsdp_wrap": "model"}}, dx.COMM,
+     ["--strategy ddp", "--precision bf16"]),
+    ("comm-fsdp-model-cuda", regions(comm=8.0),
+     {**H100, "strategy": "fsdp", "world_size": 2, "config": {"fsdp_wrap": "model"}},
+     dx.COMM, ["--fsdp-wrap block", "prefetch"]),
     ("comm-fsdp-cuda", regions(comm=8.0), {**H100, "strategy": "fsdp", "world_size": 2},
      dx.COMM, ["--no-reshard-after-forward", "prefetch", "--precision bf16"]),
     ("comm-tp", regions(comm=8.0), {"strategy": "tp", "world_size": 2,
@@ -127,6 +134,16 @@ def test_each_bottleneck_is_named_with_evidence_and_flags(
     lines = dx.headline(diagnosis, run.median)
     assert lines[0].startswith(f"bottleneck: {bottleneck}: ")
     assert len(lines) == 1 + len(top.suggestions)
+
+
+def test_fsdp_as_one_unit_is_not_told_to_keep_blocks_gathered(tmp_path: Path) -> None:
+    """The whole model is one unit, which is never resharded after forward: the per-block
+    remedies do not apply to it."""
+    run = load_run(write_run(tmp_path / "run", regions(comm=8.0), strategy="fsdp",
+                             world_size=2, config={"fsdp_wrap": "model"}))
+    suggestions = " ".join(dx.diagnose(run.facts).top.suggestions)
+    assert "--no-reshard-after-forward" not in suggestions
+    assert "--fsdp-wrap model" not in suggestions
 
 
 def test_input_bound_figure_is_the_measured_share(tmp_path: Path) -> None:

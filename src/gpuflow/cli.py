@@ -93,6 +93,10 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
     dist.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction,
                       help="fsdp: free gathered params after forward (ZeRO-3-like, default) "
                            "or keep them for backward (ZeRO-2-like)")
+    dist.add_argument("--fsdp-wrap", choices=["block", "model"],
+                      help="fsdp's unit of gathering: each repeated block (default), or the "
+                           "whole model at once: two collectives per step instead of three per "
+                           "block, for links or CPUs that cannot overlap them with compute")
     dist.add_argument("--nproc", type=int, help="worker processes on this node (default 1)")
     dist.add_argument("--nnodes", type=int, help="nodes in the job (default 1)")
     dist.add_argument("--node-rank", type=int, help="this node's rank; node 0 hosts rendezvous")

@@ -15,6 +15,7 @@ OptimizerName = Literal["adamw", "sgd"]
 Schedule = Literal["cosine", "constant"]
 Strategy = Literal["single", "ddp", "fsdp", "tp", "pp", "auto"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
+FsdpWrap = Literal["block", "model"]
 DataSource = Literal["real", "synthetic"]
 DEFAULT_BATCH_SIZE = 64
 
@@ -62,6 +63,7 @@ class TrainConfig:
     progress: bool = True
     strategy: Strategy | None = None
     reshard_after_forward: bool = True
+    fsdp_wrap: FsdpWrap = "block"
     tp: int = 1
     pp: int = 1
     dp: int | None = None
@@ -81,6 +83,7 @@ class TrainConfig:
         _check_choice("schedule", self.schedule, Schedule)
         _check_choice("data", self.data, DataSource)
         _check_choice("pp_schedule", self.pp_schedule, PipelineSchedule)
+        _check_choice("fsdp_wrap", self.fsdp_wrap, FsdpWrap)
         if self.strategy is not None:
             _check_choice("strategy", self.strategy, Strategy)
         if self.batch_size != "auto" and self.batch_size < 1:

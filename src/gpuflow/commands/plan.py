@@ -55,7 +55,8 @@ def _precisions(text: str) -> list[str]:
     return chosen
 
 
-def _profiles(args: argparse.Namespace, precisions: list[str]) -> dict[str, Any]:
+def _profiles(args: argparse.Namespace, precisions: list[str], devices: int
+              ) -> dict[str, Any]:
     from gpuflow.planner.profile import parse_transformer, profile_workload
 
     if args.transformer:
@@ -65,7 +66,8 @@ def _profiles(args: argparse.Namespace, precisions: list[str]) -> dict[str, Any]
             dims = replace(dims, seq=args.seq_len)
         return {p: dims.profile(p) for p in precisions}
     workload = _build_workload(args)
-    return {p: profile_workload(workload, p, args.seq_len) for p in precisions}
+    return {p: profile_workload(workload, p, args.seq_len, fsdp=devices > 1)
+            for p in precisions}
 
 
 def _build_workload(args: argparse.Namespace) -> Any:
@@ -102,7 +104,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     global_batch = args.global_batch or 8 * hardware.devices
     if global_batch < 1:
         raise UserError(f"--global-batch must be at least 1 (got {global_batch}).")
-    profiles = _profiles(args, precisions)
+    profiles = _profiles(args, precisions, hardware.devices)
     plans = search(profiles, hardware, global_batch, pipeline=args.pipeline,
                    optimizer=args.optimizer)
     if not plans:

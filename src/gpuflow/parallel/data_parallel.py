@@ -45,19 +45,27 @@ def kept_in_fp32(model: nn.Module) -> list[nn.Module]:
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], param_dtype: torch.dtype | None,
                reshard_after_forward: bool, mesh: DeviceMesh | None = None,
-               blocking_comm: Callable[[], AbstractContextManager[None]] | None = None
-               ) -> nn.Module:
-    """Shard each block, then the root; low-precision params with fp32 gradient reduction.
+               blocking_comm: Callable[[], AbstractContextManager[None]] | None = None,
+               wrap: str = "block") -> nn.Module:
+    """Shard each block (``wrap="block"``) or nothing but the whole model (``"model"``),
+    then the root; low-precision params with fp32 gradient reduction.
 
-    ``reshard_after_forward=True`` frees gathered parameters after forward and gathers them
-    again in backward (ZeRO-3-like); False keeps them until backward (ZeRO-2-like).
-    ``blocking_comm``, for a model on the CPU, times the collectives that hold the host (see
-    ``gpuflow.parallel.host_collectives``).
+    A block is gathered just before it runs, so per-block units hold one block's parameters
+    at a time and, with streams, overlap the next gather with compute; each unit costs its
+    own collectives and a point where all ranks wait for each other. One unit for the model
+    gathers everything in one all-gather and reduces in one collective.
+
+    ``reshard_after_forward=True`` frees a block's gathered parameters after forward and
+    gathers them again in backward (ZeRO-3-like); False keeps them until backward
+    (ZeRO-2-like). The root is never resharded after forward: backward needs its parameters
+    (the head) first. ``blocking_comm``, for a model on the CPU, times the collectives that
+    hold the host (see ``gpuflow.parallel.host_collectives``).
     """
-    if not blocks:
+    if wrap == "block" and not blocks:
         raise UserError(
             "--strategy fsdp shards per repeated block, and this workload has none: give the "
-            "model an nn.ModuleList attribute `blocks`, or set Workload(repeated_blocks=...)."
+            "model an nn.ModuleList attribute `blocks`, set Workload(repeated_blocks=...), or "
+            "shard the model as one unit with --fsdp-wrap model."
         )
     # Imported here: FSDP (with DTensor) adds ~45 MB to every process that imports it.
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -70,10 +78,10 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], param_dtype: torch.dty
     norms = kept_in_fp32(model) if low_precision else []
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
                                 cast_forward_inputs=False)
-    units = [*norms, *blocks, model]
+    units = [*norms, *(blocks if wrap == "block" else []), model]
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=fp32 if unit in norms else policy,
-                    reshard_after_forward=reshard_after_forward)
+                    reshard_after_forward=reshard_after_forward and unit is not model)
     if blocking_comm is not None:
         from gpuflow.parallel.host_collectives import use_host_collectives
 

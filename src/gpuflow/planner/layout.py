@@ -15,7 +15,8 @@ class Layout:
     ``strategy`` is ``single`` (one rank), ``ddp`` (replicas), ``fsdp`` (sharded across
     ``dp``) or ``tp`` (tensor parallel alone); ``pp`` > 1 adds pipeline stages under any of
     them. ``micro_batch`` is per data-parallel rank; ``grad_accum`` micro-batches make one
-    step (the pipeline's micro-batches when ``pp`` > 1).
+    step (the pipeline's micro-batches when ``pp`` > 1). FSDP's unit is each block, or with
+    ``fsdp_wrap="model"`` the whole model, which is never resharded after forward.
     """
 
     strategy: str
@@ -23,6 +24,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     reshard_after_forward: bool = True
+    fsdp_wrap: str = "block"
     precision: str = "fp32"
     activation_checkpointing: bool = False
     micro_batch: int = 1
@@ -38,12 +40,20 @@ class Layout:
         return self.micro_batch * self.grad_accum * self.dp
 
     @property
+    def resharded_blocks(self) -> bool:
+        """FSDP frees each block's gathered parameters after forward and gathers them again."""
+        return (self.strategy == "fsdp" and self.reshard_after_forward
+                and self.fsdp_wrap == "block")
+
+    @property
     def low_precision(self) -> bool:
         return self.precision in ("bf16", "fp16")
 
     def describe(self) -> str:
         mesh = f"dp{self.dp}xtp{self.tp}xpp{self.pp}"
         name = self.strategy
-        if self.strategy == "fsdp":
+        if self.strategy == "fsdp" and self.fsdp_wrap == "model":
+            name += "(model)"
+        elif self.strategy == "fsdp":
             name += "" if self.reshard_after_forward else "(no-reshard)"
         return f"{name} {mesh}"

@@ -169,7 +169,7 @@ def predict_memory(profile: ModelProfile, layout: Layout, overhead: float = 0.0
     # Resharded blocks are gathered one at a time (and the next prefetched), in forward and
     # again once backward reaches them; backward begins with only the root's gathered.
     blocks_gathered = 0.0
-    if fsdp and layout.reshard_after_forward:
+    if layout.resharded_blocks:
         buffers += compute_bytes * (share.params - share.block_params)
         blocks_gathered = compute_bytes * 2 * per_block
     elif fsdp:

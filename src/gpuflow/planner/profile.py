@@ -289,15 +289,15 @@ def _check_seq(workload: Workload, inputs: Any, seq_len: int | None) -> None:
 
 
 def profile_workload(workload: Workload, precision: str = "fp32",
-                     seq_len: int | None = None, low_precision_params: bool = False
-                     ) -> ModelProfile:
+                     seq_len: int | None = None, low_precision_params: bool = False,
+                     fsdp: bool = True) -> ModelProfile:
     """Profile ``workload``'s model in ``precision``, optionally at a shorter ``seq_len``.
 
     Fake tensors cost nothing whatever their size, so the trace runs at the real sequence
     length; the batch is traced at 1 and 2 samples and the difference is one sample's share.
     A model fake tensors cannot run is traced for real on the CPU (if it is not on meta).
     In bf16/fp16 the model is traced a second time with its parameters in that dtype, for
-    FSDP's layouts.
+    FSDP's layouts, unless ``fsdp`` is False (one device: no FSDP layout will be asked for).
     """
     inputs, target = workload.get_example_batch()
     _check_seq(workload, inputs, seq_len)
@@ -350,7 +350,7 @@ def profile_workload(workload: Workload, precision: str = "fp32",
         with_low_precision_params=(
             replace(profile_workload(workload, precision, seq_len, low_precision_params=True),
                     flops_per_sample=two.flops / 2)
-            if precision in AUTOCAST and not low_precision_params else None),
+            if fsdp and precision in AUTOCAST and not low_precision_params else None),
     )
 
 

@@ -34,6 +34,7 @@ class Plan:
     tp = property(lambda self: self.layout.tp)
     pp = property(lambda self: self.layout.pp)
     reshard_after_forward = property(lambda self: self.layout.reshard_after_forward)
+    fsdp_wrap = property(lambda self: self.layout.fsdp_wrap)
     activation_checkpointing = property(lambda self: self.layout.activation_checkpointing)
     micro_batch = property(lambda self: self.layout.micro_batch)
     grad_accum = property(lambda self: self.layout.grad_accum)
@@ -50,6 +51,7 @@ class Plan:
         return {
             "strategy": layout.strategy, "dp": layout.dp, "tp": layout.tp, "pp": layout.pp,
             "reshard_after_forward": layout.reshard_after_forward,
+            "fsdp_wrap": layout.fsdp_wrap,
             "precision": layout.precision,
             "activation_checkpointing": layout.activation_checkpointing,
             "micro_batch": layout.micro_batch, "grad_accum": layout.grad_accum,
@@ -90,15 +92,16 @@ def candidate_layouts(world: int, global_batch: int, precisions: Sequence[str],
             if global_batch % dp:
                 continue
             if dp == 1:
-                kinds = [("tp" if tp > 1 else "single", True)]
+                kinds = [("tp" if tp > 1 else "single", True, "block")]
             else:
-                kinds = [("fsdp", True), ("fsdp", False)]
-                kinds += [("ddp", True)] if tp == 1 else []
-            for strategy, reshard in kinds:
+                kinds = [("fsdp", True, "block"), ("fsdp", False, "block"),
+                         ("fsdp", False, "model")]
+                kinds += [("ddp", True, "block")] if tp == 1 else []
+            for strategy, reshard, wrap in kinds:
                 for precision in precisions:
                     for checkpointing in (False, True):
                         for micro in _divisors(global_batch // dp):
-                            yield Layout(strategy, dp, tp, pp, reshard, precision,
+                            yield Layout(strategy, dp, tp, pp, reshard, wrap, precision,
                                          checkpointing, micro, global_batch // (dp * micro),
                                          optimizer)
 
@@ -122,8 +125,8 @@ def search(profiles: dict[str, ModelProfile], hardware: Hardware, global_batch: 
                                     tensor_parallel, pipeline, hardware.gpus_per_node,
                                     optimizer):
         plan = evaluate(profiles, layout, hardware)
-        key = (layout.strategy, layout.reshard_after_forward, layout.dp, layout.tp, layout.pp,
-               layout.precision, layout.activation_checkpointing)
+        key = (layout.strategy, layout.reshard_after_forward, layout.fsdp_wrap, layout.dp,
+               layout.tp, layout.pp, layout.precision, layout.activation_checkpointing)
         current = best.get(key)
         if current is None or _rank(plan) < _rank(current):
             best[key] = plan
@@ -207,7 +210,8 @@ def choose_plan(workload: Workload, config_like: Any, devices: int | Hardware,
     precision = getattr(config_like, "precision", "fp32")
     global_batch = (getattr(config_like, "batch_size", 64) * getattr(config_like, "grad_accum", 1)
                     * hardware.devices)
-    profiles = {precision: profile_workload(workload, precision)}
+    profiles = {precision: profile_workload(workload, precision,
+                                            fsdp=hardware.devices > 1)}
     plans = search(profiles, hardware, global_batch,
                    tensor_parallel=workload.tensor_parallel_plan is not None,
                    pipeline=pipeline, optimizer=getattr(config_like, "optimizer", "adamw"))

@@ -135,18 +135,26 @@ def _comm_bound(summary: Mapping[str, Any]) -> Finding | None:
         suggestions.append("larger DDP gradient buckets (bucket_cap_mb; DDP's default is 25 "
                            "MB): fewer all-reduces, and more of them overlap backward")
     if strategy == "fsdp":
-        if config.get("reshard_after_forward", True):
+        per_block = config.get("fsdp_wrap", "block") == "block"
+        if per_block and config.get("reshard_after_forward", True):
             suggestions.append("--no-reshard-after-forward: keep gathered parameters for "
                                "backward, one all-gather per block instead of two")
         if str(summary.get("device", "")).startswith("cuda"):
+            if not per_block:
+                suggestions.append("--fsdp-wrap block: gather each block just before it "
+                                   "runs, so that all-gathers overlap the blocks before")
             suggestions.append("FSDP prefetch (set_modules_to_forward_prefetch / "
                                "set_modules_to_backward_prefetch): start the next block's "
                                "all-gather earlier")
         else:
+            if per_block:
+                suggestions.append("--fsdp-wrap model: the whole model one unit, one "
+                                   "all-gather and one reduction per step instead of "
+                                   "collectives at every block, where all ranks wait for "
+                                   "each other; it holds all parameters gathered at once")
             suggestions.append("--strategy ddp if the model fits in one process's memory: "
-                               "one all-reduce per gradient bucket instead of three "
-                               "collectives per block, none of which overlaps compute on "
-                               "the CPU")
+                               "one all-reduce per gradient bucket, overlapping backward, "
+                               "where FSDP's collectives cannot overlap compute on the CPU")
         if summary.get("precision") in ("fp32", "tf32"):
             suggestions.append("--precision bf16: parameters all-gathered in bf16, half "
                                "the bytes")

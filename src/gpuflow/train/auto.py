@@ -56,7 +56,7 @@ def plan_strategy(workload: Workload, config: TrainConfig, world: int
     batch_size: int | str = "auto" if config.batch_size == "auto" else plan.micro_batch
     chosen = dataclasses.replace(
         config, strategy=strategy, tp=plan.tp, pp=plan.pp, dp=None,
-        reshard_after_forward=plan.reshard_after_forward,
+        reshard_after_forward=plan.reshard_after_forward, fsdp_wrap=plan.fsdp_wrap,
         activation_checkpointing=plan.activation_checkpointing,
         batch_size=batch_size, grad_accum=plan.grad_accum, global_batch=global_batch)
     return chosen, plan

@@ -329,7 +329,7 @@ class Trainer:
             apply_fsdp(self.model, self.workload.blocks(), param_dtype,
                        self.config.reshard_after_forward,
                        mesh=self.mesh["dp"] if self.mesh is not None else None,
-                       blocking_comm=self._blocking_comm_timer)
+                       blocking_comm=self._blocking_comm_timer, wrap=self.config.fsdp_wrap)
         return self.model
 
     def _pipeline(self, example: Batch) -> nn.Module:
@@ -350,7 +350,8 @@ class Trainer:
             for stage in stages:
                 apply_fsdp(stage.submod, self.pipeline.blocks_of(stage),
                            self.policy.autocast_dtype, self.config.reshard_after_forward,
-                           mesh=self.mesh["dp"], blocking_comm=self._blocking_comm_timer)
+                           mesh=self.mesh["dp"], blocking_comm=self._blocking_comm_timer,
+                           wrap=self.config.fsdp_wrap)
             self.pipeline.grad_shards = (self.dp, self.dp_rank)
         return self.model
 
@@ -594,7 +595,10 @@ class Trainer:
         compiled = f", compiled ({self.compile_scope})" if self.compiled else ""
         pipeline = (f" x pp {self.pp} ({config.pp_schedule}, {self.microbatches} "
                     "micro-batches)" if self.pp > 1 else "")
-        ranks = (f" x {self.world} ranks ({self.strategy}, dp {self.dp} x tp {self.tp}"
+        strategy = self.strategy
+        if strategy == "fsdp" and config.fsdp_wrap == "model":
+            strategy += " as one unit"
+        ranks = (f" x {self.world} ranks ({strategy}, dp {self.dp} x tp {self.tp}"
                  f"{pipeline})" if self.world > 1 else "")
         global_batch = self.micro_batch * config.grad_accum * self.dp
         chosen = ""
