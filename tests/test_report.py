@@ -108,6 +108,11 @@ CASES = [
     ("comm-fsdp-tp", regions(comm=8.0), {"strategy": "fsdp", "world_size": 8,
                                          "mesh": {"dp": 2, "tp": 4, "pp": 1}},
      dx.COMM, ["--grad-accum 2", "--tp 2", "--no-reshard-after-forward"]),
+    ("comm-pp", regions(comm=8.0), {"strategy": "pp", "world_size": 2,
+                                    "mesh": {"dp": 1, "tp": 1, "pp": 2},
+                                    "config": {"microbatches": 4}},
+     dx.COMM, ["--microbatches 8 (now 4)", "20% now, 11% then", "interleaved-1f1b",
+               "no --pp"]),
     ("memory", regions(), {**H100, "peak_mem_bytes": 76 * 2**30, "world_size": 2,
                            "strategy": "ddp"}, dx.MEMORY,
      ["--activation-checkpointing", "--precision bf16", "--strategy fsdp"]),
@@ -144,6 +149,17 @@ def test_fsdp_as_one_unit_is_not_told_to_keep_blocks_gathered(tmp_path: Path) ->
     suggestions = " ".join(dx.diagnose(run.facts).top.suggestions)
     assert "--no-reshard-after-forward" not in suggestions
     assert "--fsdp-wrap model" not in suggestions
+
+
+def test_pipelined_runs_are_not_told_to_compile(tmp_path: Path) -> None:
+    """gpuflow does not compile pipeline stages (--compile with --pp is refused)."""
+    run = load_run(write_run(tmp_path / "run", regions(host=4.0, compute=10.0), mfu=0.1,
+                             **H100, strategy="pp", world_size=2,
+                             mesh={"dp": 1, "tp": 1, "pp": 2}))
+    findings = dx.diagnose(run.facts).findings
+    assert {f.bottleneck for f in findings} >= {dx.HOST, dx.LOW_MFU_COMPUTE}
+    suggestions = " ".join(s for f in findings for s in f.suggestions)
+    assert "--compile" not in suggestions and "CUDA graphs" not in suggestions
 
 
 def test_input_bound_figure_is_the_measured_share(tmp_path: Path) -> None:

@@ -14,8 +14,10 @@ full state as any other strategy.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -35,6 +37,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     SplitPoint,
     pipeline,
+    schedules,
 )
 from torch.distributed.tensor import DTensor
 
@@ -44,6 +47,26 @@ from gpuflow.train.optim import with_saved_settings
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 _PART = "parts."
+# Every schedule waits for its batches of sends and receives through this module function.
+P2P_WAITS_TIMEABLE = callable(getattr(schedules, "_wait_batch_p2p", None))
+
+
+@contextlib.contextmanager
+def timed_p2p_waits(timed: Callable[[], AbstractContextManager[None]]) -> Iterator[None]:
+    """Count the time the schedule's waits for sends and receives hold the host, as gloo's
+    do (NCCL's only order streams). A receive waits for the neighbouring stage to send, so
+    this is the transfers and the pipeline's bubble together."""
+    untimed = schedules._wait_batch_p2p
+
+    def wait(work: list[dist.Work]) -> None:
+        with timed():
+            untimed(work)
+
+    schedules._wait_batch_p2p = wait
+    try:
+        yield
+    finally:
+        schedules._wait_batch_p2p = untimed
 
 
 class StageParts(nn.Module):
@@ -79,8 +102,13 @@ class Pipeline:
     def __init__(self, model: nn.Module, blocks: Sequence[nn.Module], example_inputs: Any,
                  mesh: DeviceMesh, schedule: str, microbatches: int,
                  loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
-                 device: torch.device) -> None:
+                 device: torch.device,
+                 blocking_comm: Callable[[], AbstractContextManager[None]] | None = None
+                 ) -> None:
+        """``blocking_comm``, on the CPU, times the schedule's waits for sends and receives
+        (``timed_p2p_waits``)."""
         self.size = mesh.size()
+        self._blocking_comm = blocking_comm
         self.rank = mesh.get_local_rank()
         self.group = mesh.get_group()
         self.microbatches = microbatches
@@ -163,7 +191,10 @@ class Pipeline:
         self._loss_scale = scale / self.microbatches
         self._losses = []
         args, kwargs = self._call_args(inputs)
-        self.schedule.step(*args, target=target if self.last else None, **kwargs)
+        timed = (timed_p2p_waits(self._blocking_comm) if self._blocking_comm is not None
+                 else contextlib.nullcontext())
+        with timed:
+            self.schedule.step(*args, target=target if self.last else None, **kwargs)
         if not self.last:
             return torch.zeros((), device=target.device)
         return torch.stack(self._losses).mean()

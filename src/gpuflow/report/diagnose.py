@@ -98,15 +98,25 @@ def _input_bound(summary: Mapping[str, Any]) -> Finding | None:
                    tuple(suggestions), share)
 
 
+def _pipelined(summary: Mapping[str, Any]) -> bool:
+    """gpuflow does not compile pipeline stages: no compile-based suggestion applies."""
+    return int(summary.get("mesh", {}).get("pp", 1)) > 1
+
+
+def _compilable(summary: Mapping[str, Any]) -> bool:
+    compiled = summary.get("compiled", summary.get("config", {}).get("compile", False))
+    return not compiled and not _pipelined(summary)
+
+
 def _host_bound(summary: Mapping[str, Any]) -> Finding | None:
     median, config = summary["median"], summary.get("config", {})
     share = _share(median, "host_s")
     if share is None or share < HOST_FRAC:
         return None
     suggestions = []
-    if not summary.get("compiled", config.get("compile", False)):
+    if _compilable(summary):
         suggestions.append("--compile: fused kernels, fewer launches and less Python per step")
-    if str(summary.get("device", "")).startswith("cuda"):
+    if not _pipelined(summary) and str(summary.get("device", "")).startswith("cuda"):
         suggestions.append("CUDA graphs (torch.compile mode=\"reduce-overhead\"): replay the "
                            "step's kernels with one launch")
     batch = int(config.get("batch_size", 0))
@@ -126,7 +136,8 @@ def _comm_bound(summary: Mapping[str, Any]) -> Finding | None:
         return None
     strategy = summary.get("strategy")
     tp = int(summary.get("mesh", {}).get("tp", 1))
-    suggestions = []
+    pp = int(summary.get("mesh", {}).get("pp", 1))
+    suggestions = _pipeline_suggestions(config, pp) if pp > 1 else []
     if strategy in ("ddp", "fsdp"):
         accum = int(config.get("grad_accum", 1))
         suggestions.append(f"--grad-accum {2 * accum} (now {accum}): one gradient reduction "
@@ -165,11 +176,28 @@ def _comm_bound(summary: Mapping[str, Any]) -> Finding | None:
                            "micro-batch, and more data parallelism replaces it with one "
                            "gradient reduction per step")
     kinds = ((["FSDP's all-gathers and reduce-scatters"] if strategy == "fsdp" else [])
-             + (["waits for tensor parallelism's collectives"] if tp > 1 else []))
+             + (["waits for tensor parallelism's collectives"] if tp > 1 else [])
+             + (["pipeline stages' waits for each other's sends (its bubble with them)"]
+                if pp > 1 else []))
     where = f"in {' and '.join(kinds)}" if kinds else "after backward's compute ended"
     return Finding(COMM, f"exposed communication is {share:.0%} of the step "
                          f"({_ms(median['comm_s'])} of {_ms(median['step_time_s'])}) {where}",
                    tuple(suggestions), share)
+
+
+def _pipeline_suggestions(config: Mapping[str, Any], pp: int) -> list[str]:
+    """A stage waits for the others through (pp - 1) of the m + pp - 1 slots of a step."""
+    micro = int(config.get("microbatches") or 2 * pp)
+    suggestions = [f"--microbatches {2 * micro} (now {micro}): the bubble is (pp - 1) / "
+                   f"(micro-batches + pp - 1) of the step, {(pp - 1) / (micro + pp - 1):.0%} "
+                   f"now, {(pp - 1) / (2 * micro + pp - 1):.0%} then"]
+    if config.get("pp_schedule", "1f1b") != "interleaved-1f1b":
+        suggestions.append("--pp-schedule interleaved-1f1b: two smaller stages per rank, "
+                           "half the bubble")
+    fewer = f"--pp {pp // 2}" if pp > 2 else "no --pp"
+    suggestions.append(f"{fewer} with more data parallelism, if the model fits: fewer "
+                       "stages to fill and drain")
+    return suggestions
 
 
 def _memory_bound(summary: Mapping[str, Any]) -> Finding | None:
@@ -204,7 +232,7 @@ def _low_mfu(summary: Mapping[str, Any]) -> Finding | None:
     # Not where bf16 is emulated (a CPU without AVX512-BF16 or AMX runs it many times slower).
     if summary.get("precision") in ("fp32", "tf32") and summary.get("native_bf16") is not False:
         suggestions.append("--precision bf16: matmuls on the bf16 units (tensor cores, AMX)")
-    if not summary.get("compiled", config.get("compile", False)):
+    if _compilable(summary):
         suggestions.append("--compile: fused elementwise kernels around the matmuls")
     use, batch = _memory_use(summary), int(config.get("batch_size", 0))
     if batch and (use is None or use < MEMORY_FRAC):

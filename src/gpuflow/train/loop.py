@@ -340,7 +340,8 @@ class Trainer:
         inputs = resize_rows(example[0], self.config.batch_size // self.microbatches)
         self.pipeline = Pipeline(self.model, self.workload.blocks(), inputs, self.mesh["pp"],
                                  self.config.pp_schedule, self.microbatches,
-                                 self._policy_loss, self.device)
+                                 self._policy_loss, self.device,
+                                 blocking_comm=self._blocking_comm_timer)
         self.model = self.pipeline.parts
         stages = self.pipeline.stages
         if self.config.activation_checkpointing:
@@ -651,8 +652,8 @@ class Trainer:
 
     @property
     def _blocking_comm_timer(self) -> Callable[[], contextlib.AbstractContextManager[None]] | None:
-        """On the CPU FSDP's collectives hold the host, so timing them there measures them;
-        beside untimed tensor-parallel or pipeline collectives they are not timed either, so
+        """On the CPU FSDP's collectives and the pipeline's waits hold the host, so timing
+        them there measures them; beside untimed collectives they are not timed either, so
         that the step's breakdown still adds up."""
         if self.device.type != "cpu":
             return None
@@ -661,12 +662,15 @@ class Trainer:
     @property
     def _comm_measured(self) -> bool:
         """Exposed communication is timed for DDP (and is nil for one process), and on the
-        CPU, where their collectives hold the host, for FSDP and tensor parallelism (not
-        under --compile: its waits are timed by a dispatch mode compiled code does not run
-        under). On CUDA FSDP's and DTensor's collectives run on their own streams, and
-        pipeline sends are not timed: those are reported as unknown."""
+        CPU, where their collectives hold the host, for FSDP, tensor parallelism (not under
+        --compile: its waits are timed by a dispatch mode compiled code does not run under)
+        and the pipeline's sends and receives, whose waits include its bubble. On CUDA
+        FSDP's, DTensor's and the pipeline's collectives run on their own streams: those are
+        reported as unknown."""
         if self.pp > 1:
-            return False
+            from gpuflow.parallel.pipeline import P2P_WAITS_TIMEABLE
+
+            return self.device.type == "cpu" and P2P_WAITS_TIMEABLE
         if self.strategy in ("single", "ddp"):
             return True
         return self.device.type == "cpu" and not (self.tp > 1 and self.config.compile)
