@@ -32,6 +32,7 @@ from gpuflow.planner.hardware import cpu_hardware, gpu_hardware
 from gpuflow.planner.layout import Layout
 from gpuflow.planner.memory import model_state_bytes, predict_memory
 from gpuflow.planner.profile import TransformerDims, profile_workload
+from gpuflow.planner.search import search
 from gpuflow.train.loop import call_model
 from gpuflow.train.optim import build_optimizer
 from gpuflow.workload import Workload, resolve_workload
@@ -325,6 +326,20 @@ def test_two_rank_strategies_are_predicted_in_their_measured_order(
                 compared += 1
                 assert predicted[a] > predicted[b], (a, b, measured, predicted)
     assert compared >= 3, measured  # ddp < fsdp < tp at the least
+
+
+def test_equally_fast_plans_are_ranked_by_their_collective_calls() -> None:
+    """Where compute hides every difference the model of time sees, the plan with fewer
+    collective calls goes first: measured on 2 gloo ranks (the test above), ddp, fsdp as one
+    unit, fsdp without and with resharding come in that order, which the calls follow."""
+    profile = profile_workload(_workload("textlm", SMALL_GPT), "fp32")
+    hardware = cpu_hardware(2, {"fp32": 1e8}, 2**34)
+    plans = [plan for plan in search({"fp32": profile}, hardware, 8, tensor_parallel=False,
+                                     pipeline=False) if not plan.activation_checkpointing]
+    assert len({f"{plan.time.step_s:.3g}" for plan in plans}) == 1, plans
+    assert [plan.layout.describe() for plan in plans] == [
+        "ddp dp2xtp1xpp1", "fsdp(model) dp2xtp1xpp1", "fsdp(no-reshard) dp2xtp1xpp1",
+        "fsdp dp2xtp1xpp1"]
 
 
 # Where compute dominates the frameworks' per-call costs, the pipeline is ranked too: with
