@@ -1,12 +1,13 @@
 """gpuflow against a plain PyTorch loop, Lightning Fabric and Hugging Face Accelerate.
 
-The same model, data, precision, batch size and step count are trained four ways on the CPU:
-``gpuflow.Trainer`` (telemetry and metrics.jsonl on), a hand-written loop, Fabric and
-Accelerate. Timing: the loops take turns in rounds inside one process, in a rotating order,
-so machine drift hits all alike (the loops themselves are ``overhead.py``'s, plus one for
-Accelerate). Memory: each framework trains again in a fresh process of its own, which
-reports its peak resident memory and how much it grew in set-up and training, since one shared
-process cannot tell the frameworks' memory apart.
+The same model, data, precision, batch size and step count are trained four ways on the CPU
+or, with ``--device cuda``, on a GPU: ``gpuflow.Trainer`` (telemetry and metrics.jsonl on), a
+hand-written loop, Fabric and Accelerate. Timing: the loops take turns in rounds inside one
+process, in a rotating order, so machine drift hits all alike (the loops themselves are
+``overhead.py``'s, plus one for Accelerate). Memory: each framework trains again in a fresh
+process of its own, which reports its peak resident memory and how much it grew in set-up and
+training, since one shared process cannot tell the frameworks' memory apart; on a GPU also
+the CUDA allocator's peak.
 
 Fabric and Accelerate are measured only when installed; they are never gpuflow
 dependencies: ``pip install lightning accelerate``. A framework that is absent is skipped
@@ -56,10 +57,11 @@ class AccelerateLoop(overhead.FrameworkLoop):
     name = "accelerate"
 
     def __init__(self, accelerator_cls: Any, model: nn.Module, dataset: TensorDataset,
-                 batch_size: int, precision: str) -> None:
+                 batch_size: int, precision: str, device: torch.device = overhead.CPU
+                 ) -> None:
         self.module = model.train()
         self.accelerator = accelerator_cls(
-            cpu=True, mixed_precision="bf16" if precision == "bf16" else "no")
+            cpu=device.type == "cpu", mixed_precision="bf16" if precision == "bf16" else "no")
         loader, sampler = overhead.plain_loader(dataset, batch_size)
         self.model, self.optimizer, loader = self.accelerator.prepare(
             model, overhead.adamw_like_gpuflow(model), loader)
@@ -86,16 +88,18 @@ def available(names: tuple[str, ...] = tuple(IMPORTERS)
 
 
 def build_loop(name: str, classes: dict[str, Any], base: nn.Module, dataset: TensorDataset,
-               batch_size: int, precision: str, total_steps: int, run_dir: Path
-               ) -> overhead.Loop:
+               batch_size: int, precision: str, total_steps: int, run_dir: Path,
+               device: torch.device) -> overhead.Loop:
     model = copy.deepcopy(base)
     if name == "plain":
-        return overhead.PlainLoop(model, dataset, batch_size, precision)
+        return overhead.PlainLoop(model, dataset, batch_size, precision, device)
     if name == "gpuflow":
-        return overhead.GpuflowLoop(model, dataset, batch_size, precision, total_steps, run_dir)
+        return overhead.GpuflowLoop(model, dataset, batch_size, precision, total_steps, run_dir,
+                                    device)
     if name == "fabric":
-        return overhead.FabricLoop(classes["fabric"], model, dataset, batch_size, precision)
-    return AccelerateLoop(classes["accelerate"], model, dataset, batch_size, precision)
+        return overhead.FabricLoop(classes["fabric"], model, dataset, batch_size, precision,
+                                   device)
+    return AccelerateLoop(classes["accelerate"], model, dataset, batch_size, precision, device)
 
 
 def case_inputs(model_name: str) -> tuple[overhead.ModelSpec, TensorDataset, nn.Module]:
@@ -116,8 +120,10 @@ def resident_bytes(field: str = "VmRSS") -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def probe_memory(name: str, model_name: str, precision: str) -> dict[str, int]:
-    """In this (fresh) process: train ``name`` for MEMORY_STEPS and report its memory."""
+def probe_memory(name: str, model_name: str, precision: str, device: torch.device
+                 ) -> dict[str, int | None]:
+    """In this (fresh) process: train ``name`` for MEMORY_STEPS and report its memory: the
+    process's resident peak and, on a GPU, the most the caching allocator handed out."""
     # Only this framework is imported, so the peak is its own, not every framework's import.
     classes, _, _ = available(tuple(n for n in IMPORTERS if n == name))
     spec, dataset, base = case_inputs(model_name)
@@ -127,33 +133,36 @@ def probe_memory(name: str, model_name: str, precision: str) -> dict[str, int]:
         gc.collect()
         before = resident_bytes()
         loop = build_loop(name, classes, base, dataset, spec.batch_size, precision,
-                          MEMORY_STEPS, Path(workdir) / "run")
+                          MEMORY_STEPS, Path(workdir) / "run", device)
         loop.run(MEMORY_STEPS)
         loop.close()
         peak = resident_bytes("VmHWM")
-    return {"peak_rss_bytes": peak, "growth_bytes": max(0, peak - before)}
+    device_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return {"peak_rss_bytes": peak, "growth_bytes": max(0, peak - before),
+            "peak_device_bytes": device_peak}
 
 
-def measure_memory(names: list[str], model_name: str, precision: str, threads: int
-                   ) -> dict[str, dict[str, int]]:
+def measure_memory(names: list[str], model_name: str, precision: str, threads: int,
+                   device: torch.device) -> dict[str, dict[str, int | None]]:
     out = {}
     for name in names:
         command = [sys.executable, __file__, "--probe-memory", name, "--models", model_name,
-                   "--precisions", precision, "--threads", str(threads)]
+                   "--precisions", precision, "--threads", str(threads),
+                   "--device", device.type]
         done = subprocess.run(command, capture_output=True, text=True, check=True)
         out[name] = json.loads(done.stdout.strip().splitlines()[-1])
     return out
 
 
 def run_case(model_name: str, precision: str, names: list[str], classes: dict[str, Any],
-             rounds: int, warmup_rounds: int, round_seconds: float, workdir: Path
-             ) -> dict[str, Any]:
+             rounds: int, warmup_rounds: int, round_seconds: float, workdir: Path,
+             device: torch.device) -> dict[str, Any]:
     """Interleaved timing rounds of every framework on one model and precision."""
     spec, dataset, base = case_inputs(model_name)
-    steps = overhead.calibrate(base, dataset, spec.batch_size, precision, round_seconds)
+    steps = overhead.calibrate(base, dataset, spec.batch_size, precision, round_seconds, device)
     total = (warmup_rounds + rounds) * steps
     loops = [build_loop(name, classes, base, dataset, spec.batch_size, precision, total,
-                        workdir / f"{model_name}-{precision}") for name in names]
+                        workdir / f"{model_name}-{precision}", device) for name in names]
     times, wall, foreign_share = overhead.timed_rounds(loops, steps, warmup_rounds, rounds)
     stats = overhead.summarize(times, steps)
     step_ms = stats["median_step_ms"]
@@ -178,18 +187,21 @@ def verdict(case: dict[str, Any]) -> dict[str, Any]:
     fastest = all(ratio <= case["vs_plain"][name]["median_ratio"] for name in others)
     growth = {name: m["growth_bytes"] for name, m in memory.items()}
     peak = {name: m["peak_rss_bytes"] for name, m in memory.items()}
+    device_peak = {name: m.get("peak_device_bytes") for name, m in memory.items()}
     return {
         "fastest_framework": fastest, "frameworks_compared": others,
         "within_1pct_of_plain": ratio <= RATIO_TARGET, "ratio": ratio,
         "ratio_ci95": case["vs_plain"]["gpuflow"]["median_ratio_ci95"],
         "no_more_memory_growth": growth["gpuflow"] <= growth["plain"],
         "no_higher_peak_rss": peak["gpuflow"] <= peak["plain"],
+        "no_higher_peak_device_memory": (None if device_peak["plain"] is None
+                                         else device_peak["gpuflow"] <= device_peak["plain"]),
     }
 
 
 def format_table(cases: list[dict[str, Any]]) -> str:
     lines = [f"{'case':<18}{'framework':<12}{'step ms':>9}{'samples/s':>11}{'vs plain':>10}"
-             f"{'peak RSS MiB':>14}{'growth MiB':>12}"]
+             f"{'peak RSS MiB':>14}{'growth MiB':>12}{'device MiB':>12}"]
     lines.append("-" * len(lines[0]))
     for case in cases:
         label = f"{case['model']} {case['precision']}"
@@ -198,9 +210,14 @@ def format_table(cases: list[dict[str, Any]]) -> str:
             memory = case["memory"][name]
             lines.append(f"{label:<18}{name:<12}{ms:>9.3f}{case['samples_per_s'][name]:>11,.0f}"
                          f"{ratio:>10.4f}{memory['peak_rss_bytes'] / 2**20:>14,.1f}"
-                         f"{memory['growth_bytes'] / 2**20:>12,.1f}")
+                         f"{memory['growth_bytes'] / 2**20:>12,.1f}"
+                         f"{_mib(memory.get('peak_device_bytes')):>12}")
             label = ""
     return "\n".join(lines)
+
+
+def _mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**20:,.1f}"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -214,6 +231,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--precisions", default="fp32", help="comma-separated: fp32, bf16")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: the cores this process may use)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where every framework trains (default cpu)")
     parser.add_argument("--out", type=Path, default=None,
                         help="result JSON (default: benchmarks/results/compare_trainers-"
                              "<machine>.json)")
@@ -225,6 +244,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad += [p for p in args.precisions if p not in ("fp32", "bf16")]
     if bad:
         parser.error(f"unknown model or precision: {', '.join(bad)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible to torch")
+    args.device = torch.device(args.device)
     return args
 
 
@@ -233,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     threads = args.threads or _common.usable_cores()
     torch.set_num_threads(threads)
     if args.probe_memory:
-        print(json.dumps(probe_memory(args.probe_memory, args.models[0], args.precisions[0])))
+        print(json.dumps(probe_memory(args.probe_memory, args.models[0], args.precisions[0],
+                                      args.device)))
         return 0
     classes, found, skipped = available()
     for name, reason in skipped.items():
@@ -245,15 +268,17 @@ def main(argv: list[str] | None = None) -> int:
             for precision in args.precisions:
                 print(f"running {model_name} {precision} ...", file=sys.stderr, flush=True)
                 case = run_case(model_name, precision, names, classes, args.rounds,
-                                args.warmup_rounds, args.round_seconds, Path(workdir))
-                case["memory"] = measure_memory(names, model_name, precision, threads)
+                                args.warmup_rounds, args.round_seconds, Path(workdir),
+                                args.device)
+                case["memory"] = measure_memory(names, model_name, precision, threads,
+                                                args.device)
                 case["target"] = verdict(case)
                 cases.append(case)
     table = format_table(cases)
     print(table)
     print("\nstep ms: median over rounds; vs plain: median of per-round ratios; peak RSS: a "
           f"fresh process per framework after {MEMORY_STEPS} steps; growth: RSS added by "
-          "training in that process")
+          "training in that process; device: the CUDA allocator's peak there")
     for case in cases:
         target = case["target"]
         print(f"{case['model']} {case['precision']}: gpuflow/plain {target['ratio']:.4f} "
@@ -261,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
               f"fastest framework: {target['fastest_framework']}; within 1%: "
               f"{target['within_1pct_of_plain']}; memory growth <= plain: "
               f"{target['no_more_memory_growth']}; peak RSS <= plain: "
-              f"{target['no_higher_peak_rss']}")
+              f"{target['no_higher_peak_rss']}"
+              + ("" if target["no_higher_peak_device_memory"] is None else
+                 f"; device peak <= plain: {target['no_higher_peak_device_memory']}"))
     shares = [c["foreign_cpu_share"] for c in cases if c["foreign_cpu_share"] is not None]
     result = {
         "benchmark": "compare_trainers",
@@ -271,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         "versions": _common.versions(**{f"{name}_version": v for name, v in found.items()}),
         "settings": {"rounds": args.rounds, "warmup_rounds": args.warmup_rounds,
                      "round_seconds": args.round_seconds, "memory_steps": MEMORY_STEPS,
-                     "device": "cpu", "seed": overhead.SEED, "lr": overhead.LR,
+                     "device": args.device.type, "seed": overhead.SEED, "lr": overhead.LR,
                      "optimizer": "adamw", "frameworks": names},
         "skipped": skipped,
         "max_foreign_cpu_share": max(shares, default=None),

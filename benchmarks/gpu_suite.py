@@ -14,6 +14,10 @@ results file is rewritten after every stage, so a cut-off run still leaves what 
 4. the CUDA-only training paths: fp16 with loss scaling, and a resumed run.
 5. ``benchmarks/serving.py --device cuda``: dynamic batching against batch size 1, also
    with ``--cuda-graphs``.
+6. ``benchmarks/compare_trainers.py --device cuda``: gpuflow against a plain loop, Lightning
+   Fabric and Accelerate (where the machine has them), interleaved on the GPU, whose steps
+   vary far less than a shared CPU's. Target: gpuflow within 1% of the plain loop and the
+   fastest framework, at no higher peak device memory.
 
     python3 benchmarks/gpu_suite.py             # on the GPU machine
     python3 benchmarks/gpu_suite.py --dry-run   # the same stages on the CPU, small sizes (CI)
@@ -40,7 +44,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 MFU_TARGETS = {"124m": 0.45, "1b": 0.50}
-STAGES = ("matmul", "train", "batch-auto", "fp16-resume", "serving")
+STAGES = ("matmul", "train", "batch-auto", "fp16-resume", "serving", "compare")
 
 
 # The dry run's model: the stages' code paths at the smallest size (bf16 and fp16 are
@@ -246,6 +250,26 @@ def serving_stage(suite: Suite, device: str, name: str, *extra: str) -> None:
     suite.save()
 
 
+def compare_stage(suite: Suite, device: str) -> None:
+    compare_json = suite.work / "compare_trainers.json"
+    suite.log("compare_trainers")
+    flags = (["--models", "linear", "--rounds", "2", "--warmup-rounds", "1",
+              "--round-seconds", "0.02"] if suite.dry_run else ["--rounds", "10"])
+    code, log = suite.run("compare_trainers", [sys.executable, "benchmarks/compare_trainers.py",
+                                               "--device", device, *flags,
+                                               "--out", str(compare_json)], 200)
+    if code != 0:
+        suite.result["compare_trainers"] = {"exit_code": code, "error": tail(log)}
+    else:
+        result = json.loads(compare_json.read_text())
+        suite.result["compare_trainers"] = {
+            "skipped": result["skipped"], "table": result["table"],
+            "cases": [{key: case[key] for key in ("model", "precision", "median_step_ms",
+                                                  "vs_plain", "memory", "target")}
+                      for case in result["cases"]]}
+    suite.save()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true",
@@ -314,6 +338,8 @@ def main() -> int:
         serving_stage(suite, device, "serving")
         if device == "cuda":
             serving_stage(suite, device, "serving_cuda_graphs", "--cuda-graphs")
+    if "compare" in stages:
+        compare_stage(suite, device)
     suite.result["wall_time_s"] = time.monotonic() - suite.started
     suite.save()
     for entry in suite.result.get("train", []):
@@ -333,6 +359,10 @@ def main() -> int:
         if runs_of:
             print(f"{name}: " + ", ".join(f"{config} {figures['requests_per_s']:.1f} req/s"
                                           for config, figures in runs_of.items()))
+    for case in suite.result.get("compare_trainers", {}).get("cases", []):
+        target = case["target"]
+        print(f"compare_trainers {case['model']} {case['precision']}: gpuflow/plain "
+              f"{target['ratio']:.4f}, fastest framework {target['fastest_framework']}")
     if "matmul" in suite.result:
         print(f"matmul bf16: {suite.result['matmul']['bf16_tflops']:.1f} TFLOP/s")
     print(f"wall {suite.result['wall_time_s']:.0f} s; results in {out}")

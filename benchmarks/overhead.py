@@ -50,6 +50,7 @@ FOREIGN_LOAD_WARN = 0.05
 # Fabric's extra time per step on the near-zero model, measured on the 2-core dev machine;
 # the bar for gpuflow when Fabric cannot be measured alongside.
 FABRIC_REFERENCE_EXTRA_MS = 0.15
+CPU = torch.device("cpu")
 
 
 class TinyTransformer(nn.Module):
@@ -157,19 +158,22 @@ class PlainLoop:
     """The baseline: the loop one would write by hand, reading the loss every step."""
 
     def __init__(self, model: nn.Module, dataset: TensorDataset, batch_size: int,
-                 precision: str, name: str = "plain") -> None:
+                 precision: str, device: torch.device = CPU, name: str = "plain") -> None:
         self.name = name
-        self.module = model.train()
+        self.device = device
+        self.module = model.to(device).train()
         self.optimizer = adamw_like_gpuflow(model)
         self.batches = endless(*plain_loader(dataset, batch_size))
         self.bf16 = precision == "bf16"
 
     def run(self, steps: int) -> None:
-        model, optimizer = self.module, self.optimizer
+        model, optimizer, device = self.module, self.optimizer, self.device
         for _ in range(steps):
             x, y = next(self.batches)
+            if device.type != "cpu":
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             if self.bf16:
-                with torch.autocast("cpu", dtype=torch.bfloat16):
+                with torch.autocast(device.type, dtype=torch.bfloat16):
                     loss = F.cross_entropy(model(x).float(), y)
             else:
                 loss = F.cross_entropy(model(x).float(), y)
@@ -188,12 +192,13 @@ class GpuflowLoop:
     name = "gpuflow"
 
     def __init__(self, model: nn.Module, dataset: TensorDataset, batch_size: int,
-                 precision: str, total_steps: int, run_dir: Path) -> None:
+                 precision: str, total_steps: int, run_dir: Path, device: torch.device = CPU
+                 ) -> None:
         config = gpuflow.TrainConfig(
             max_steps=total_steps, schedule="constant", warmup_steps=0, lr=LR,
             weight_decay=WEIGHT_DECAY, precision=precision,  # type: ignore[arg-type]
             batch_size=batch_size, log_every=LOG_EVERY, eval_every=0, checkpoint_every=0,
-            progress=False, run_dir=str(run_dir), device="cpu", seed=SEED,
+            progress=False, run_dir=str(run_dir), device=device.type, seed=SEED,
         )
         workload = gpuflow.Workload(name="overhead-bench", model=model, train_dataset=dataset)
         self.trainer = gpuflow.Trainer(workload, config)
@@ -249,9 +254,9 @@ class FabricLoop(FrameworkLoop):
     name = "fabric"
 
     def __init__(self, fabric_cls: Any, model: nn.Module, dataset: TensorDataset,
-                 batch_size: int, precision: str) -> None:
+                 batch_size: int, precision: str, device: torch.device = CPU) -> None:
         self.module = model.train()
-        fabric = fabric_cls(accelerator="cpu", devices=1,
+        fabric = fabric_cls(accelerator=device.type, devices=1,
                             precision="bf16-mixed" if precision == "bf16" else "32-true")
         self.fabric = fabric
         self.model, self.optimizer = fabric.setup(model, adamw_like_gpuflow(model))
@@ -305,7 +310,7 @@ def compare_weights(reference: nn.Module, other: nn.Module) -> dict[str, Any]:
 def changed(before: dict[str, torch.Tensor], module: nn.Module) -> bool:
     """Whether training moved the weights at all: equality of untrained copies proves nothing."""
     after = module.state_dict()
-    return any(not torch.equal(before[name], after[name]) for name in before)
+    return any(not torch.equal(before[name], after[name].cpu()) for name in before)
 
 
 def median_ci(values: list[float], resamples: int = 2000) -> list[float]:
@@ -350,14 +355,14 @@ def summarize(times: dict[str, list[float]], steps: int) -> dict[str, Any]:
 
 
 def calibrate(base: nn.Module, dataset: TensorDataset, batch_size: int, precision: str,
-              round_seconds: float) -> int:
+              round_seconds: float, device: torch.device = CPU) -> int:
     """Steps per round so that one loop's round lasts about ``round_seconds``.
 
     Sized per machine, since a bf16 step is 4x faster than fp32 on an AMX CPU and 10x
     slower on one without bf16 units. Above LOG_EVERY the count is a multiple of it, so
     every round holds the same number of gpuflow's log writes.
     """
-    probe = PlainLoop(copy.deepcopy(base), dataset, batch_size, precision)
+    probe = PlainLoop(copy.deepcopy(base), dataset, batch_size, precision, device)
     probe.run(1)
     count = 1
     while True:
@@ -379,7 +384,7 @@ def calibrate(base: nn.Module, dataset: TensorDataset, batch_size: int, precisio
 
 def run_case(model_name: str, precision: str, rounds: int, warmup_rounds: int,
              steps: int | None, round_seconds: float, fabric_cls: Any, control: bool,
-             workdir: Path) -> dict[str, Any]:
+             workdir: Path, device: torch.device = CPU) -> dict[str, Any]:
     """Train one model several ways in interleaved rounds; time them and compare weights.
 
     The control is a second plain loop: its ratio to the first shows what "no difference"
@@ -392,17 +397,19 @@ def run_case(model_name: str, precision: str, rounds: int, warmup_rounds: int,
     initial = copy.deepcopy(base.state_dict())
     calibrated = steps is None
     if steps is None:
-        steps = calibrate(base, dataset, spec.batch_size, precision, round_seconds)
+        steps = calibrate(base, dataset, spec.batch_size, precision, round_seconds, device)
     total_steps = (warmup_rounds + rounds) * steps
-    loops: list[Loop] = [PlainLoop(copy.deepcopy(base), dataset, spec.batch_size, precision)]
+    loops: list[Loop] = [PlainLoop(copy.deepcopy(base), dataset, spec.batch_size, precision,
+                                   device)]
     if control:
         loops.append(PlainLoop(copy.deepcopy(base), dataset, spec.batch_size, precision,
-                               name="control"))
+                               device, name="control"))
     if fabric_cls is not None:
         loops.append(FabricLoop(fabric_cls, copy.deepcopy(base), dataset, spec.batch_size,
-                                precision))
+                                precision, device))
     run_dir = workdir / f"{model_name}-{precision}"
-    loops.append(GpuflowLoop(base, dataset, spec.batch_size, precision, total_steps, run_dir))
+    loops.append(GpuflowLoop(base, dataset, spec.batch_size, precision, total_steps, run_dir,
+                             device))
 
     times, wall, foreign_share = timed_rounds(loops, steps, warmup_rounds, rounds)
 
@@ -522,6 +529,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="comma-separated: fp32, bf16 (default: both)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: the cores this process may use)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where every loop trains (default cpu)")
     parser.add_argument("--no-fabric", action="store_true", help="skip Lightning Fabric")
     parser.add_argument("--no-control", action="store_true",
                         help="skip the second plain loop that shows the noise floor (A/A)")
@@ -544,6 +553,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"unknown model or precision: {', '.join(unknown)}")
     if args.rounds < 1 or args.warmup_rounds < 0 or (args.steps is not None and args.steps < 1):
         parser.error("--rounds and --steps must be at least 1, --warmup-rounds at least 0")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible to torch")
+    args.device = torch.device(args.device)
     return args
 
 
@@ -562,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"running {model_name} {precision} ...", file=sys.stderr, flush=True)
                 case = run_case(model_name, precision, args.rounds, args.warmup_rounds,
                                 args.steps, args.round_seconds, fabric_cls,
-                                not args.no_control, Path(workdir))
+                                not args.no_control, Path(workdir), args.device)
                 print(f"  done in {case['wall_s']:.1f} s", file=sys.stderr, flush=True)
                 share = case["foreign_cpu_share"]
                 if share is not None and share > FOREIGN_LOAD_WARN:
@@ -592,7 +604,8 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": args.rounds, "warmup_rounds": args.warmup_rounds,
             "steps_override": args.steps, "round_seconds": args.round_seconds,
             "control": not args.no_control, "quick": args.quick,
-            "seed": SEED, "lr": LR, "weight_decay": WEIGHT_DECAY, "log_every": LOG_EVERY,
+            "device": args.device.type, "seed": SEED, "lr": LR, "weight_decay": WEIGHT_DECAY,
+            "log_every": LOG_EVERY,
             "optimizer": "adamw",
             "gpuflow_telemetry": "on (Trainer.run_steps: step timer and metrics.jsonl)",
         },

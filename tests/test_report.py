@@ -337,3 +337,8 @@ def test_gpu_suite_script_parses_and_dry_runs_on_cpu(tmp_path: Path) -> None:
     resumed = suite["fp16_resume"]
     assert resumed["steps"] == resumed["resumed_to"], resumed
     assert suite["serving"]["runs"]["dynamic"]["errors"] == 0, suite["serving"]
+    compared = suite["compare_trainers"]
+    assert [(c["model"], c["precision"]) for c in compared["cases"]] == [("linear", "fp32")]
+    case = compared["cases"][0]
+    assert case["vs_plain"]["gpuflow"]["median_ratio"] > 0, compared
+    assert case["memory"]["gpuflow"]["peak_rss_bytes"] > 0, compared
