@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as dt
+import functools
 import json
 import math
 import platform
@@ -659,7 +660,7 @@ class Trainer:
             return None
         return self.timer.blocking_comm if self._comm_measured else contextlib.nullcontext
 
-    @property
+    @functools.cached_property
     def _comm_measured(self) -> bool:
         """Exposed communication is timed for DDP (and is nil for one process), and on the
         CPU, where their collectives hold the host, for FSDP, tensor parallelism (not under
