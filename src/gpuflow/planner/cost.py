@@ -96,17 +96,17 @@ def predict_step_time(profile: ModelProfile, layout: Layout, hardware: Hardware)
     elif layout.strategy == "fsdp":
         # Each block and the root, or the model as one unit; the root is gathered once. One
         # unit's collectives come before forward and after backward: nothing hides them.
-        per_block = layout.fsdp_wrap == "block"
-        units = max(1, round(share.layers)) + 1 if per_block else 1
+        block_units = layout.fsdp_wrap == "block"
+        units = max(1, round(share.layers)) + 1 if block_units else 1
         params = compute_bytes * share.params / units
         gathers = micro * ((2 if layout.resharded_blocks else 1) * (units - 1) + 1)
         add("param all-gather (FSDP)", "all-gather", gathers, layout.dp, dp_stride,
-            params, per_block)
+            params, block_units)
         # On CPU ranks gpuflow reduces FSDP's gradients with gloo's all-reduce, faster there
         # than its reduce-scatter (gpuflow.parallel.host_collectives).
         reduction = "reduce-scatter" if hardware.overlaps_communication else "all-reduce"
         add(f"grad {reduction} (FSDP)", reduction, units, layout.dp, dp_stride,
-            FP32 * share.params / units, per_block)
+            FP32 * share.params / units, block_units)
     if layout.tp > 1:
         activation = profile.block_input_per_sample * compute_bytes / FP32 * layout.micro_batch
         per_block = 4 + (2 if layout.activation_checkpointing else 0)
