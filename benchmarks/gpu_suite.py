@@ -18,6 +18,9 @@ results file is rewritten after every stage, so a cut-off run still leaves what 
    Fabric and Accelerate (where the machine has them), interleaved on the GPU, whose steps
    vary far less than a shared CPU's. Target: gpuflow within 1% of the plain loop and the
    fastest framework, at no higher peak device memory.
+7. FSDP on the device (one process, ``--compile``): its exposed communication, timed with
+   events around the compute stream's waits for FSDP's streams, is measured and the step's
+   breakdown adds up (the dry run, without compiling, checks the CPU's timing instead).
 
     python3 benchmarks/gpu_suite.py             # on the GPU machine
     python3 benchmarks/gpu_suite.py --dry-run   # the same stages on the CPU, small sizes (CI)
@@ -44,7 +47,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 MFU_TARGETS = {"124m": 0.45, "1b": 0.50}
-STAGES = ("matmul", "train", "batch-auto", "fp16-resume", "serving", "compare")
+STAGES = ("matmul", "train", "batch-auto", "fp16-resume", "serving", "compare", "fsdp-comm")
 
 
 # The dry run's model: the stages' code paths at the smallest size (bf16 and fp16 are
@@ -270,6 +273,36 @@ def compare_stage(suite: Suite, device: str) -> None:
     suite.save()
 
 
+def fsdp_comm_stage(suite: Suite, device: str, size: str) -> None:
+    """FSDP's exposed communication on the device: measured, and the parts add up."""
+    run_dir = suite.work / "fsdp-comm"
+    suite.log(f"fsdp exposed communication, textlm {size}")
+    code, log = suite.run("fsdp-comm", gpuflow(
+        "train", "--workload", "textlm", "--data", "synthetic", "--model-size", size,
+        "--device", device, "--precision", "bf16", "--strategy", "fsdp",
+        *([] if suite.dry_run else ["--compile"]), "--batch-size", "8", "--max-steps", "12",
+        "--log-every", "3", "--warmup-steps", "2",
+        "--eval-every", "0", "--no-checkpoints", "--no-progress", "--run-dir", str(run_dir)),
+        120)
+    entry: dict[str, Any] = {"model_size": size, "exit_code": code}
+    if code == 0:
+        records = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+                   if "event" not in r]
+        parts = ("data_wait_s", "compute_s", "comm_s", "optimizer_s", "host_s")
+        entry.update({
+            "comm_s": [r["comm_s"] for r in records],
+            "comm_frac": [r["comm_frac"] for r in records],
+            "step_time_s": [r["step_time_s"] for r in records],
+            "measured": all(r["comm_s"] is not None for r in records),
+            "parts_add_up": all(r["comm_s"] is not None and abs(
+                sum(r[k] for k in parts) - r["step_time_s"]) <= 1e-6 * r["step_time_s"]
+                for r in records)})
+    else:
+        entry["error"] = tail(log)
+    suite.result["fsdp_comm"] = entry
+    suite.save()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true",
@@ -340,6 +373,8 @@ def main() -> int:
             serving_stage(suite, device, "serving_cuda_graphs", "--cuda-graphs")
     if "compare" in stages:
         compare_stage(suite, device)
+    if "fsdp-comm" in stages:
+        fsdp_comm_stage(suite, device, DRY_MODEL if args.dry_run else "124m")
     suite.result["wall_time_s"] = time.monotonic() - suite.started
     suite.save()
     for entry in suite.result.get("train", []):

@@ -143,11 +143,11 @@ def test_blocking_collectives_count_as_comm_only_inside_a_timed_step() -> None:
     from gpuflow.train.telemetry import StepTimer
 
     timer = StepTimer(torch.device("cpu"))
-    with timer.blocking_comm():  # e.g. an evaluation forward's all-gather: not a step's
+    with timer.exposed_comm():  # e.g. an evaluation forward's all-gather: not a step's
         time.sleep(0.3)
     timer.window.steps = 1
     timer.compute.begin()
-    with timer.blocking_comm():
+    with timer.exposed_comm():
         time.sleep(0.3)
     time.sleep(0.02)
     timer.compute.end()
@@ -156,6 +156,60 @@ def test_blocking_collectives_count_as_comm_only_inside_a_timed_step() -> None:
     assert 0.3 <= window["comm_s"] < 0.6  # the step's collective, not the other one
     assert 0.02 <= window["compute_s"] < 0.3  # forward+backward without the collective
     assert window["compute_s"] + window["comm_s"] <= window["step_time_s"]
+
+
+def test_fsdp_waits_are_timed_each_once_during_a_step_then_restored() -> None:
+    """On CUDA FSDP's exposed communication is the compute stream's time in its waiting
+    methods. The same methods run on the CPU, where the patching and the rule that a wait
+    inside another counts once are checked."""
+    import contextlib
+
+    import torch.distributed as dist
+
+    from gpuflow.parallel.data_parallel import apply_fsdp
+    from gpuflow.parallel.fsdp_waits import FSDP_WAITS_TIMEABLE, TimedFSDPWaits
+    from gpuflow.train.telemetry import StepTimer
+
+    assert FSDP_WAITS_TIMEABLE
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    untimed = FSDPParamGroup.post_backward
+    timer = StepTimer(torch.device("cpu"))
+    nested: list[bool] = []
+
+    @contextlib.contextmanager
+    def timed():
+        nested.append(timer.comm.running)
+        with timer.exposed_comm():
+            time.sleep(0.2 if nested[-1] else 0.01)
+            yield
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8),
+                                    torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        apply_fsdp(model, [model[0], model[2]], None, reshard_after_forward=True)
+        waits = TimedFSDPWaits(timed)
+        timer.window.steps = 1
+        timer.compute.begin()
+        with waits:
+            assert FSDPParamGroup.post_backward is not untimed
+            model(torch.randn(4, 8)).sum().backward()
+        timer.compute.end()
+    finally:
+        dist.destroy_process_group()
+    assert FSDPParamGroup.post_backward is untimed
+    # Three units (two blocks and the root, which owns the last layer): a wait before each
+    # runs forward and again before its backward, the second block's post-backward, and the
+    # end-of-backward callback, which runs the post-backward of the root and of the first
+    # block itself (their inputs need no gradient, so autograd does not): those two nest.
+    assert nested.count(False) >= 3 + 3 + 1 + 1
+    assert nested.count(True) == 2
+    window = timer.close_window()
+    # Outermost waits slept 10 ms each, nested ones 200 ms inside them: counted twice, these
+    # would add another 0.4 s, more than this tiny model's own work in the waits.
+    least = 0.01 * nested.count(False) + 0.2 * nested.count(True)
+    assert least <= window["comm_s"] < least + 0.3
 
 
 def test_optimizer_is_fused_on_cpu_where_dtensor_allows() -> None:

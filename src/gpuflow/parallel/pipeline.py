@@ -53,9 +53,9 @@ P2P_WAITS_TIMEABLE = callable(getattr(schedules, "_wait_batch_p2p", None))
 
 @contextlib.contextmanager
 def timed_p2p_waits(timed: Callable[[], AbstractContextManager[None]]) -> Iterator[None]:
-    """Count the time the schedule's waits for sends and receives hold the host, as gloo's
-    do (NCCL's only order streams). A receive waits for the neighbouring stage to send, so
-    this is the transfers and the pipeline's bubble together."""
+    """Run the schedule's waits for sends and receives inside ``timed()``: gloo's hold the
+    host, NCCL's hold the compute stream. A receive waits for the neighbouring stage to send,
+    so this is the transfers and the pipeline's bubble together."""
     untimed = schedules._wait_batch_p2p
 
     def wait(work: list[dist.Work]) -> None:
@@ -103,12 +103,12 @@ class Pipeline:
                  mesh: DeviceMesh, schedule: str, microbatches: int,
                  loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
                  device: torch.device,
-                 blocking_comm: Callable[[], AbstractContextManager[None]] | None = None
+                 timed_waits: Callable[[], AbstractContextManager[None]] | None = None
                  ) -> None:
-        """``blocking_comm``, on the CPU, times the schedule's waits for sends and receives
+        """``timed_waits`` times the schedule's waits for sends and receives
         (``timed_p2p_waits``)."""
         self.size = mesh.size()
-        self._blocking_comm = blocking_comm
+        self._timed_waits = timed_waits
         self.rank = mesh.get_local_rank()
         self.group = mesh.get_group()
         self.microbatches = microbatches
@@ -191,7 +191,7 @@ class Pipeline:
         self._loss_scale = scale / self.microbatches
         self._losses = []
         args, kwargs = self._call_args(inputs)
-        timed = (timed_p2p_waits(self._blocking_comm) if self._blocking_comm is not None
+        timed = (timed_p2p_waits(self._timed_waits) if self._timed_waits is not None
                  else contextlib.nullcontext())
         with timed:
             self.schedule.step(*args, target=target if self.last else None, **kwargs)

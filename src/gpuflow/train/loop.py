@@ -320,7 +320,7 @@ class Trainer:
             apply_tensor_parallel(self.workload.blocks(), self.workload.tensor_parallel_plan,
                                   self.mesh["tp"])
             if self._comm_measured:
-                self._collective_waits = TimedCollectiveWaits(self.timer.blocking_comm)
+                self._collective_waits = TimedCollectiveWaits(self.timer.exposed_comm)
         if self.config.activation_checkpointing:
             apply_activation_checkpointing(self.model, self.workload.blocks())
         if self.strategy == "ddp":
@@ -330,7 +330,8 @@ class Trainer:
             apply_fsdp(self.model, self.workload.blocks(), param_dtype,
                        self.config.reshard_after_forward,
                        mesh=self.mesh["dp"] if self.mesh is not None else None,
-                       blocking_comm=self._blocking_comm_timer, wrap=self.config.fsdp_wrap)
+                       blocking_comm=self._host_collective_timer, wrap=self.config.fsdp_wrap)
+            self._time_fsdp_stream_waits()
         return self.model
 
     def _pipeline(self, example: Batch) -> nn.Module:
@@ -342,7 +343,8 @@ class Trainer:
         self.pipeline = Pipeline(self.model, self.workload.blocks(), inputs, self.mesh["pp"],
                                  self.config.pp_schedule, self.microbatches,
                                  self._policy_loss, self.device,
-                                 blocking_comm=self._blocking_comm_timer)
+                                 timed_waits=self.timer.exposed_comm if self._comm_measured
+                                 else None)
         self.model = self.pipeline.parts
         stages = self.pipeline.stages
         if self.config.activation_checkpointing:
@@ -352,9 +354,10 @@ class Trainer:
             for stage in stages:
                 apply_fsdp(stage.submod, self.pipeline.blocks_of(stage),
                            self.policy.autocast_dtype, self.config.reshard_after_forward,
-                           mesh=self.mesh["dp"], blocking_comm=self._blocking_comm_timer,
+                           mesh=self.mesh["dp"], blocking_comm=self._host_collective_timer,
                            wrap=self.config.fsdp_wrap)
             self.pipeline.grad_shards = (self.dp, self.dp_rank)
+            self._time_fsdp_stream_waits()
         return self.model
 
     def _policy_loss(self, outputs: Any, target: torch.Tensor) -> torch.Tensor:
@@ -472,7 +475,7 @@ class Trainer:
             timer.wait_end()
             timer.compute.begin()
             if self.pipeline is not None:
-                with self.policy.autocast():
+                with self._collective_waits or contextlib.nullcontext(), self.policy.autocast():
                     loss = self.pipeline.forward_backward(inputs, target, 1 / accum)
             else:
                 with self._grad_sync(micro), self._collective_waits or contextlib.nullcontext():
@@ -652,29 +655,44 @@ class Trainer:
         self.progress.update(self.step, record)
 
     @property
-    def _blocking_comm_timer(self) -> Callable[[], contextlib.AbstractContextManager[None]] | None:
-        """On the CPU FSDP's collectives and the pipeline's waits hold the host, so timing
-        them there measures them; beside untimed collectives they are not timed either, so
-        that the step's breakdown still adds up."""
+    def _host_collective_timer(self) -> Callable[[], contextlib.AbstractContextManager[None]
+                                                  ] | None:
+        """On the CPU FSDP's collectives hold the host, so timing them there measures them;
+        beside untimed collectives they are not timed either, so that the step's breakdown
+        still adds up."""
         if self.device.type != "cpu":
             return None
-        return self.timer.blocking_comm if self._comm_measured else contextlib.nullcontext
+        return self.timer.exposed_comm if self._comm_measured else contextlib.nullcontext
+
+    def _time_fsdp_stream_waits(self) -> None:
+        """On CUDA, time where the compute stream waits for FSDP's collectives."""
+        if self.device.type == "cuda" and self._comm_measured:
+            from gpuflow.parallel.fsdp_waits import TimedFSDPWaits
+
+            self._collective_waits = TimedFSDPWaits(self.timer.exposed_comm)
 
     @functools.cached_property
     def _comm_measured(self) -> bool:
-        """Exposed communication is timed for DDP (and is nil for one process), and on the
-        CPU, where their collectives hold the host, for FSDP, tensor parallelism (not under
-        --compile: its waits are timed by a dispatch mode compiled code does not run under)
-        and the pipeline's sends and receives, whose waits include its bubble. On CUDA
-        FSDP's, DTensor's and the pipeline's collectives run on their own streams: those are
-        reported as unknown."""
+        """Whether exposed communication is timed: for DDP (nil for one process); for FSDP
+        (on the CPU its collectives, on CUDA its compute stream's waits for them); for the
+        pipeline's sends and receives, whose waits include its bubble; and for tensor
+        parallelism on the CPU and not under --compile, by a dispatch mode over every op
+        (compiled code does not run under it). On CUDA that mode's host time per op would
+        slow the steps it measures, so tensor parallelism's communication is unknown there.
+        """
+        on_cpu = self.device.type == "cpu"
+        if self.tp > 1 and (not on_cpu or self.config.compile):
+            return False
         if self.pp > 1:
             from gpuflow.parallel.pipeline import P2P_WAITS_TIMEABLE
 
-            return self.device.type == "cpu" and P2P_WAITS_TIMEABLE
-        if self.strategy in ("single", "ddp"):
-            return True
-        return self.device.type == "cpu" and not (self.tp > 1 and self.config.compile)
+            if not P2P_WAITS_TIMEABLE:
+                return False
+        if self.strategy == "fsdp" and not on_cpu:
+            from gpuflow.parallel.fsdp_waits import FSDP_WAITS_TIMEABLE
+
+            return self.device.type == "cuda" and FSDP_WAITS_TIMEABLE
+        return True
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

@@ -55,19 +55,9 @@ class _Region:
             self._pending.append((self._start, stop))
 
     def end_if_begun(self) -> None:
-        """Close an interval only if something began one since the last close."""
-        if self._start is not None:
+        """Close an interval only if one is open."""
+        if self.running:
             self.end()
-            self._start = None
-
-    @contextlib.contextmanager
-    def host_timed(self) -> Iterator[None]:
-        """Count the enclosed wall-clock interval: for work that blocks the host until done."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.total_s += time.perf_counter() - start
 
     def drain(self) -> float:
         """Seconds spent in this region since the last drain (needs a synchronized device)."""
@@ -98,14 +88,23 @@ class StepTimer:
         self._wait_start = 0.0
 
     @contextlib.contextmanager
-    def blocking_comm(self) -> Iterator[None]:
-        """Count a collective that holds the host until it completes (FSDP's on the CPU) as
-        exposed communication, when it runs inside a timed forward and backward."""
-        if not self.compute.running:
+    def exposed_comm(self) -> Iterator[None]:
+        """Count a wait for a collective as exposed communication, when it runs inside a
+        timed forward and backward and no outer wait already counts it.
+
+        On the CPU a collective holds the host until it completes, so the host's time inside
+        is the communication. On CUDA the wait only makes the compute stream wait for the
+        collective's stream: events recorded on the compute stream around it measure how
+        long that stream stalled, which is the communication compute did not hide.
+        """
+        if not self.compute.running or self.comm.running:
             yield
             return
-        with self.comm.host_timed():
+        self.comm.begin()
+        try:
             yield
+        finally:
+            self.comm.end()
 
     def start_window(self) -> None:
         """Begin timing from now (set-up before the first step is not a step)."""
