@@ -165,13 +165,13 @@ def test_fsdp_waits_are_timed_each_once_during_a_step_then_restored() -> None:
     import contextlib
 
     import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
     from gpuflow.parallel.data_parallel import apply_fsdp
-    from gpuflow.parallel.fsdp_waits import FSDP_WAITS_TIMEABLE, TimedFSDPWaits
+    from gpuflow.parallel.timed_waits import TimedWaits, fsdp_waits, timeable
     from gpuflow.train.telemetry import StepTimer
 
-    assert FSDP_WAITS_TIMEABLE
-    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    assert timeable(fsdp_waits())
 
     untimed = FSDPParamGroup.post_backward
     timer = StepTimer(torch.device("cpu"))
@@ -189,7 +189,7 @@ def test_fsdp_waits_are_timed_each_once_during_a_step_then_restored() -> None:
         model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8),
                                     torch.nn.ReLU(), torch.nn.Linear(8, 1))
         apply_fsdp(model, [model[0], model[2]], None, reshard_after_forward=True)
-        waits = TimedFSDPWaits(timed)
+        waits = TimedWaits(fsdp_waits(), timed)
         timer.window.steps = 1
         timer.compute.begin()
         with waits:

@@ -14,10 +14,8 @@ full state as any other strategy.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from collections.abc import Callable, Collection, Iterator, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -37,7 +35,6 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     SplitPoint,
     pipeline,
-    schedules,
 )
 from torch.distributed.tensor import DTensor
 
@@ -47,26 +44,6 @@ from gpuflow.train.optim import with_saved_settings
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 _PART = "parts."
-# Every schedule waits for its batches of sends and receives through this module function.
-P2P_WAITS_TIMEABLE = callable(getattr(schedules, "_wait_batch_p2p", None))
-
-
-@contextlib.contextmanager
-def timed_p2p_waits(timed: Callable[[], AbstractContextManager[None]]) -> Iterator[None]:
-    """Run the schedule's waits for sends and receives inside ``timed()``: gloo's hold the
-    host, NCCL's hold the compute stream. A receive waits for the neighbouring stage to send,
-    so this is the transfers and the pipeline's bubble together."""
-    untimed = schedules._wait_batch_p2p
-
-    def wait(work: list[dist.Work]) -> None:
-        with timed():
-            untimed(work)
-
-    schedules._wait_batch_p2p = wait
-    try:
-        yield
-    finally:
-        schedules._wait_batch_p2p = untimed
 
 
 class StageParts(nn.Module):
@@ -102,13 +79,8 @@ class Pipeline:
     def __init__(self, model: nn.Module, blocks: Sequence[nn.Module], example_inputs: Any,
                  mesh: DeviceMesh, schedule: str, microbatches: int,
                  loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
-                 device: torch.device,
-                 timed_waits: Callable[[], AbstractContextManager[None]] | None = None
-                 ) -> None:
-        """``timed_waits`` times the schedule's waits for sends and receives
-        (``timed_p2p_waits``)."""
+                 device: torch.device) -> None:
         self.size = mesh.size()
-        self._timed_waits = timed_waits
         self.rank = mesh.get_local_rank()
         self.group = mesh.get_group()
         self.microbatches = microbatches
@@ -191,10 +163,7 @@ class Pipeline:
         self._loss_scale = scale / self.microbatches
         self._losses = []
         args, kwargs = self._call_args(inputs)
-        timed = (timed_p2p_waits(self._timed_waits) if self._timed_waits is not None
-                 else contextlib.nullcontext())
-        with timed:
-            self.schedule.step(*args, target=target if self.last else None, **kwargs)
+        self.schedule.step(*args, target=target if self.last else None, **kwargs)
         if not self.last:
             return torch.zeros((), device=target.device)
         return torch.stack(self._losses).mean()

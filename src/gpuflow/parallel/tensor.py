@@ -11,17 +11,13 @@ becomes a reduce-scatter plus an all-gather (the same traffic) and that activati
 is divided by the tensor-parallel degree.
 
 DTensor issues its collectives asynchronously (functional collectives) and waits where a
-result is first used. On the CPU that wait holds the host, so timing it measures the
-communication nothing overlapped (:class:`TimedCollectiveWaits`).
+result is first used; ``gpuflow.parallel.timed_waits`` times those waits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
-from typing import Any
+from collections.abc import Mapping
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -34,7 +30,6 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpuflow.errors import UserError
 
@@ -92,19 +87,3 @@ def apply_tensor_parallel(blocks: list[nn.Module], plan: Mapping[str, ParallelSt
         parallelize_module(blocks[-1], tp_mesh, PrepareModuleOutput(
             output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),)))
 
-
-class TimedCollectiveWaits(TorchDispatchMode):
-    """While active, each wait for a functional collective's result (DTensor's
-    redistributions) runs inside ``timed()``; every other op passes straight through."""
-
-    def __init__(self, timed: Callable[[], AbstractContextManager[None]]) -> None:
-        super().__init__()
-        self._timed = timed
-        self._wait = torch.ops._c10d_functional.wait_tensor.default
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-                           ) -> Any:
-        if func is self._wait:
-            with self._timed():
-                return func(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))

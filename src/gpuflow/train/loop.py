@@ -41,6 +41,7 @@ from gpuflow.hardware import (
     peak_flops,
     resolve_device,
 )
+from gpuflow.parallel import timed_waits
 from gpuflow.parallel.data_parallel import apply_ddp, apply_fsdp, set_gradient_sync
 from gpuflow.parallel.env import init_distributed
 from gpuflow.precision import make_policy
@@ -193,8 +194,9 @@ class Trainer:
         self.flops_per_step = self._count_step_flops(example) * self.dp
         self.timer = StepTimer(self.device)
         self.pipeline: Pipeline | None = None
-        self._collective_waits: contextlib.AbstractContextManager[Any] | None = None
         self.forward_model: nn.Module = self._parallelize(example)
+        self._collective_waits = (timed_waits.TimedWaits(self._waits, self.timer.exposed_comm)
+                                  if self._waits else None)
         self.compiled = False
         self.compile_scope: str | None = None
         if config.compile:
@@ -315,12 +317,10 @@ class Trainer:
             return self._pipeline(example)
         if self.mesh is not None:
             # Imports DTensor.
-            from gpuflow.parallel.tensor import TimedCollectiveWaits, apply_tensor_parallel
+            from gpuflow.parallel.tensor import apply_tensor_parallel
 
             apply_tensor_parallel(self.workload.blocks(), self.workload.tensor_parallel_plan,
                                   self.mesh["tp"])
-            if self._comm_measured:
-                self._collective_waits = TimedCollectiveWaits(self.timer.exposed_comm)
         if self.config.activation_checkpointing:
             apply_activation_checkpointing(self.model, self.workload.blocks())
         if self.strategy == "ddp":
@@ -331,7 +331,6 @@ class Trainer:
                        self.config.reshard_after_forward,
                        mesh=self.mesh["dp"] if self.mesh is not None else None,
                        blocking_comm=self._host_collective_timer, wrap=self.config.fsdp_wrap)
-            self._time_fsdp_stream_waits()
         return self.model
 
     def _pipeline(self, example: Batch) -> nn.Module:
@@ -342,9 +341,7 @@ class Trainer:
         inputs = resize_rows(example[0], self.config.batch_size // self.microbatches)
         self.pipeline = Pipeline(self.model, self.workload.blocks(), inputs, self.mesh["pp"],
                                  self.config.pp_schedule, self.microbatches,
-                                 self._policy_loss, self.device,
-                                 timed_waits=self.timer.exposed_comm if self._comm_measured
-                                 else None)
+                                 self._policy_loss, self.device)
         self.model = self.pipeline.parts
         stages = self.pipeline.stages
         if self.config.activation_checkpointing:
@@ -357,7 +354,6 @@ class Trainer:
                            mesh=self.mesh["dp"], blocking_comm=self._host_collective_timer,
                            wrap=self.config.fsdp_wrap)
             self.pipeline.grad_shards = (self.dp, self.dp_rank)
-            self._time_fsdp_stream_waits()
         return self.model
 
     def _policy_loss(self, outputs: Any, target: torch.Tensor) -> torch.Tensor:
@@ -664,35 +660,31 @@ class Trainer:
             return None
         return self.timer.exposed_comm if self._comm_measured else contextlib.nullcontext
 
-    def _time_fsdp_stream_waits(self) -> None:
-        """On CUDA, time where the compute stream waits for FSDP's collectives."""
-        if self.device.type == "cuda" and self._comm_measured:
-            from gpuflow.parallel.fsdp_waits import TimedFSDPWaits
-
-            self._collective_waits = TimedFSDPWaits(self.timer.exposed_comm)
-
     @functools.cached_property
-    def _comm_measured(self) -> bool:
-        """Whether exposed communication is timed: for DDP (nil for one process); for FSDP
-        (on the CPU its collectives, on CUDA its compute stream's waits for them); for the
-        pipeline's sends and receives, whose waits include its bubble; and for tensor
-        parallelism on the CPU and not under --compile, by a dispatch mode over every op
-        (compiled code does not run under it). On CUDA that mode's host time per op would
-        slow the steps it measures, so tensor parallelism's communication is unknown there.
-        """
-        on_cpu = self.device.type == "cpu"
-        if self.tp > 1 and (not on_cpu or self.config.compile):
-            return False
+    def _waits(self) -> list[timed_waits.Wait] | None:
+        """The functions in which this run waits for collectives whose waiting is not timed
+        otherwise (``gpuflow.parallel.timed_waits``); None where one of them cannot be timed:
+        it is not there, or compiled code waits inside its graph (tensor parallelism under
+        --compile), or the device is neither the CPU nor CUDA."""
+        waits: list[timed_waits.Wait] = []
+        if self.tp > 1:
+            if self.config.compile:
+                return None
+            waits += timed_waits.functional_collective_waits()
         if self.pp > 1:
-            from gpuflow.parallel.pipeline import P2P_WAITS_TIMEABLE
+            waits += timed_waits.pipeline_waits()
+        if self.strategy == "fsdp" and self.device.type != "cpu":
+            waits += timed_waits.fsdp_waits()
+        if waits and self.device.type not in ("cpu", "cuda"):
+            return None
+        return waits if timed_waits.timeable(waits) else None
 
-            if not P2P_WAITS_TIMEABLE:
-                return False
-        if self.strategy == "fsdp" and not on_cpu:
-            from gpuflow.parallel.fsdp_waits import FSDP_WAITS_TIMEABLE
-
-            return self.device.type == "cuda" and FSDP_WAITS_TIMEABLE
-        return True
+    @property
+    def _comm_measured(self) -> bool:
+        """Exposed communication is measured for DDP (from its last bucket, nil for one
+        process), for FSDP's collectives on the CPU (``gpuflow.parallel.host_collectives``)
+        and wherever else a run's waits for collectives can be timed (``_waits``)."""
+        return self.strategy in ("single", "ddp") or self._waits is not None
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

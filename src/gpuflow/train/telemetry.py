@@ -1,11 +1,12 @@
 """Where each step's time goes, measured honestly and written as it happens.
 
 Regions per optimizer step: ``data_wait`` (blocked on the next batch), ``compute`` (forward
-and backward), ``comm`` (gradient communication left exposed after backward's compute ended,
-i.e. not overlapped), ``optimizer`` (clip, step, zero-grad, schedule) and ``host`` (the rest). On
-the CPU they are wall-clock intervals. On CUDA, compute and optimizer are timed with CUDA
-events, read only at log time, and the step time is the wall clock of the logging window
-after a synchronize, so measuring never serialises the GPU between steps.
+and backward), ``comm`` (communication inside forward and backward that compute did not
+hide: DDP's after the last bucket, waits for collectives), ``optimizer`` (clip, step,
+zero-grad, schedule) and ``host`` (the rest). On the CPU they are wall-clock intervals. On
+CUDA, compute, comm and optimizer are timed with CUDA events, read only at log time, and the
+step time is the wall clock of the logging window after a synchronize, so measuring never
+serialises the GPU between steps.
 """
 
 from __future__ import annotations
