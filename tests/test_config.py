@@ -41,6 +41,8 @@ def test_invalid_toml_and_missing_file(tmp_path: Path) -> None:
         ({"batch_size": "64"}, "`batch_size` must be of type int"),
         ({"batch_size": True}, "`batch_size` must be of type int"),
         ({"checkpoint_every": -2}, "--checkpoint-every must be 0 or more"),
+        ({"bucket_mb": 0}, "--bucket-mb must be positive"),
+        ({"bucket_mb": "2"}, "`bucket_mb` must be of type float"),
     ],
 )
 def test_bad_values_are_rejected_with_the_flag_name(values: dict, message: str) -> None:
@@ -49,5 +51,6 @@ def test_bad_values_are_rejected_with_the_flag_name(values: dict, message: str) 
 
 
 def test_integers_are_accepted_where_floats_belong() -> None:
-    config = build_config({"lr": 1, "epochs": 2}, {})
+    config = build_config({"lr": 1, "epochs": 2, "bucket_mb": 4}, {})
     assert isinstance(config.lr, float) and config.epochs == 2.0
+    assert isinstance(config.bucket_mb, float) and config.bucket_mb == 4.0

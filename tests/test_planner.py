@@ -432,6 +432,29 @@ def test_zero_stage_model_states_match_the_paper() -> None:
         assert got == pytest.approx(expected, rel=0.01)
 
 
+def test_ddp_bucket_size_sets_its_all_reduce_calls() -> None:
+    """DDP all-reduces its gradients one bucket at a time, each call paying the link's
+    latency: --bucket-mb reaches the planner's DDP layouts."""
+    workload = resolve_workload("textlm", {"data": "synthetic", "model_size": SMALL_GPT})
+    profile = replace(profile_workload(workload, "bf16"), params=100_000_000)
+    hardware = gpu_hardware("h100", 8)
+    gradients = 4 * profile.params  # fp32
+
+    def ddp(bucket_mb: float | None) -> tuple[Any, Any]:
+        layout = Layout("ddp", dp=8, precision="bf16", micro_batch=4, bucket_mb=bucket_mb)
+        time = predict_step_time(profile, layout, hardware)
+        return next(c for c in time.collectives if "DDP" in c.name), time
+
+    (default, default_time), (small, small_time) = ddp(None), ddp(1.0)
+    assert default.count == round(gradients / (25 * 2**20))
+    assert small.count == round(gradients / 2**20)
+    assert small.count * small.message_bytes == pytest.approx(gradients)
+    assert small_time.comm_s > default_time.comm_s  # 381 latencies instead of 15
+    plan = choose_plan(workload, TrainConfig(precision="bf16", batch_size=4, bucket_mb=1.0),
+                       hardware)
+    assert plan.layout.bucket_mb == 1.0
+
+
 def test_choose_plan_returns_a_plan_the_trainer_can_apply() -> None:
     workload = resolve_workload("textlm", {"data": "synthetic", "model_size": SMALL_GPT})
     hardware = gpu_hardware("h100", 8)

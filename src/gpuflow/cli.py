@@ -97,6 +97,11 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
                       help="fsdp's unit of gathering: each repeated block (default), or the "
                            "whole model at once: two collectives per step instead of three per "
                            "block, for links or CPUs that cannot overlap them with compute")
+    dist.add_argument("--bucket-mb", type=float,
+                      help="ddp: gradient bucket size in MiB (default PyTorch's: 1 for the "
+                           "first, 25 after); smaller buckets start all-reducing earlier in "
+                           "backward and leave less to finish after it, larger ones make "
+                           "fewer calls")
     dist.add_argument("--nproc", type=int, help="worker processes on this node (default 1)")
     dist.add_argument("--nnodes", type=int, help="nodes in the job (default 1)")
     dist.add_argument("--node-rank", type=int, help="this node's rank; node 0 hosts rendezvous")

@@ -64,6 +64,7 @@ class TrainConfig:
     strategy: Strategy | None = None
     reshard_after_forward: bool = True
     fsdp_wrap: FsdpWrap = "block"
+    bucket_mb: float | None = None
     tp: int = 1
     pp: int = 1
     dp: int | None = None
@@ -98,6 +99,8 @@ class TrainConfig:
                 raise UserError(f"--{_flag(name)} must be 0 or more (got {getattr(self, name)}).")
         if self.lr <= 0:
             raise UserError(f"--lr must be positive (got {self.lr}).")
+        if self.bucket_mb is not None and self.bucket_mb <= 0:
+            raise UserError(f"--bucket-mb must be positive (got {self.bucket_mb}).")
         if self.max_steps is not None and self.max_steps < 1:
             raise UserError(f"--max-steps must be at least 1 (got {self.max_steps}).")
         if self.epochs is not None and self.epochs <= 0:
@@ -240,7 +243,7 @@ def _check_types(config: TrainConfig) -> None:
             expected = str
         elif f.name in ("dp", "microbatches", "global_batch"):
             expected = int
-        elif f.name == "memory_cap_gib":
+        elif f.name in ("memory_cap_gib", "bucket_mb"):
             expected = float
         elif f.name == "batch_size" and value == "auto":
             continue

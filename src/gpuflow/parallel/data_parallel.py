@@ -16,8 +16,14 @@ from gpuflow.errors import UserError
 
 
 def apply_ddp(model: nn.Module, device: torch.device,
-              on_bucket_ready: Callable[[], None] | None = None) -> DistributedDataParallel:
+              on_bucket_ready: Callable[[], None] | None = None,
+              bucket_mb: float | None = None) -> DistributedDataParallel:
     """Gradients are bucketed and all-reduced while backward is still running.
+
+    A bucket is all-reduced once backward has filled it. Buckets hold ``bucket_mb`` MiB of
+    gradients; by default PyTorch's 25, except the first (the last parameters' gradients,
+    which backward reaches first) with 1. What is left to reduce when backward ends is
+    exposed: about the last bucket, unless the link falls behind.
 
     ``on_bucket_ready`` is called as each bucket's all-reduce is launched; the last call of a
     backward marks the end of its gradient compute, so the time from there until backward
@@ -25,7 +31,8 @@ def apply_ddp(model: nn.Module, device: torch.device,
     """
     device_ids = [device.index] if device.type == "cuda" else None
     # Gradients live in the communication buckets: no copy into them, less memory.
-    ddp = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+    ddp = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True,
+                                  bucket_cap_mb=bucket_mb)
     if on_bucket_ready is not None:
         # No annotations: DDP compares them to dist.GradBucket, and postponed ones are strings.
         def timed_allreduce(state, bucket):

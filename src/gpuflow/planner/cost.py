@@ -19,7 +19,7 @@ from gpuflow.planner.layout import Layout
 from gpuflow.planner.memory import FP32, local_share
 from gpuflow.planner.profile import ModelProfile
 
-DDP_BUCKET_BYTES = 25 * 2**20
+DDP_DEFAULT_BUCKET_MIB = 25.0
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,8 @@ def predict_step_time(profile: ModelProfile, layout: Layout, hardware: Hardware)
     dp_stride = layout.tp
     if layout.strategy == "ddp":
         grads = FP32 * share.params
-        buckets = max(1, round(grads / DDP_BUCKET_BYTES))
+        bucket = (layout.bucket_mb or DDP_DEFAULT_BUCKET_MIB) * 2**20
+        buckets = max(1, round(grads / bucket))
         add("grad all-reduce (DDP buckets)", "all-reduce", buckets, layout.dp, dp_stride,
             grads / buckets, True)
     elif layout.strategy == "fsdp":

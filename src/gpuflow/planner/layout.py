@@ -30,6 +30,7 @@ class Layout:
     micro_batch: int = 1
     grad_accum: int = 1
     optimizer: str = "adamw"
+    bucket_mb: float | None = None  # DDP's gradient buckets; None: PyTorch's 25 MiB
 
     @property
     def world(self) -> int:

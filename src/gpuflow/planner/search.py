@@ -76,7 +76,8 @@ def _divisors(n: int) -> list[int]:
 
 def candidate_layouts(world: int, global_batch: int, precisions: Sequence[str],
                       layers: int, tensor_parallel: bool, pipeline: bool,
-                      gpus_per_node: int, optimizer: str = "adamw") -> Iterator[Layout]:
+                      gpus_per_node: int, optimizer: str = "adamw",
+                      bucket_mb: float | None = None) -> Iterator[Layout]:
     """Every mesh dp x tp x pp of ``world`` ranks and every way to run it that gpuflow has.
 
     Tensor parallelism stays inside a node; pipeline stages need at least one block each;
@@ -103,7 +104,7 @@ def candidate_layouts(world: int, global_batch: int, precisions: Sequence[str],
                         for micro in _divisors(global_batch // dp):
                             yield Layout(strategy, dp, tp, pp, reshard, wrap, precision,
                                          checkpointing, micro, global_batch // (dp * micro),
-                                         optimizer)
+                                         optimizer, bucket_mb)
 
 
 def evaluate(profiles: dict[str, ModelProfile], layout: Layout, hardware: Hardware) -> Plan:
@@ -116,14 +117,14 @@ def evaluate(profiles: dict[str, ModelProfile], layout: Layout, hardware: Hardwa
 
 def search(profiles: dict[str, ModelProfile], hardware: Hardware, global_batch: int,
            tensor_parallel: bool = True, pipeline: bool = True,
-           optimizer: str = "adamw") -> list[Plan]:
+           optimizer: str = "adamw", bucket_mb: float | None = None) -> list[Plan]:
     """One row per (strategy, mesh, precision, checkpointing): its fastest micro-batch that
     fits, or its smallest if none does. Sorted: fitting plans fastest first, then the rest."""
     layers = next(iter(profiles.values())).layers
     best: dict[tuple[Any, ...], Plan] = {}
     for layout in candidate_layouts(hardware.devices, global_batch, list(profiles), layers,
                                     tensor_parallel, pipeline, hardware.gpus_per_node,
-                                    optimizer):
+                                    optimizer, bucket_mb):
         plan = evaluate(profiles, layout, hardware)
         key = (layout.strategy, layout.reshard_after_forward, layout.fsdp_wrap, layout.dp,
                layout.tp, layout.pp, layout.precision, layout.activation_checkpointing)
@@ -205,10 +206,10 @@ def choose_plan(workload: Workload, config_like: Any, devices: int | Hardware,
     """The plan ``gpuflow train --strategy auto`` runs.
 
     ``config_like`` supplies ``precision``, ``batch_size`` and ``grad_accum`` (their product
-    times the number of devices is the global batch kept fixed) and ``optimizer``; any missing
-    one takes TrainConfig's default. ``devices`` is a world size on this machine or a
-    :class:`Hardware`. Pipeline plans are offered only with ``pipeline=True``. Raises
-    UserError when nothing fits.
+    times the number of devices is the global batch kept fixed), ``optimizer`` and
+    ``bucket_mb``; any missing one takes TrainConfig's default. ``devices`` is a world size
+    on this machine or a :class:`Hardware`. Pipeline plans are offered only with
+    ``pipeline=True``. Raises UserError when nothing fits.
     """
     hardware = devices if isinstance(devices, Hardware) else local_hardware(devices)
     precision = getattr(config_like, "precision", "fp32")
@@ -218,7 +219,8 @@ def choose_plan(workload: Workload, config_like: Any, devices: int | Hardware,
                                             fsdp=hardware.devices > 1)}
     plans = search(profiles, hardware, global_batch,
                    tensor_parallel=workload.tensor_parallel_plan is not None,
-                   pipeline=pipeline, optimizer=getattr(config_like, "optimizer", "adamw"))
+                   pipeline=pipeline, optimizer=getattr(config_like, "optimizer", "adamw"),
+                   bucket_mb=getattr(config_like, "bucket_mb", None))
     if not plans or not plans[0].fits:
         raise UserError(recommendation(plans, hardware) if plans else
                         f"No plan divides a global batch of {global_batch} over "

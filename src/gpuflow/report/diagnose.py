@@ -10,6 +10,7 @@ communication where it is not timed) becomes a note that says so, never a guess.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,8 @@ from gpuflow.gpu_specs import lookup_gpu
 INPUT_WAIT_FRAC = 0.10
 HOST_FRAC = 0.15
 COMM_FRAC = 0.10
+DDP_DEFAULT_BUCKET_MIB = 25.0
+FP32_BYTES = 4  # DDP reduces gpuflow's fp32 gradients, whatever the autocast precision
 MEMORY_FRAC = 0.85
 LOW_MFU = 0.40
 COMPUTE_DOMINANT_FRAC = 0.50
@@ -143,8 +146,7 @@ def _comm_bound(summary: Mapping[str, Any]) -> Finding | None:
         suggestions.append(f"--grad-accum {2 * accum} (now {accum}): one gradient reduction "
                            f"per {2 * accum} micro-batches")
     if strategy == "ddp":
-        suggestions.append("larger DDP gradient buckets (bucket_cap_mb; DDP's default is 25 "
-                           "MB): fewer all-reduces, and more of them overlap backward")
+        suggestions.append(_bucket_suggestion(summary, config))
     if strategy == "fsdp":
         per_block = config.get("fsdp_wrap", "block") == "block"
         if per_block and config.get("reshard_after_forward", True):
@@ -183,6 +185,25 @@ def _comm_bound(summary: Mapping[str, Any]) -> Finding | None:
     return Finding(COMM, f"exposed communication is {share:.0%} of the step "
                          f"({_ms(median['comm_s'])} of {_ms(median['step_time_s'])}) {where}",
                    tuple(suggestions), share)
+
+
+def _bucket_suggestion(summary: Mapping[str, Any], config: Mapping[str, Any]) -> str:
+    """DDP all-reduces a bucket once backward has filled it: what is still to reduce when
+    backward ends is exposed, about the last bucket. Gradients that fill few buckets are
+    mostly in that last one."""
+    bucket = config.get("bucket_mb")
+    cap = float(bucket or DDP_DEFAULT_BUCKET_MIB)
+    now = f"now {cap:g}" if bucket else f"now PyTorch's {cap:g}"
+    params = summary.get("trainable_params")
+    gradients = FP32_BYTES * params / 2**20 if params else None
+    if gradients is not None and gradients < 4 * cap:
+        smaller = max(0.25, float(f"{gradients / 8:.1g}"))
+        return (f"--bucket-mb {smaller:g} ({now}): the {gradients:.3g} MiB of gradients fill "
+                f"{math.ceil(gradients / cap)} bucket(s), so most of the all-reduce waits "
+                "for backward to end; smaller buckets start it while backward still runs")
+    return (f"--bucket-mb {cap / 2:g} ({now}): about the last bucket is left to all-reduce "
+            f"when backward ends, and a smaller one leaves less (--bucket-mb {2 * cap:g} "
+            "instead if many small all-reduces are what costs)")
 
 
 def _pipeline_suggestions(config: Mapping[str, Any], pp: int) -> list[str]:

@@ -161,6 +161,9 @@ class Trainer:
         self.checkpoint_dir = self.run_dir / "checkpoints"
         self.model = workload.model.to(self.device)
         self.model.train()
+        # Counted whole, before any strategy shards or splits the model.
+        self.trainable_params = sum(p.numel() for p in self.model.parameters()
+                                    if p.requires_grad)
         example = move_to_device(workload.get_example_batch(), self.device)
         self.batch_probe: BatchProbe | None = None
         if config.batch_size == "auto":
@@ -324,7 +327,8 @@ class Trainer:
         if self.config.activation_checkpointing:
             apply_activation_checkpointing(self.model, self.workload.blocks())
         if self.strategy == "ddp":
-            return apply_ddp(self.model, self.device, on_bucket_ready=self.timer.comm.begin)
+            return apply_ddp(self.model, self.device, on_bucket_ready=self.timer.comm.begin,
+                             bucket_mb=self.config.bucket_mb)
         if self.strategy == "fsdp":
             param_dtype = self.policy.autocast_dtype
             apply_fsdp(self.model, self.workload.blocks(), param_dtype,
@@ -811,6 +815,7 @@ class Trainer:
             "device": str(self.device),
             "device_name": device_name(self.device),
             "flops_per_step": self.flops_per_step,
+            "trainable_params": self.trainable_params,
             "peak_flops": self.peak.flops,
             "peak_flops_source": self.peak.source,
             "peak_mem_bytes": peak_mem,
