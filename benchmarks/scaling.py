@@ -48,14 +48,17 @@ TARGET = 0.90
 FOREIGN_LOAD_WARN = 0.05
 # The parallel configurations and their `gpuflow train` flags; fsdp-zero2 keeps gathered
 # parameters from forward to backward (one all-gather per block per step instead of two);
-# fsdp-model shards the model as one unit (one all-gather and one reduction per step).
+# fsdp-model shards the model as one unit (one all-gather and one reduction per step);
+# ddp-bucket1 all-reduces 1 MiB buckets, which `gpuflow report` suggests for this model's
+# 8 MiB of gradients (PyTorch's 25 MiB buckets hold them in two: 1 MiB, then the rest).
 PARALLEL = {
     "ddp": ["--strategy", "ddp"],
+    "ddp-bucket1": ["--strategy", "ddp", "--bucket-mb", "1"],
     "fsdp": ["--strategy", "fsdp"],
     "fsdp-zero2": ["--strategy", "fsdp", "--no-reshard-after-forward"],
     "fsdp-model": ["--strategy", "fsdp", "--fsdp-wrap", "model"],
 }
-DEFAULT_STRATEGIES = ("ddp", "fsdp", "fsdp-model")
+DEFAULT_STRATEGIES = ("ddp", "ddp-bucket1", "fsdp", "fsdp-model")
 CONTROL = "independent"
 # comm_s is communication nothing overlapped: DDP's all-reduce left after backward, FSDP's
 # collectives (they hold the host on the CPU); absent from gpuflow versions without it.
