@@ -10,6 +10,9 @@ from typing import Any, Literal, get_args
 
 from gpuflow.errors import UserError
 
+# DistributedDataParallel's gradient bucket size when --bucket-mb is not given.
+DDP_DEFAULT_BUCKET_MIB = 25.0
+
 Precision = Literal["fp32", "tf32", "bf16", "fp16"]
 OptimizerName = Literal["adamw", "sgd"]
 Schedule = Literal["cosine", "constant"]

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gpuflow.config import DDP_DEFAULT_BUCKET_MIB
 from gpuflow.planner.hardware import Hardware, Link
 from gpuflow.planner.layout import Layout
 from gpuflow.planner.memory import FP32, local_share
 from gpuflow.planner.profile import ModelProfile
-
-DDP_DEFAULT_BUCKET_MIB = 25.0
 
 
 @dataclass(frozen=True)

@@ -15,12 +15,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gpuflow.config import DDP_DEFAULT_BUCKET_MIB
 from gpuflow.gpu_specs import lookup_gpu
 
 INPUT_WAIT_FRAC = 0.10
 HOST_FRAC = 0.15
 COMM_FRAC = 0.10
-DDP_DEFAULT_BUCKET_MIB = 25.0
 FP32_BYTES = 4  # DDP reduces gpuflow's fp32 gradients, whatever the autocast precision
 MEMORY_FRAC = 0.85
 LOW_MFU = 0.40
