@@ -198,8 +198,9 @@ class Trainer:
         self.timer = StepTimer(self.device)
         self.pipeline: Pipeline | None = None
         self.forward_model: nn.Module = self._parallelize(example)
-        self._collective_waits = (timed_waits.TimedWaits(self._waits, self.timer.exposed_comm)
-                                  if self._waits else None)
+        self._collective_waits: contextlib.AbstractContextManager[Any] = (
+            timed_waits.TimedWaits(self._waits, self.timer.exposed_comm) if self._waits
+            else contextlib.nullcontext())
         self.compiled = False
         self.compile_scope: str | None = None
         if config.compile:
@@ -475,10 +476,10 @@ class Trainer:
             timer.wait_end()
             timer.compute.begin()
             if self.pipeline is not None:
-                with self._collective_waits or contextlib.nullcontext(), self.policy.autocast():
+                with self._collective_waits, self.policy.autocast():
                     loss = self.pipeline.forward_backward(inputs, target, 1 / accum)
             else:
-                with self._grad_sync(micro), self._collective_waits or contextlib.nullcontext():
+                with self._grad_sync(micro), self._collective_waits:
                     with self.policy.autocast():
                         loss = self.workload.loss_fn(call_model(self.forward_model, inputs),
                                                      target)
