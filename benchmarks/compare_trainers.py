@@ -7,13 +7,14 @@ process, in a rotating order, so machine drift hits all alike (the loops themsel
 ``overhead.py``'s, plus one for Accelerate). Memory: each framework trains again in a fresh
 process of its own, which reports its peak resident memory and how much it grew in set-up and
 training, since one shared process cannot tell the frameworks' memory apart; on a GPU also
-the CUDA allocator's peak.
+the CUDA allocator's peak. The probes repeat, the frameworks taking turns, and their medians
+count: one probe's peak RSS moves by a few MiB.
 
 Fabric and Accelerate are measured only when installed; they are never gpuflow
 dependencies: ``pip install lightning accelerate``. A framework that is absent is skipped
 with a line that says so.
 
-Run: ``python benchmarks/compare_trainers.py`` (about 3-5 minutes on 2 cores).
+Run: ``python benchmarks/compare_trainers.py`` (about 5 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import argparse
 import copy
 import gc
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -143,14 +145,23 @@ def probe_memory(name: str, model_name: str, precision: str, device: torch.devic
 
 
 def measure_memory(names: list[str], model_name: str, precision: str, threads: int,
-                   device: torch.device) -> dict[str, dict[str, int | None]]:
-    out = {}
-    for name in names:
-        command = [sys.executable, __file__, "--probe-memory", name, "--models", model_name,
-                   "--precisions", precision, "--threads", str(threads),
-                   "--device", device.type]
-        done = subprocess.run(command, capture_output=True, text=True, check=True)
-        out[name] = json.loads(done.stdout.strip().splitlines()[-1])
+                   device: torch.device, repeats: int) -> dict[str, dict[str, Any]]:
+    """Each framework's memory probe ``repeats`` times, the frameworks taking turns; the
+    median of each figure, with every probe's, since one probe's peak moves by a few MiB."""
+    probes: dict[str, list[dict[str, int | None]]] = {name: [] for name in names}
+    for _ in range(repeats):
+        for name in names:
+            command = [sys.executable, __file__, "--probe-memory", name, "--models", model_name,
+                       "--precisions", precision, "--threads", str(threads),
+                       "--device", device.type]
+            done = subprocess.run(command, capture_output=True, text=True, check=True)
+            probes[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    out: dict[str, dict[str, Any]] = {}
+    for name, runs in probes.items():
+        out[name] = {key: (None if runs[0][key] is None
+                           else int(statistics.median(run[key] for run in runs)))
+                     for key in runs[0]}
+        out[name]["probes"] = runs
     return out
 
 
@@ -226,6 +237,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup-rounds", type=int, default=2, help="untimed rounds first")
     parser.add_argument("--round-seconds", type=float, default=0.2,
                         help="calibration target: seconds per round for each framework")
+    parser.add_argument("--memory-repeats", type=int, default=3,
+                        help="fresh-process memory probes per framework; medians reported")
     parser.add_argument("--models", default="transformer,cnn",
                         help=f"comma-separated subset of {', '.join(overhead.MODELS)}")
     parser.add_argument("--precisions", default="fp32", help="comma-separated: fp32, bf16")
@@ -242,6 +255,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.precisions = [p for p in args.precisions.split(",") if p]
     bad = [m for m in args.models if m not in overhead.MODELS]
     bad += [p for p in args.precisions if p not in ("fp32", "bf16")]
+    if args.memory_repeats < 1:
+        parser.error("--memory-repeats must be at least 1")
     if bad:
         parser.error(f"unknown model or precision: {', '.join(bad)}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -271,14 +286,15 @@ def main(argv: list[str] | None = None) -> int:
                                 args.warmup_rounds, args.round_seconds, Path(workdir),
                                 args.device)
                 case["memory"] = measure_memory(names, model_name, precision, threads,
-                                                args.device)
+                                                args.device, args.memory_repeats)
                 case["target"] = verdict(case)
                 cases.append(case)
     table = format_table(cases)
     print(table)
-    print("\nstep ms: median over rounds; vs plain: median of per-round ratios; peak RSS: a "
-          f"fresh process per framework after {MEMORY_STEPS} steps; growth: RSS added by "
-          "training in that process; device: the CUDA allocator's peak there")
+    print("\nstep ms: median over rounds; vs plain: median of per-round ratios; peak RSS: "
+          f"median of {args.memory_repeats} fresh processes per framework, each after "
+          f"{MEMORY_STEPS} steps; growth: RSS added by training there; device: the CUDA "
+          "allocator's peak there")
     for case in cases:
         target = case["target"]
         print(f"{case['model']} {case['precision']}: gpuflow/plain {target['ratio']:.4f} "
@@ -298,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         "versions": _common.versions(**{f"{name}_version": v for name, v in found.items()}),
         "settings": {"rounds": args.rounds, "warmup_rounds": args.warmup_rounds,
                      "round_seconds": args.round_seconds, "memory_steps": MEMORY_STEPS,
+                     "memory_repeats": args.memory_repeats,
                      "device": args.device.type, "seed": overhead.SEED, "lr": overhead.LR,
                      "optimizer": "adamw", "frameworks": names},
         "skipped": skipped,

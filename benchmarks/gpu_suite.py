@@ -257,7 +257,8 @@ def compare_stage(suite: Suite, device: str) -> None:
     compare_json = suite.work / "compare_trainers.json"
     suite.log("compare_trainers")
     flags = (["--models", "linear", "--rounds", "2", "--warmup-rounds", "1",
-              "--round-seconds", "0.02"] if suite.dry_run else ["--rounds", "10"])
+              "--round-seconds", "0.02", "--memory-repeats", "1"] if suite.dry_run
+             else ["--rounds", "10"])
     code, log = suite.run("compare_trainers", [sys.executable, "benchmarks/compare_trainers.py",
                                                "--device", device, *flags,
                                                "--out", str(compare_json)], 200)
