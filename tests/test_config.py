@@ -43,6 +43,8 @@ def test_invalid_toml_and_missing_file(tmp_path: Path) -> None:
         ({"checkpoint_every": -2}, "--checkpoint-every must be 0 or more"),
         ({"bucket_mb": 0}, "--bucket-mb must be positive"),
         ({"bucket_mb": "2"}, "`bucket_mb` must be of type float"),
+        ({"fsdp_prefetch": 0}, "--fsdp-prefetch must be at least 1"),
+        ({"fsdp_prefetch": 1.5}, "`fsdp_prefetch` must be of type int"),
     ],
 )
 def test_bad_values_are_rejected_with_the_flag_name(values: dict, message: str) -> None:

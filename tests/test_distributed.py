@@ -79,10 +79,11 @@ def test_gradients_are_averaged_over_ranks_not_summed(tmp_path: Path) -> None:
     Measured here: a doubled learning rate moves the 8-step curve by up to 0.6."""
     sgd = ["--optimizer", "sgd", "--max-steps", "8"]
     train(tmp_path / "single", *sgd, "--batch-size", "32")
-    # DDP with 10 KiB buckets: its gradients in several all-reduces. fsdp-model: the whole
-    # model one FSDP unit, its gradients reduced in one collective.
+    # DDP with 10 KiB buckets: its gradients in several all-reduces. fsdp: per block, each
+    # gathering the next two ahead. fsdp-model: the whole model one FSDP unit, its
+    # gradients reduced in one collective.
     parallel = {"ddp": ["--strategy", "ddp", "--bucket-mb", "0.01"],
-                "fsdp": ["--strategy", "fsdp"],
+                "fsdp": ["--strategy", "fsdp", "--fsdp-prefetch", "2"],
                 "fsdp-model": ["--strategy", "fsdp", "--fsdp-wrap", "model"]}
     for name, flags in parallel.items():
         summary = train(tmp_path / name, *sgd, *flags, "--nproc", "2", "--batch-size", "16")
@@ -91,6 +92,8 @@ def test_gradients_are_averaged_over_ranks_not_summed(tmp_path: Path) -> None:
     assert summary["config"]["bucket_mb"] is None
     assert json.loads((tmp_path / "ddp" / "summary.json").read_text())["config"][
         "bucket_mb"] == 0.01
+    assert json.loads((tmp_path / "fsdp" / "summary.json").read_text())["config"][
+        "fsdp_prefetch"] == 2
     assert_exposed_comm_measured(step_records(tmp_path / "fsdp-model"))
 
 

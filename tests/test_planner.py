@@ -459,6 +459,34 @@ def test_ddp_bucket_size_sets_its_all_reduce_calls() -> None:
     assert plan.layout.bucket_mb == 1.0
 
 
+def test_fsdp_prefetch_holds_more_blocks_gathered_and_keeps_per_block_plans() -> None:
+    """--fsdp-prefetch N holds the running block and N more gathered, where FSDP alone holds
+    two; a run that asks for it is planned per block, and --strategy auto passes it (and
+    --bucket-mb) to the plans it weighs."""
+    from gpuflow.planner.layout import RunSettings
+    from gpuflow.train.auto import plan_strategy
+
+    workload = resolve_workload("textlm", {"data": "synthetic", "model_size": SMALL_GPT})
+    profile = profile_workload(workload, "bf16", fsdp=True)
+    per_block = profile.block_params / profile.layers
+    # A micro-batch of 1: the parameters, not the activations, set the peak.
+    peaks = {depth: predict_memory(profile, Layout("fsdp", dp=8, precision="bf16",
+                                                   fsdp_prefetch=depth)).peak
+             for depth in (None, 1, 3)}
+    assert peaks[1] == peaks[None]
+    assert peaks[3] - peaks[None] == pytest.approx(2 * 2 * per_block)  # two more bf16 blocks
+
+    hardware = gpu_hardware("h100", 8)
+    plans = search({"bf16": profile}, hardware, 32, pipeline=False,
+                   settings=RunSettings(fsdp_prefetch=2, bucket_mb=4.0))
+    assert {plan.layout.fsdp_prefetch for plan in plans} == {2}
+    assert {plan.layout.bucket_mb for plan in plans} == {4.0}
+    assert "fsdp(model)" not in {plan.layout.describe().split()[0] for plan in plans}
+    _, plan = plan_strategy(workload, TrainConfig(precision="bf16", batch_size=4,
+                                                  bucket_mb=4.0, fsdp_prefetch=2), 2)
+    assert (plan.layout.bucket_mb, plan.layout.fsdp_prefetch) == (4.0, 2)
+
+
 def test_choose_plan_returns_a_plan_the_trainer_can_apply() -> None:
     workload = resolve_workload("textlm", {"data": "synthetic", "model_size": SMALL_GPT})
     hardware = gpu_hardware("h100", 8)
@@ -506,6 +534,13 @@ def test_plan_cli_table_json_and_errors(capsys: pytest.CaptureFixture[str]) -> N
     assert best["fits"] and best["global_batch"] == 16
     assert report["reason"].startswith("Run ")
     assert any(not p["fits"] for p in report["plans"])
+    assert main(["plan", "--transformer", "llama3-8b", "--global-batch", "16", "--json",
+                 "--no-pipeline", "--fsdp-prefetch", "2"]) == 0
+    prefetched = json.loads(capsys.readouterr().out)["plans"]
+    assert {p["fsdp_prefetch"] for p in prefetched} == {2}
+    assert "model" not in {p["fsdp_wrap"] for p in prefetched}
+    assert main(["plan", "--transformer", "llama3-8b", "--fsdp-prefetch", "0"]) == 2
+    assert "--fsdp-prefetch must be at least 1" in capsys.readouterr().err
     assert main(["plan", "--workload", "digits", "--gpus", "2", "--gpu-type", "a100-80g",
                  "--precision", "fp32,bf16"]) == 0
     table = capsys.readouterr().out

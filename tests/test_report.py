@@ -105,9 +105,13 @@ CASES = [
      ["--strategy ddp", "--precision bf16"]),
     ("comm-fsdp-model-cuda", regions(comm=8.0),
      {**H100, "strategy": "fsdp", "world_size": 2, "config": {"fsdp_wrap": "model"}},
-     dx.COMM, ["--fsdp-wrap block", "prefetch"]),
+     dx.COMM, ["--fsdp-wrap block"]),
     ("comm-fsdp-cuda", regions(comm=8.0), {**H100, "strategy": "fsdp", "world_size": 2},
-     dx.COMM, ["--no-reshard-after-forward", "prefetch", "--precision bf16"]),
+     dx.COMM, ["--no-reshard-after-forward", "--fsdp-prefetch 2 (now FSDP's own: 1",
+               "--precision bf16"]),
+    ("comm-fsdp-prefetched-cuda", regions(comm=8.0),
+     {**H100, "strategy": "fsdp", "world_size": 2, "config": {"fsdp_prefetch": 2}},
+     dx.COMM, ["--fsdp-prefetch 3 (now 2)"]),
     ("comm-tp", regions(comm=8.0), {"strategy": "tp", "world_size": 2,
                                     "mesh": {"dp": 1, "tp": 2, "pp": 1}},
      dx.COMM, ["--strategy fsdp (or ddp) without --tp"]),
@@ -149,12 +153,14 @@ def test_each_bottleneck_is_named_with_evidence_and_flags(
 
 def test_fsdp_as_one_unit_is_not_told_to_keep_blocks_gathered(tmp_path: Path) -> None:
     """The whole model is one unit, which is never resharded after forward: the per-block
-    remedies do not apply to it."""
-    run = load_run(write_run(tmp_path / "run", regions(comm=8.0), strategy="fsdp",
-                             world_size=2, config={"fsdp_wrap": "model"}))
-    suggestions = " ".join(dx.diagnose(run.facts).top.suggestions)
-    assert "--no-reshard-after-forward" not in suggestions
-    assert "--fsdp-wrap model" not in suggestions
+    remedies do not apply to it, on the CPU or on a GPU."""
+    for device, facts in (("cpu", {}), ("cuda", H100)):
+        run = load_run(write_run(tmp_path / device, regions(comm=8.0), strategy="fsdp",
+                                 world_size=2, config={"fsdp_wrap": "model"}, **facts))
+        suggestions = " ".join(dx.diagnose(run.facts).top.suggestions)
+        assert "--no-reshard-after-forward" not in suggestions
+        assert "--fsdp-wrap model" not in suggestions
+        assert "--fsdp-prefetch" not in suggestions
 
 
 def test_pipelined_runs_are_not_told_to_compile(tmp_path: Path) -> None:

@@ -97,6 +97,11 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
                       help="fsdp's unit of gathering: each repeated block (default), or the "
                            "whole model at once: two collectives per step instead of three per "
                            "block, for links or CPUs that cannot overlap them with compute")
+    dist.add_argument("--fsdp-prefetch", type=int, metavar="N",
+                      help="fsdp per block: each block's forward starts the all-gathers of the "
+                           "next N blocks, its backward those of the N before it, whether or "
+                           "not the host runs ahead (default: FSDP's own, one block ahead "
+                           "when the host is ahead); holds N more blocks gathered")
     dist.add_argument("--bucket-mb", type=float,
                       help="ddp: gradient bucket size in MiB (default PyTorch's: 1 for the "
                            "first, 25 after); smaller buckets start all-reducing earlier in "

@@ -68,6 +68,7 @@ class TrainConfig:
     reshard_after_forward: bool = True
     fsdp_wrap: FsdpWrap = "block"
     bucket_mb: float | None = None
+    fsdp_prefetch: int | None = None
     tp: int = 1
     pp: int = 1
     dp: int | None = None
@@ -104,6 +105,9 @@ class TrainConfig:
             raise UserError(f"--lr must be positive (got {self.lr}).")
         if self.bucket_mb is not None and self.bucket_mb <= 0:
             raise UserError(f"--bucket-mb must be positive (got {self.bucket_mb}).")
+        if self.fsdp_prefetch is not None and self.fsdp_prefetch < 1:
+            raise UserError(f"--fsdp-prefetch must be at least 1 (got {self.fsdp_prefetch}); "
+                            "leave it unset for FSDP's own one-block prefetch.")
         if self.max_steps is not None and self.max_steps < 1:
             raise UserError(f"--max-steps must be at least 1 (got {self.max_steps}).")
         if self.epochs is not None and self.epochs <= 0:
@@ -244,7 +248,7 @@ def _check_types(config: TrainConfig) -> None:
             expected = int
         elif f.name in ("strategy", "rdzv_endpoint", "data_dir", "model_size"):
             expected = str
-        elif f.name in ("dp", "microbatches", "global_batch"):
+        elif f.name in ("dp", "microbatches", "global_batch", "fsdp_prefetch"):
             expected = int
         elif f.name in ("memory_cap_gib", "bucket_mb"):
             expected = float

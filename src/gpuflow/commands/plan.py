@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from gpuflow.config import TrainConfig
 from gpuflow.errors import UserError
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
@@ -37,6 +38,9 @@ def register(commands: Any) -> None:
     add("--precision", default="bf16",
         help="comma-separated precisions to consider (default bf16)")
     add("--optimizer", default="adamw", choices=["adamw", "sgd"])
+    add("--bucket-mb", type=float, help="ddp's gradient bucket size in MiB, as in train")
+    add("--fsdp-prefetch", type=int, metavar="N",
+        help="fsdp: blocks gathered ahead, as in train (holds N more gathered)")
     add("--no-pipeline", dest="pipeline", action="store_false",
         help="leave pipeline-parallel meshes out")
     add("--measure", action="store_true",
@@ -92,9 +96,13 @@ def _build_workload(args: argparse.Namespace) -> Any:
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from gpuflow.planner.hardware import gpu_hardware
+    from gpuflow.planner.layout import RunSettings
     from gpuflow.planner.search import recommendation, search
 
     precisions = _precisions(args.precision)
+    run_settings = TrainConfig(optimizer=args.optimizer, bucket_mb=args.bucket_mb,
+                               fsdp_prefetch=args.fsdp_prefetch)
+    run_settings.validate()
     hardware = gpu_hardware(args.gpu_type, args.gpus, args.nodes, args.gpu_mem_gib,
                             args.intra_bw, args.inter_bw, args.efficiency)
     notes: list[str] = []
@@ -106,7 +114,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         raise UserError(f"--global-batch must be at least 1 (got {global_batch}).")
     profiles = _profiles(args, precisions, hardware.devices)
     plans = search(profiles, hardware, global_batch, pipeline=args.pipeline,
-                   optimizer=args.optimizer)
+                   settings=RunSettings.of(run_settings))
     if not plans:
         raise UserError(f"No mesh of {hardware.devices} devices divides a global batch of "
                         f"{global_batch}; choose a multiple of the device count.")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -13,6 +14,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
 from gpuflow.errors import UserError
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 
 def apply_ddp(model: nn.Module, device: torch.device,
@@ -53,7 +57,7 @@ def kept_in_fp32(model: nn.Module) -> list[nn.Module]:
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], param_dtype: torch.dtype | None,
                reshard_after_forward: bool, mesh: DeviceMesh | None = None,
                blocking_comm: Callable[[], AbstractContextManager[None]] | None = None,
-               wrap: str = "block") -> nn.Module:
+               wrap: str = "block", prefetch: int | None = None) -> nn.Module:
     """Shard each block (``wrap="block"``) or nothing but the whole model (``"model"``),
     then the root; low-precision params with fp32 gradient reduction.
 
@@ -66,13 +70,20 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], param_dtype: torch.dty
     gathers them again in backward (ZeRO-3-like); False keeps them until backward
     (ZeRO-2-like). The root is never resharded after forward: backward needs its parameters
     (the head) first. ``blocking_comm``, for a model on the CPU, times the collectives that
-    hold the host (see ``gpuflow.parallel.host_collectives``).
+    hold the host (see ``gpuflow.parallel.host_collectives``). ``prefetch`` blocks ahead are
+    gathered explicitly (see :func:`prefetch_blocks`).
     """
     if wrap == "block" and not blocks:
         raise UserError(
             "--strategy fsdp shards per repeated block, and this workload has none: give the "
             "model an nn.ModuleList attribute `blocks`, set Workload(repeated_blocks=...), or "
             "shard the model as one unit with --fsdp-wrap model."
+        )
+    if prefetch is not None and wrap != "block":
+        raise UserError(
+            f"--fsdp-prefetch {prefetch} gathers the next blocks early, and --fsdp-wrap "
+            f"{wrap} makes the model one unit with no blocks to prefetch: drop --fsdp-prefetch "
+            "or shard per block (--fsdp-wrap block)."
         )
     # Imported here: FSDP (with DTensor) adds ~45 MB to every process that imports it.
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -89,11 +100,27 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], param_dtype: torch.dty
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=fp32 if unit in norms else policy,
                     reshard_after_forward=reshard_after_forward and unit is not model)
+    if prefetch is not None:
+        prefetch_blocks(blocks, prefetch)  # type: ignore[arg-type]
     if blocking_comm is not None:
         from gpuflow.parallel.host_collectives import use_host_collectives
 
         use_host_collectives(units, blocking_comm)  # type: ignore[arg-type]
     return model
+
+
+def prefetch_blocks(blocks: list[FSDPModule], depth: int) -> None:
+    """Each block's forward starts the all-gathers of the next ``depth`` blocks, and its
+    backward those of the ``depth`` blocks before it (backward's next ones).
+
+    FSDP's own prefetch gathers one block ahead, and in forward only when the host runs ahead
+    of the device: a host-bound step, or a link slower than a block's compute, leaves the
+    gathers exposed. Explicit prefetch issues them regardless, at the cost of ``depth`` more
+    blocks' parameters gathered at once.
+    """
+    for index, block in enumerate(blocks):
+        block.set_modules_to_forward_prefetch(blocks[index + 1:index + 1 + depth])
+        block.set_modules_to_backward_prefetch(blocks[max(0, index - depth):index][::-1])
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> bool:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 STRATEGIES = ("single", "ddp", "fsdp", "tp")
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "sgd": 4}
@@ -31,6 +32,7 @@ class Layout:
     grad_accum: int = 1
     optimizer: str = "adamw"
     bucket_mb: float | None = None  # DDP's gradient buckets; None: PyTorch's 25 MiB
+    fsdp_prefetch: int | None = None  # blocks FSDP gathers ahead; None: its own, one
 
     @property
     def world(self) -> int:
@@ -58,3 +60,20 @@ class Layout:
         elif self.strategy == "fsdp":
             name += "" if self.reshard_after_forward else "(no-reshard)"
         return f"{name} {mesh}"
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What the run fixes and every candidate layout keeps: not a dimension of the search."""
+
+    optimizer: str = "adamw"
+    bucket_mb: float | None = None
+    fsdp_prefetch: int | None = None
+
+    @classmethod
+    def of(cls, config_like: Any) -> RunSettings:
+        """From a TrainConfig or anything with some of its fields; the rest default."""
+        return cls(**{f.name: getattr(config_like, f.name, f.default) for f in fields(cls)})
+
+
+DEFAULT_SETTINGS = RunSettings()

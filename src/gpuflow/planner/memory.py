@@ -166,12 +166,13 @@ def predict_memory(profile: ModelProfile, layout: Layout, overhead: float = 0.0
     buffers = 0.0
     compute_bytes = 2 if layout.low_precision else FP32
     per_block = share.block_params / max(1.0, share.layers)
-    # Resharded blocks are gathered one at a time (and the next prefetched), in forward and
-    # again once backward reaches them; backward begins with only the root's gathered.
+    # Resharded blocks are gathered one at a time (and the next one, or --fsdp-prefetch
+    # more, prefetched), in forward and again once backward reaches them; backward begins
+    # with only the root's gathered.
     blocks_gathered = 0.0
     if layout.resharded_blocks:
         buffers += compute_bytes * (share.params - share.block_params)
-        blocks_gathered = compute_bytes * 2 * per_block
+        blocks_gathered = compute_bytes * (1 + (layout.fsdp_prefetch or 1)) * per_block
     elif fsdp:
         buffers += compute_bytes * share.params
     elif layout.low_precision:

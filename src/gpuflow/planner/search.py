@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -13,7 +13,7 @@ from gpuflow.gpu_specs import lookup_gpu
 from gpuflow.hardware import cpu_peak, total_memory
 from gpuflow.planner.cost import StepTime, predict_step_time
 from gpuflow.planner.hardware import GPU_TYPES, Hardware, cpu_hardware, gpu_hardware
-from gpuflow.planner.layout import Layout
+from gpuflow.planner.layout import DEFAULT_SETTINGS, Layout, RunSettings
 from gpuflow.planner.memory import MemoryBreakdown, predict_memory
 from gpuflow.planner.profile import ModelProfile, profile_workload
 from gpuflow.workload import Workload
@@ -51,7 +51,7 @@ class Plan:
         return {
             "strategy": layout.strategy, "dp": layout.dp, "tp": layout.tp, "pp": layout.pp,
             "reshard_after_forward": layout.reshard_after_forward,
-            "fsdp_wrap": layout.fsdp_wrap,
+            "fsdp_wrap": layout.fsdp_wrap, "fsdp_prefetch": layout.fsdp_prefetch,
             "precision": layout.precision,
             "activation_checkpointing": layout.activation_checkpointing,
             "micro_batch": layout.micro_batch, "grad_accum": layout.grad_accum,
@@ -76,12 +76,13 @@ def _divisors(n: int) -> list[int]:
 
 def candidate_layouts(world: int, global_batch: int, precisions: Sequence[str],
                       layers: int, tensor_parallel: bool, pipeline: bool,
-                      gpus_per_node: int, optimizer: str = "adamw",
-                      bucket_mb: float | None = None) -> Iterator[Layout]:
+                      gpus_per_node: int, settings: RunSettings = DEFAULT_SETTINGS
+                      ) -> Iterator[Layout]:
     """Every mesh dp x tp x pp of ``world`` ranks and every way to run it that gpuflow has.
 
     Tensor parallelism stays inside a node; pipeline stages need at least one block each;
-    micro-batches are the divisors of the per-replica batch.
+    micro-batches are the divisors of the per-replica batch. A run that prefetches FSDP's
+    blocks shards per block.
     """
     for tp in _divisors(world) if tensor_parallel else [1]:
         if tp > gpus_per_node:
@@ -95,8 +96,8 @@ def candidate_layouts(world: int, global_batch: int, precisions: Sequence[str],
             if dp == 1:
                 kinds = [("tp" if tp > 1 else "single", True, "block")]
             else:
-                kinds = [("fsdp", True, "block"), ("fsdp", False, "block"),
-                         ("fsdp", False, "model")]
+                kinds = [("fsdp", True, "block"), ("fsdp", False, "block")]
+                kinds += [("fsdp", False, "model")] if settings.fsdp_prefetch is None else []
                 kinds += [("ddp", True, "block")] if tp == 1 else []
             for strategy, reshard, wrap in kinds:
                 for precision in precisions:
@@ -104,7 +105,7 @@ def candidate_layouts(world: int, global_batch: int, precisions: Sequence[str],
                         for micro in _divisors(global_batch // dp):
                             yield Layout(strategy, dp, tp, pp, reshard, wrap, precision,
                                          checkpointing, micro, global_batch // (dp * micro),
-                                         optimizer, bucket_mb)
+                                         **asdict(settings))
 
 
 def evaluate(profiles: dict[str, ModelProfile], layout: Layout, hardware: Hardware) -> Plan:
@@ -117,14 +118,14 @@ def evaluate(profiles: dict[str, ModelProfile], layout: Layout, hardware: Hardwa
 
 def search(profiles: dict[str, ModelProfile], hardware: Hardware, global_batch: int,
            tensor_parallel: bool = True, pipeline: bool = True,
-           optimizer: str = "adamw", bucket_mb: float | None = None) -> list[Plan]:
+           settings: RunSettings = DEFAULT_SETTINGS) -> list[Plan]:
     """One row per (strategy, mesh, precision, checkpointing): its fastest micro-batch that
     fits, or its smallest if none does. Sorted: fitting plans fastest first, then the rest."""
     layers = next(iter(profiles.values())).layers
     best: dict[tuple[Any, ...], Plan] = {}
     for layout in candidate_layouts(hardware.devices, global_batch, list(profiles), layers,
                                     tensor_parallel, pipeline, hardware.gpus_per_node,
-                                    optimizer, bucket_mb):
+                                    settings):
         plan = evaluate(profiles, layout, hardware)
         key = (layout.strategy, layout.reshard_after_forward, layout.fsdp_wrap, layout.dp,
                layout.tp, layout.pp, layout.precision, layout.activation_checkpointing)
@@ -206,10 +207,10 @@ def choose_plan(workload: Workload, config_like: Any, devices: int | Hardware,
     """The plan ``gpuflow train --strategy auto`` runs.
 
     ``config_like`` supplies ``precision``, ``batch_size`` and ``grad_accum`` (their product
-    times the number of devices is the global batch kept fixed), ``optimizer`` and
-    ``bucket_mb``; any missing one takes TrainConfig's default. ``devices`` is a world size
-    on this machine or a :class:`Hardware`. Pipeline plans are offered only with
-    ``pipeline=True``. Raises UserError when nothing fits.
+    times the number of devices is the global batch kept fixed) and the
+    :class:`RunSettings` fields; any missing one takes TrainConfig's default. ``devices`` is
+    a world size on this machine or a :class:`Hardware`. Pipeline plans are offered only
+    with ``pipeline=True``. Raises UserError when nothing fits.
     """
     hardware = devices if isinstance(devices, Hardware) else local_hardware(devices)
     precision = getattr(config_like, "precision", "fp32")
@@ -219,8 +220,7 @@ def choose_plan(workload: Workload, config_like: Any, devices: int | Hardware,
                                             fsdp=hardware.devices > 1)}
     plans = search(profiles, hardware, global_batch,
                    tensor_parallel=workload.tensor_parallel_plan is not None,
-                   pipeline=pipeline, optimizer=getattr(config_like, "optimizer", "adamw"),
-                   bucket_mb=getattr(config_like, "bucket_mb", None))
+                   pipeline=pipeline, settings=RunSettings.of(config_like))
     if not plans or not plans[0].fits:
         raise UserError(recommendation(plans, hardware) if plans else
                         f"No plan divides a global batch of {global_batch} over "

@@ -153,12 +153,9 @@ def _comm_bound(summary: Mapping[str, Any]) -> Finding | None:
             suggestions.append("--no-reshard-after-forward: keep gathered parameters for "
                                "backward, one all-gather per block instead of two")
         if str(summary.get("device", "")).startswith("cuda"):
-            if not per_block:
-                suggestions.append("--fsdp-wrap block: gather each block just before it "
-                                   "runs, so that all-gathers overlap the blocks before")
-            suggestions.append("FSDP prefetch (set_modules_to_forward_prefetch / "
-                               "set_modules_to_backward_prefetch): start the next block's "
-                               "all-gather earlier")
+            suggestions.append(_prefetch_suggestion(config) if per_block else
+                               "--fsdp-wrap block: gather each block just before it runs, "
+                               "so that all-gathers overlap the blocks before")
         else:
             if per_block:
                 suggestions.append("--fsdp-wrap model: the whole model one unit, one "
@@ -185,6 +182,16 @@ def _comm_bound(summary: Mapping[str, Any]) -> Finding | None:
     return Finding(COMM, f"exposed communication is {share:.0%} of the step "
                          f"({_ms(median['comm_s'])} of {_ms(median['step_time_s'])}) {where}",
                    tuple(suggestions), share)
+
+
+def _prefetch_suggestion(config: Mapping[str, Any]) -> str:
+    depth = config.get("fsdp_prefetch")
+    now = f"now {depth}" if depth else "now FSDP's own: 1, and only while the host is ahead"
+    deeper = (depth or 1) + 1
+    return (f"--fsdp-prefetch {deeper} ({now}): each block's forward starts the next "
+            f"{deeper} blocks' all-gathers, and its backward the {deeper} before it, so a "
+            "link slower than one block's compute is still hidden; holds that many more "
+            "blocks gathered")
 
 
 def _bucket_suggestion(summary: Mapping[str, Any], config: Mapping[str, Any]) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -47,8 +46,7 @@ def plan_strategy(workload: Workload, config: TrainConfig, world: int
     if global_batch % world:
         raise UserError(f"--global-batch {global_batch} does not divide over {world} "
                         "processes.")
-    wanted = SimpleNamespace(precision=config.precision, optimizer=config.optimizer,
-                             batch_size=global_batch // world, grad_accum=1)
+    wanted = dataclasses.replace(config, batch_size=global_batch // world, grad_accum=1)
     plan = choose_plan(workload, wanted, world)
     strategy = plan.strategy
     if plan.pp > 1:

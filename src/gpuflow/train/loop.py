@@ -335,7 +335,8 @@ class Trainer:
             apply_fsdp(self.model, self.workload.blocks(), param_dtype,
                        self.config.reshard_after_forward,
                        mesh=self.mesh["dp"] if self.mesh is not None else None,
-                       blocking_comm=self._host_collective_timer, wrap=self.config.fsdp_wrap)
+                       blocking_comm=self._host_collective_timer, wrap=self.config.fsdp_wrap,
+                       prefetch=self.config.fsdp_prefetch)
         return self.model
 
     def _pipeline(self, example: Batch) -> nn.Module:
@@ -357,7 +358,7 @@ class Trainer:
                 apply_fsdp(stage.submod, self.pipeline.blocks_of(stage),
                            self.policy.autocast_dtype, self.config.reshard_after_forward,
                            mesh=self.mesh["dp"], blocking_comm=self._host_collective_timer,
-                           wrap=self.config.fsdp_wrap)
+                           wrap=self.config.fsdp_wrap, prefetch=self.config.fsdp_prefetch)
             self.pipeline.grad_shards = (self.dp, self.dp_rank)
         return self.model
 
