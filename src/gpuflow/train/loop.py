@@ -606,7 +606,7 @@ class Trainer:
         if strategy == "fsdp" and config.fsdp_wrap == "model":
             strategy += " as one unit"
         elif strategy == "fsdp" and config.fsdp_prefetch:
-            strategy += f", prefetching {config.fsdp_prefetch} blocks"
+            strategy += f", prefetch depth {config.fsdp_prefetch}"
         ranks = (f" x {self.world} ranks ({strategy}, dp {self.dp} x tp {self.tp}"
                  f"{pipeline})" if self.world > 1 else "")
         global_batch = self.micro_batch * config.grad_accum * self.dp
