@@ -244,6 +244,24 @@ def format_table(cases: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def verdict_line(case: dict[str, Any]) -> str:
+    """One case's verdicts, each timing one with its interval or 'within noise'."""
+    target = case["target"]
+    vs_others = ", ".join(
+        f"gpuflow/{name} {a['median_ratio']:.4f} ({a['median_ratio_ci95'][0]:.4f}-"
+        f"{a['median_ratio_ci95'][1]:.4f})" for name, a in target["gpuflow_vs"].items())
+    device = ("" if target["no_higher_peak_device_memory"] is None else
+              f"; device peak <= plain: {target['no_higher_peak_device_memory']}")
+    return (f"{case['model']} {case['precision']}: gpuflow/plain {target['ratio']:.4f} "
+            f"(95% CI {target['ratio_ci95'][0]:.4f}-{target['ratio_ci95'][1]:.4f}); "
+            f"fastest framework: {target['fastest_framework']}"
+            f"{_noise(target['fastest_framework_resolved'])}"
+            + (f" [{vs_others}]" if vs_others else "") + "; within 1%: "
+            f"{target['within_1pct_of_plain']}{_noise(target['within_1pct_resolved'])}; "
+            f"memory growth <= plain: {target['no_more_memory_growth']}; peak RSS <= plain: "
+            f"{target['no_higher_peak_rss']}{device}")
+
+
 def _noise(resolved: bool) -> str:
     return "" if resolved else " (within noise)"
 
@@ -316,22 +334,8 @@ def main(argv: list[str] | None = None) -> int:
           f"median of {args.memory_repeats} fresh processes per framework, each after "
           f"{MEMORY_STEPS} steps; growth: RSS added by training there; device: the CUDA "
           "allocator's peak there")
-    for case in cases:
-        target = case["target"]
-        vs_others = ", ".join(
-            f"gpuflow/{name} {a['median_ratio']:.4f} ({a['median_ratio_ci95'][0]:.4f}-"
-            f"{a['median_ratio_ci95'][1]:.4f})" for name, a in target["gpuflow_vs"].items())
-        print(f"{case['model']} {case['precision']}: gpuflow/plain {target['ratio']:.4f} "
-              f"(95% CI {target['ratio_ci95'][0]:.4f}-{target['ratio_ci95'][1]:.4f}); "
-              f"fastest framework: {target['fastest_framework']}"
-              f"{_noise(target['fastest_framework_resolved'])}"
-              + (f" [{vs_others}]" if vs_others else "") + "; within 1%: "
-              f"{target['within_1pct_of_plain']}{_noise(target['within_1pct_resolved'])}; "
-              "memory growth <= plain: "
-              f"{target['no_more_memory_growth']}; peak RSS <= plain: "
-              f"{target['no_higher_peak_rss']}"
-              + ("" if target["no_higher_peak_device_memory"] is None else
-                 f"; device peak <= plain: {target['no_higher_peak_device_memory']}"))
+    verdicts = [verdict_line(case) for case in cases]
+    print("\n".join(verdicts))
     shares = [c["foreign_cpu_share"] for c in cases if c["foreign_cpu_share"] is not None]
     result = {
         "benchmark": "compare_trainers",
@@ -348,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_foreign_cpu_share": max(shares, default=None),
         "cases": cases,
         "table": table.splitlines(),
+        "verdicts": verdicts,
     }
     out = args.out or _common.default_result_path("compare_trainers")
     _common.write_json(out, result)

@@ -160,6 +160,7 @@ def section(path: Path, result: dict[str, Any]) -> list[str]:
     elif result.get("table"):
         table = result["table"]
         lines += ["```", *(table if isinstance(table, list) else [str(table)]), "```"]
+        lines += ["", *(f"- {verdict}" for verdict in result.get("verdicts", []))]
     else:
         lines += _scalars(result)
     lines += ["", f"Source: `benchmarks/results/{path.name}`.", ""]
