@@ -268,6 +268,7 @@ def compare_stage(suite: Suite, device: str) -> None:
         result = json.loads(compare_json.read_text())
         suite.result["compare_trainers"] = {
             "skipped": result["skipped"], "table": result["table"],
+            "verdicts": result["verdicts"],
             "cases": [{key: case[key] for key in ("model", "precision", "median_step_ms",
                                                   "vs_plain", "memory", "target")}
                       for case in result["cases"]]}
@@ -395,10 +396,8 @@ def main() -> int:
         if runs_of:
             print(f"{name}: " + ", ".join(f"{config} {figures['requests_per_s']:.1f} req/s"
                                           for config, figures in runs_of.items()))
-    for case in suite.result.get("compare_trainers", {}).get("cases", []):
-        target = case["target"]
-        print(f"compare_trainers {case['model']} {case['precision']}: gpuflow/plain "
-              f"{target['ratio']:.4f}, fastest framework {target['fastest_framework']}")
+    for verdict in suite.result.get("compare_trainers", {}).get("verdicts", []):
+        print(f"compare_trainers {verdict}")
     if "matmul" in suite.result:
         print(f"matmul bf16: {suite.result['matmul']['bf16_tflops']:.1f} TFLOP/s")
     print(f"wall {suite.result['wall_time_s']:.0f} s; results in {out}")

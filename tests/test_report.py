@@ -354,5 +354,6 @@ def test_gpu_suite_script_parses_and_dry_runs_on_cpu(tmp_path: Path) -> None:
     case = compared["cases"][0]
     assert case["vs_plain"]["gpuflow"]["median_ratio"] > 0, compared
     assert case["memory"]["gpuflow"]["peak_rss_bytes"] > 0, compared
+    assert compared["verdicts"][0].startswith("linear fp32: gpuflow/plain "), compared
     fsdp = suite["fsdp_comm"]
     assert fsdp["exit_code"] == 0 and fsdp["measured"] and fsdp["parts_add_up"], fsdp
