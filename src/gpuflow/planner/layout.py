@@ -9,15 +9,34 @@ STRATEGIES = ("single", "ddp", "fsdp", "tp")
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "sgd": 4}
 
 
+@dataclass(frozen=True, kw_only=True)
+class RunSettings:
+    """What the run fixes and every candidate layout keeps: not a dimension of the search."""
+
+    optimizer: str = "adamw"
+    bucket_mb: float | None = None  # DDP's gradient buckets; None: PyTorch's 25 MiB
+    fsdp_prefetch: int | None = None  # blocks FSDP gathers ahead; None: its own, one
+
+    @classmethod
+    def of(cls, config_like: Any) -> RunSettings:
+        """From a TrainConfig or anything with some of its fields; the rest default."""
+        return cls(**{f.name: getattr(config_like, f.name, f.default)
+                      for f in fields(RunSettings)})
+
+
+DEFAULT_SETTINGS = RunSettings()
+
+
 @dataclass(frozen=True)
-class Layout:
+class Layout(RunSettings):
     """``dp`` x ``tp`` x ``pp`` ranks; ``strategy`` says how the ``dp`` replicas hold state.
 
     ``strategy`` is ``single`` (one rank), ``ddp`` (replicas), ``fsdp`` (sharded across
     ``dp``) or ``tp`` (tensor parallel alone); ``pp`` > 1 adds pipeline stages under any of
     them. ``micro_batch`` is per data-parallel rank; ``grad_accum`` micro-batches make one
     step (the pipeline's micro-batches when ``pp`` > 1). FSDP's unit is each block, or with
-    ``fsdp_wrap="model"`` the whole model, which is never resharded after forward.
+    ``fsdp_wrap="model"`` the whole model, which is never resharded after forward. The
+    run's settings (keyword-only) come with it.
     """
 
     strategy: str
@@ -30,9 +49,6 @@ class Layout:
     activation_checkpointing: bool = False
     micro_batch: int = 1
     grad_accum: int = 1
-    optimizer: str = "adamw"
-    bucket_mb: float | None = None  # DDP's gradient buckets; None: PyTorch's 25 MiB
-    fsdp_prefetch: int | None = None  # blocks FSDP gathers ahead; None: its own, one
 
     @property
     def world(self) -> int:
@@ -60,20 +76,3 @@ class Layout:
         elif self.strategy == "fsdp":
             name += "" if self.reshard_after_forward else "(no-reshard)"
         return f"{name} {mesh}"
-
-
-@dataclass(frozen=True)
-class RunSettings:
-    """What the run fixes and every candidate layout keeps: not a dimension of the search."""
-
-    optimizer: str = "adamw"
-    bucket_mb: float | None = None
-    fsdp_prefetch: int | None = None
-
-    @classmethod
-    def of(cls, config_like: Any) -> RunSettings:
-        """From a TrainConfig or anything with some of its fields; the rest default."""
-        return cls(**{f.name: getattr(config_like, f.name, f.default) for f in fields(cls)})
-
-
-DEFAULT_SETTINGS = RunSettings()
