@@ -305,6 +305,41 @@ def test_one_process_checkpoint_resumes_under_interleaved_pipeline(
     assert losses(tmp_path) == pytest.approx(gpt_single, abs=1e-4)
 
 
+def test_an_untraceable_model_is_cut_into_manual_stages_and_resumes_in_one(
+    gpt_single: list[float], tmp_path: Path
+) -> None:
+    """torch.export cannot trace a forward that checks its token ids; the pipeline says so
+    and cuts the model at its blocks by hand, with the loss curve of one process."""
+    checked = ["--workload", "user_workloads:checked_gpt", "--run-dir", str(tmp_path)]
+    result = run_cli(*GPT, *checked, "--nproc", "2", "--strategy", "pp", "--batch-size", "16",
+                     "--max-steps", "10")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "cutting it into pipeline stages at its repeated blocks" in result.stderr
+    assert "micro-batches, manual stages)" in result.stdout + result.stderr
+    # Measured here: max |difference| about 3e-7.
+    assert losses(tmp_path) == pytest.approx(gpt_single[:10], abs=1e-4)
+    assert eval_loss(tmp_path) > 0
+    result = run_cli("train", "--resume", str(tmp_path), "--nproc", "1", "--strategy", "single",
+                     "--pp", "1", "--max-steps", "12", "--no-progress")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert losses(tmp_path) == pytest.approx(gpt_single, abs=1e-4)
+
+
+def test_manual_stages_under_fsdp_and_interleaved_resume_a_one_process_run(
+    gpt_single: list[float], tmp_path: Path
+) -> None:
+    """Two manual stages per rank hold the embedding and tied head twice on one rank; FSDP
+    shards each stage; the checkpoint of one process loads into all of them."""
+    checked = ["--workload", "user_workloads:checked_gpt", "--run-dir", str(tmp_path)]
+    assert run_cli(*GPT, *checked, "--batch-size", "16", "--max-steps", "5").returncode == 0
+    resumed = run_cli("train", "--resume", str(tmp_path), "--nproc", "2", "--strategy", "fsdp",
+                      "--pp", "2", "--pp-split", "manual", "--pp-schedule", "interleaved-1f1b",
+                      "--clip-grad", "1e9", "--max-steps", "12", "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # The clip (far above the norm) runs the global norm without changing the step.
+    assert losses(tmp_path) == pytest.approx(gpt_single, abs=1e-4)
+
+
 def test_fsdp_by_pipeline_on_a_2x2_mesh(gpt_single: list[float], tmp_path: Path) -> None:
     measured = gpt_losses(tmp_path, "--nproc", "4", "--strategy", "fsdp", "--pp", "2",
                           "--pp-schedule", "gpipe", "--batch-size", "8", "--max-steps", "10")

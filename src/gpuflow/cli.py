@@ -88,6 +88,10 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
                       help="data-parallel degree, checked: dp x tp x pp = processes")
     dist.add_argument("--pp-schedule", choices=["gpipe", "1f1b", "interleaved-1f1b"],
                       help="pipeline schedule (default 1f1b; interleaved: 2 stages per rank)")
+    dist.add_argument("--pp-split", choices=["auto", "trace", "manual"],
+                      help="how the model is cut into stages: traced with torch.export, or "
+                           "manual: module copies cut at the repeated blocks (auto, the "
+                           "default: traced, manual when tracing fails)")
     dist.add_argument("--microbatches", type=int,
                       help="pipeline micro-batches per --batch-size batch (default 2 x pp)")
     dist.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction,

@@ -18,6 +18,7 @@ OptimizerName = Literal["adamw", "sgd"]
 Schedule = Literal["cosine", "constant"]
 Strategy = Literal["single", "ddp", "fsdp", "tp", "pp", "auto"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
+PipelineSplit = Literal["auto", "trace", "manual"]
 FsdpWrap = Literal["block", "model"]
 DataSource = Literal["real", "synthetic"]
 DEFAULT_BATCH_SIZE = 64
@@ -73,6 +74,7 @@ class TrainConfig:
     pp: int = 1
     dp: int | None = None
     pp_schedule: PipelineSchedule = "1f1b"
+    pp_split: PipelineSplit = "auto"
     microbatches: int | None = None
     nproc: int = 1
     nnodes: int = 1
@@ -88,6 +90,7 @@ class TrainConfig:
         _check_choice("schedule", self.schedule, Schedule)
         _check_choice("data", self.data, DataSource)
         _check_choice("pp_schedule", self.pp_schedule, PipelineSchedule)
+        _check_choice("pp_split", self.pp_split, PipelineSplit)
         _check_choice("fsdp_wrap", self.fsdp_wrap, FsdpWrap)
         if self.strategy is not None:
             _check_choice("strategy", self.strategy, Strategy)

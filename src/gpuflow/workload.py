@@ -13,19 +13,60 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from gpuflow.errors import UserError
+from gpuflow.workloads import hf
 
 Batch = tuple[Any, torch.Tensor]
-MetricFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+MetricFn = Callable[[Any, torch.Tensor], torch.Tensor]
+IGNORE_INDEX = -100  # targets equal to it count in neither the default loss nor accuracy
 
 
-def accuracy(outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Top-1 accuracy of logits over the last dimension."""
-    return (outputs.argmax(dim=-1) == target).float().mean()
+def model_logits(outputs: Any) -> torch.Tensor:
+    """The logits in what a model returned: a tensor, ``.logits`` (a Hugging Face
+    ``ModelOutput``, or a dict's ``"logits"``), or the first element of a tuple."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    if isinstance(outputs, Mapping) and isinstance(outputs.get("logits"), torch.Tensor):
+        return outputs["logits"]
+    logits = getattr(outputs, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(outputs, tuple | list) and outputs and isinstance(outputs[0], torch.Tensor):
+        return outputs[0]
+    raise UserError(
+        f"The default loss and metrics read logits from the model's output, and it returned "
+        f"a {type(outputs).__name__} without any: return a tensor, a tuple whose first element "
+        "is the logits, or an object with .logits, or give the Workload a loss_fn and "
+        "metrics that read what the model returns."
+    )
 
 
-def cross_entropy(outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy in fp32 whatever the autocast dtype of the logits."""
-    return nn.functional.cross_entropy(outputs.float(), target)
+def _aligned(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence logits ``[B, T, V]`` against ``[B, T]`` targets as ``B*T`` rows; other
+    shapes as they are (``[B, C, ...]`` against ``[B, ...]`` is PyTorch's own layout)."""
+    if logits.ndim == 3 and target.ndim == 2 and logits.shape[:2] == target.shape:
+        return logits.flatten(0, 1), target.flatten()
+    return logits, target
+
+
+def accuracy(outputs: Any, target: torch.Tensor) -> torch.Tensor:
+    """Top-1 accuracy of the logits over their last dimension, ignoring ``IGNORE_INDEX``."""
+    logits, target = _aligned(model_logits(outputs), target)
+    counted = target != IGNORE_INDEX
+    return (logits.argmax(dim=-1) == target)[counted].float().mean()
+
+
+def cross_entropy(outputs: Any, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy in fp32 whatever the autocast dtype of the logits.
+
+    A model that computed its own loss (a Hugging Face model given ``labels``) returns it
+    as ``.loss``, and that loss is used; otherwise it is computed from the logits, per
+    position for sequence logits, with targets equal to ``IGNORE_INDEX`` left out.
+    """
+    own = None if isinstance(outputs, torch.Tensor) else getattr(outputs, "loss", None)
+    if isinstance(own, torch.Tensor):
+        return own.float()
+    logits, target = _aligned(model_logits(outputs), target)
+    return nn.functional.cross_entropy(logits.float(), target, ignore_index=IGNORE_INDEX)
 
 
 @dataclass
@@ -36,7 +77,8 @@ class Workload:
     (passed to the model positionally) or a dict of tensors (passed as keyword arguments).
     ``repeated_blocks`` names the modules activation checkpointing wraps and FSDP shards;
     ``tensor_parallel_plan`` maps module names relative to each block to DTensor parallel
-    styles (``ColwiseParallel``/``RowwiseParallel``) for ``--strategy tp``.
+    styles (``ColwiseParallel``/``RowwiseParallel``) for ``--strategy tp``. A Hugging Face
+    model needs neither: its layers and its own plan are found (``gpuflow.workloads.hf``).
     """
 
     name: str
@@ -52,11 +94,22 @@ class Workload:
     tensor_parallel_plan: Mapping[str, Any] | None = None
 
     def blocks(self) -> list[nn.Module]:
-        """The modules that repeat in the model, e.g. transformer layers."""
+        """The modules that repeat in the model, e.g. transformer layers: ``repeated_blocks``,
+        else an ``nn.ModuleList`` attribute ``blocks``, else a Hugging Face model's layers
+        (the classes its ``_no_split_modules`` names, held in a ``ModuleList``)."""
         if self.repeated_blocks is not None:
             return list(self.repeated_blocks(self.model))
         found = getattr(self.model, "blocks", None)
-        return list(found) if isinstance(found, nn.ModuleList) else []
+        if isinstance(found, nn.ModuleList):
+            return list(found)
+        return hf.layers(self.model) if hf.is_hf_model(self.model) else []
+
+    def parallel_plan(self, degree: int) -> Mapping[str, Any] | None:
+        """``tensor_parallel_plan``, else a Hugging Face model's own plan, for ``--tp
+        degree`` (a UserError names the layer that plan cannot split)."""
+        if self.tensor_parallel_plan is not None or not hf.is_hf_model(self.model):
+            return self.tensor_parallel_plan
+        return hf.tensor_parallel_plan(self.model, self.blocks(), degree)
 
     def collate(self, samples: list[Any]) -> Batch:
         return (self.collate_fn or default_collate)(samples)

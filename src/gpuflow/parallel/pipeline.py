@@ -2,7 +2,9 @@
 
 The model is traced once (``pipeline()``, torch.export underneath) and cut at the beginning
 of evenly spaced repeated blocks, so any workload whose forward exports can be pipelined
-without touching its code. Each rank keeps its stage(s) and a schedule (GPipe, 1F1B or
+without touching its code. A model that torch.export cannot trace is cut at the same
+blocks by hand instead (``gpuflow.parallel.stages``: module copies in
+``PipelineStage``s). Each rank keeps its stage(s) and a schedule (GPipe, 1F1B or
 interleaved 1F1B with two stages per rank) moves micro-batches between them.
 
 Parameters used by more than one stage (a language model's head tied to its embedding)
@@ -30,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
+    PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
@@ -40,6 +43,7 @@ from torch.distributed.tensor import DTensor
 
 from gpuflow.config import stages_per_rank
 from gpuflow.errors import UserError
+from gpuflow.parallel import stages as manual
 from gpuflow.train.optim import with_saved_settings
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
@@ -52,11 +56,6 @@ class StageParts(nn.Module):
     def __init__(self, modules: Sequence[nn.Module]) -> None:
         super().__init__()
         self.parts = nn.ModuleList(modules)
-
-
-def _original_name(local: str) -> str:
-    """'parts.1.blocks.3.mlp.fc.weight' -> 'blocks.3.mlp.fc.weight'."""
-    return local[len(_PART):].split(".", 1)[1]
 
 
 def _sample_shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[int, ...]]:
@@ -79,7 +78,7 @@ class Pipeline:
     def __init__(self, model: nn.Module, blocks: Sequence[nn.Module], example_inputs: Any,
                  mesh: DeviceMesh, schedule: str, microbatches: int,
                  loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
-                 device: torch.device) -> None:
+                 device: torch.device, split: str = "auto") -> None:
         self.size = mesh.size()
         self.rank = mesh.get_local_rank()
         self.group = mesh.get_group()
@@ -93,29 +92,39 @@ class Pipeline:
 
         total_stages = self.size * stages_per_rank(schedule)
         split_spec = _split_points(self.block_names, total_stages)
+        local = list(range(self.rank, total_stages, self.size))
         args, kwargs = _as_call(example_inputs)
         self._sample_shapes = _sample_shapes(args, kwargs)
-        try:
-            with warnings.catch_warnings():
-                # torch's own tracing machinery warns about its own deprecated pytree calls.
-                warnings.filterwarnings("ignore", ".*LeafSpec", FutureWarning)
-                pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs or None,
-                                split_spec=split_spec)
-                local = list(range(self.rank, total_stages, self.size))
+        self.manual = split == "manual"
+        if not self.manual:
+            try:
+                pipe = self._traced(model, args, kwargs, split_spec)
                 self.stages = [pipe.build_stage(index, device, group=self.group)
                                for index in local]
-        except UserError:
-            raise
-        except Exception as exc:
-            raise UserError(
-                "Pipeline parallelism traces the model with torch.export, and tracing failed "
-                f"({type(exc).__name__}: {str(exc).splitlines()[0]}). Make the forward "
-                "exportable (no data-dependent Python control flow), or use fsdp/tp."
-            ) from None
+                self._tied = self._tied_copies(pipe.replicated_params, local)
+            except UserError:
+                raise
+            except Exception as exc:
+                reason = f"{type(exc).__name__}: {str(exc).splitlines()[0].split('. ')[0]}"
+                if split == "trace":
+                    raise UserError(
+                        f"Pipeline parallelism traces the model with torch.export, and tracing "
+                        f"failed ({reason}). Make the forward exportable (no data-dependent "
+                        "Python control flow), use --pp-split manual, or use fsdp/tp.") from None
+                warnings.warn(f"torch.export cannot trace the model ({reason}); cutting it "
+                              "into pipeline stages at its repeated blocks instead "
+                              "(--pp-split manual).", stacklevel=2)
+                self.manual = True
+        if self.manual:
+            parts = manual.build_manual_stages(model, self.block_names, total_stages, local,
+                                               manual.as_keywords(example_inputs))
+            self.stages = [PipelineStage(part, index, total_stages, device, group=self.group)
+                           for part, index in zip(parts, local, strict=True)]
+            self._tied = [(name, [(part, f"{manual.STAGE_MODEL}.{name}") for part in parts])
+                          for name in manual.shared_parameter_names(model, self.block_names)]
         self.first = 0 in local
         self.last = total_stages - 1 in local
         self.parts = StageParts([stage.submod for stage in self.stages])
-        self._tied = self._tied_copies(pipe.replicated_params, local)
         # (data-parallel size, rank) once FSDP shards the stages: tied gradients are shards.
         self.grad_shards: tuple[int, int] | None = None
         schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
@@ -125,8 +134,25 @@ class Pipeline:
                                        scale_grads=False)
         self._last_rank = (total_stages - 1) % self.size
 
+    @staticmethod
+    def _traced(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                split_spec: dict[str, SplitPoint]) -> Any:
+        with warnings.catch_warnings():
+            # torch's own tracing machinery warns about its own deprecated pytree calls.
+            warnings.filterwarnings("ignore", ".*LeafSpec", FutureWarning)
+            return pipeline(model, mb_args=args, mb_kwargs=kwargs or None,
+                            split_spec=split_spec)
+
+    def _original_name(self, local: str) -> str:
+        """'parts.1.blocks.3.mlp.fc.weight' -> 'blocks.3.mlp.fc.weight' (a manual stage's
+        'parts.1.net.blocks.3.mlp.fc.weight' likewise)."""
+        name = local[len(_PART):].split(".", 1)[1]
+        return name.removeprefix(manual.STAGE_MODEL + ".") if self.manual else name
+
     def blocks_of(self, stage: Any) -> list[nn.Module]:
         """The repeated blocks inside one of this rank's stages (for FSDP and checkpointing)."""
+        if isinstance(stage.submod, manual.ManualStage):
+            return stage.submod.owned_blocks()
         found = []
         for name in self.block_names:
             try:
@@ -149,8 +175,15 @@ class Pipeline:
             tied.append((name, copies))
         return tied
 
+    def _outputs(self, flat: Any) -> Any:
+        """The model's outputs as the loss and metrics expect them (a manual last stage
+        hands the schedule tensors only)."""
+        if not self.manual:
+            return flat
+        return self.stages[-1].submod.layout.rebuild(flat)
+
     def _scaled_loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
-        loss = self._loss_fn(output, target)
+        loss = self._loss_fn(self._outputs(output), target)
         self._losses.append(loss.detach())
         return loss * self._loss_scale
 
@@ -166,7 +199,8 @@ class Pipeline:
         self.schedule.step(*args, target=target if self.last else None, **kwargs)
         if not self.last:
             return torch.zeros((), device=target.device)
-        return torch.stack(self._losses).mean()
+        # The first step of manual stages also runs the loss once on shape-inference data.
+        return torch.stack(self._losses[-self.microbatches:]).mean()
 
     @torch.no_grad()
     def forward(self, inputs: Any, target: torch.Tensor) -> Any:
@@ -174,11 +208,12 @@ class Pipeline:
         args, kwargs = self._call_args(inputs)
         self._losses = []
         outputs = self.schedule.eval(*args, target=target if self.last else None, **kwargs)
-        return outputs if self.last else None
+        return self._outputs(outputs) if self.last else None
 
     def _call_args(self, inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """The first stage's arguments, shaped per sample as the model was traced."""
-        if not self.first:
+        """The first stage's arguments, shaped per sample as the model was traced; manual
+        stages all take the inputs, as keyword arguments."""
+        if not (self.first or self.manual):
             return (), {}
         args, kwargs = _as_call(inputs)
         shapes = _sample_shapes(args, kwargs)
@@ -189,7 +224,7 @@ class Pipeline:
                 f"sample, and this batch's are {shapes}. A workload whose batches vary in "
                 "length (such as speech, padded to each batch's longest clip) cannot be "
                 "pipelined; use --strategy fsdp or ddp.")
-        return args, kwargs
+        return ((), manual.as_keywords(inputs)) if self.manual else (args, kwargs)
 
     def broadcast_from_last(self, value: Any) -> Any:
         """Hand an object computed on the last stage to every stage of this pipeline."""
@@ -198,18 +233,28 @@ class Pipeline:
         return box[0]
 
     def sync_tied_grads(self) -> None:
-        """Sum the gradients of parameter copies that live in several stages."""
-        for canonical, copies in self._tied:
-            local_params = [module.get_parameter(fqn) for module, fqn in copies]
-            grads = [p.grad for p in local_params if p.grad is not None]
-            if grads:
-                total = torch.stack([_local(g) for g in grads]).sum(0)
-            else:
-                total = torch.zeros(self._grad_shape(canonical), device=self.stages[0].device)
+        """Sum the gradients of parameter copies that live in several stages. A copy that
+        got none here while another did (a manual stage's unused embedding) takes the sum
+        too, so that every copy takes the same step."""
+        if not self._tied:
+            return
+        groups = [[module.get_parameter(fqn) for module, fqn in copies]
+                  for _, copies in self._tied]
+        device = self.stages[0].device
+        used = torch.tensor([float(any(p.grad is not None for p in group)) for group in groups],
+                            device=device)
+        dist.all_reduce(used, group=self.group)
+        for (canonical, _), group, anywhere in zip(self._tied, groups, used.tolist(),
+                                                   strict=True):
+            if not anywhere:
+                continue
+            grads = [_local(p.grad) for p in group if p.grad is not None]
+            total = (torch.stack(grads).sum(0) if grads
+                     else torch.zeros(self._grad_shape(canonical), device=device))
             dist.all_reduce(total, group=self.group)
-            for param in local_params:
+            for param in group:
                 if param.grad is None:
-                    continue
+                    param.grad = torch.zeros_like(param)
                 _local(param.grad).copy_(total)
 
     def _grad_shape(self, name: str) -> torch.Size:
@@ -223,7 +268,7 @@ class Pipeline:
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip by the norm over the whole model: every stage, each tied copy counted once."""
         unique = [p for name, p in self.parts.named_parameters()
-                  if p.grad is not None and self._is_canonical_copy(name)]
+                  if p.grad is not None and self._counted_in_norm(name)]
         norm = torch.nn.utils.get_total_norm([p.grad for p in unique])
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         squared = norm.float() ** 2
@@ -232,8 +277,18 @@ class Pipeline:
         torch.nn.utils.clip_grads_with_norm_(list(self.parts.parameters()), max_norm, total)
         return total
 
+    def _counted_in_norm(self, local: str) -> bool:
+        """Whether this copy counts in the global norm: each tied copy counts once, and the
+        parameters every manual stage holds count on the first stage only."""
+        if not self.manual:
+            return self._is_canonical_copy(local)
+        part = int(local[len(_PART):].split(".", 1)[0])
+        name = self._original_name(local)
+        return (self.stages[part].stage_index == 0
+                or name.startswith(tuple(block + "." for block in self.block_names)))
+
     def _is_canonical_copy(self, local: str) -> bool:
-        name = _original_name(local)
+        name = self._original_name(local)
         return self.canonical.get(name, name) == name
 
     # --- state --------------------------------------------------------------------------
@@ -241,22 +296,22 @@ class Pipeline:
     def _checkpoint_name(self, local: str, available: Collection[str]) -> str:
         """The name a checkpoint stores a local tensor under: its own, or for a tied copy
         that the checkpoint does not hold, the name of the parameter it copies."""
-        name = _original_name(local)
+        name = self._original_name(local)
         return name if name in available else self.canonical.get(name, name)
 
     def state_to_save(self, optimizer: torch.optim.Optimizer
                       ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """This rank's weights and optimizer state under the original parameter names
         (tied copies' optimizer state once, as one process would hold it)."""
-        model = {_original_name(name): tensor
+        model = {self._original_name(name): tensor
                  for name, tensor in get_model_state_dict(self.parts).items()}
         state = get_optimizer_state_dict(self.parts, optimizer)
         keep = {name for name in state["state"] if self._is_canonical_copy(name)}
         optim = {
-            "state": {_original_name(name): value
+            "state": {self._original_name(name): value
                       for name, value in state["state"].items() if name in keep},
             "param_groups": [
-                {**group, "params": [_original_name(n) for n in group["params"] if n in keep]}
+                {**group, "params": [self._original_name(n) for n in group["params"] if n in keep]}
                 for group in state["param_groups"]
             ],
         }

@@ -76,6 +76,7 @@ def apply_tensor_parallel(blocks: list[nn.Module], plan: Mapping[str, ParallelSt
         )
     if not blocks:
         raise UserError("Tensor parallelism splits the workload's repeated blocks; it has none.")
+    _check_splittable(blocks[0], plan, tp_mesh.size())
     for block in blocks:
         parallelize_module(block, tp_mesh, dict(plan))
     if any(isinstance(style, SequenceParallel) for style in plan.values()):
@@ -87,3 +88,25 @@ def apply_tensor_parallel(blocks: list[nn.Module], plan: Mapping[str, ParallelSt
         parallelize_module(blocks[-1], tp_mesh, PrepareModuleOutput(
             output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),)))
 
+
+
+def _check_splittable(block: nn.Module, plan: Mapping[str, ParallelStyle], degree: int) -> None:
+    """Name the layer a plan cannot split, before DTensor fails somewhere inside."""
+    for name, style in plan.items():
+        try:
+            layer = block.get_submodule(name)
+        except AttributeError:
+            raise UserError(f"The tensor-parallel plan names {name!r}, which the repeated "
+                            f"block {type(block).__name__} does not have.") from None
+        split = ("out_features" if isinstance(style, ColwiseParallel) else
+                 "in_features" if isinstance(style, RowwiseParallel) else None)
+        if split is None:
+            continue
+        if not isinstance(layer, nn.Linear | nn.Embedding):
+            raise UserError(f"The tensor-parallel plan splits {name!r}, a "
+                            f"{type(layer).__name__}; DTensor splits nn.Linear and "
+                            "nn.Embedding layers only.")
+        size = getattr(layer, split, None)
+        if isinstance(size, int) and size % degree:
+            raise UserError(f"{name!r} has {size} {split.replace('_', ' ')}, which --tp "
+                            f"{degree} cannot split evenly; pick a degree that divides it.")

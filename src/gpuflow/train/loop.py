@@ -323,7 +323,7 @@ class Trainer:
             # Imports DTensor.
             from gpuflow.parallel.tensor import apply_tensor_parallel
 
-            apply_tensor_parallel(self.workload.blocks(), self.workload.tensor_parallel_plan,
+            apply_tensor_parallel(self.workload.blocks(), self.workload.parallel_plan(self.tp),
                                   self.mesh["tp"])
         if self.config.activation_checkpointing:
             apply_activation_checkpointing(self.model, self.workload.blocks())
@@ -347,7 +347,7 @@ class Trainer:
         inputs = resize_rows(example[0], self.config.batch_size // self.microbatches)
         self.pipeline = Pipeline(self.model, self.workload.blocks(), inputs, self.mesh["pp"],
                                  self.config.pp_schedule, self.microbatches,
-                                 self._policy_loss, self.device)
+                                 self._policy_loss, self.device, split=self.config.pp_split)
         self.model = self.pipeline.parts
         stages = self.pipeline.stages
         if self.config.activation_checkpointing:
@@ -601,7 +601,8 @@ class Trainer:
         resumed = f", resumed at step {self.step}" if self.step else ""
         compiled = f", compiled ({self.compile_scope})" if self.compiled else ""
         pipeline = (f" x pp {self.pp} ({config.pp_schedule}, {self.microbatches} "
-                    "micro-batches)" if self.pp > 1 else "")
+                    f"micro-batches{', manual stages' if self.pipeline.manual else ''})"
+                    if self.pipeline is not None else "")
         strategy = self.strategy
         if strategy == "fsdp" and config.fsdp_wrap == "model":
             strategy += " as one unit"
@@ -744,7 +745,7 @@ class Trainer:
         size = int(target.shape[0])
         full = self.config.batch_size
         outputs = self.pipeline.forward(resize_rows(inputs, full), resize_rows(target, full))
-        return None if outputs is None else outputs[:size]
+        return None if outputs is None else resize_rows(outputs, size)
 
     def trainer_state(self, optimizer_state: dict[str, Any]) -> dict[str, Any]:
         return {

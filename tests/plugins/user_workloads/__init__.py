@@ -165,3 +165,25 @@ def tiny_gpt_sequence_parallel() -> gpuflow.Workload:
     workload = tiny_gpt()
     workload.tensor_parallel_plan = transformer_plan(sequence_parallel=True)
     return workload
+
+
+class CheckedGPT(nn.Module):
+    """A GPT that validates its token ids first: data-dependent Python control flow, which
+    torch.export cannot trace, so pipelining cuts it into stages by hand."""
+
+    def __init__(self, gpt: nn.Module) -> None:
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if bool((tokens >= self.gpt.config.vocab_size).any()):
+            raise ValueError("token id out of range")
+        return self.gpt(tokens)
+
+
+def checked_gpt() -> gpuflow.Workload:
+    workload = tiny_gpt()
+    workload.model = CheckedGPT(workload.model)
+    workload.repeated_blocks = lambda model: model.gpt.blocks
+    workload.tensor_parallel_plan = None
+    return workload
