@@ -33,3 +33,52 @@ def test_export_of_a_dir_without_checkpoints_is_a_clear_error(
 ) -> None:
     assert main(["export", str(tmp_path), "--out", str(tmp_path / "m.safetensors")]) == 2
     assert "not a gpuflow run dir" in capsys.readouterr().err
+
+
+def greedy(model: torch.nn.Module, tokens: torch.Tensor, count: int) -> list[int]:
+    for _ in range(count):
+        next_token = model(tokens)[:, -1].argmax(-1, keepdim=True)
+        tokens = torch.cat([tokens, next_token], dim=1)
+    return tokens[0].tolist()
+
+
+def test_textlm_exports_as_gpt2_that_transformers_opens_with_equal_outputs(
+    tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gpuflow.workloads import textlm
+
+    size = "layers=2,dim=32,heads=4,seq=64"
+    run_dir = tmp_path / "run"
+    result = train(textlm.build(model_size=size),
+                   TrainConfig(max_steps=20, batch_size=16, progress=False, eval_every=0,
+                               run_dir=str(run_dir), workload="textlm", model_size=size))
+    out = tmp_path / "hf"
+    assert main(["export", str(run_dir), "--format", "hf", "--out", str(out)]) == 0
+    gpt2 = AutoModelForCausalLM.from_pretrained(out).eval()
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert type(gpt2).__name__ == "GPT2LMHeadModel"
+    assert json.loads((out / "gpuflow_run.json").read_text())["step"] == 20
+    prompt = "def main():\n    print('héllo')"
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    assert ids[0].tolist() == list(prompt.encode("utf-8"))  # token i is byte i
+    ours = result.model.eval()
+    with torch.no_grad():
+        # Measured here: max |difference| about 1e-7 (GPT-2 sums attention in another order).
+        assert torch.allclose(gpt2(ids).logits, ours(ids), atol=1e-4)
+        hf_greedy = gpt2.generate(ids, max_new_tokens=24, do_sample=False)[0].tolist()
+        assert hf_greedy == greedy(ours, ids, 24)
+    assert tokenizer.decode(hf_greedy[:ids.shape[1]]) == prompt
+
+
+def test_a_model_without_a_hugging_face_form_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    train(mlp(), TrainConfig(max_steps=2, batch_size=32, progress=False,
+                             run_dir=str(run_dir), workload="user_workloads:mlp"))
+    out = tmp_path / "hf"
+    assert main(["export", str(run_dir), "--format", "hf", "--out", str(out)]) == 2
+    assert "has no Hugging Face form" in capsys.readouterr().err
+    assert not out.exists() and not list(tmp_path.glob(".hf.tmp*"))

@@ -9,8 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import run_cli
+from safetensors.torch import load_file
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForImageClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+)
 from transformers.modeling_outputs import CausalLMOutput
 from user_workloads import hf_models
 
@@ -19,7 +25,7 @@ from gpuflow.errors import UserError
 from gpuflow.workload import accuracy, cross_entropy, model_logits
 
 TRAIN = ["train", "--schedule", "constant", "--warmup-steps", "0", "--log-every", "1",
-         "--eval-every", "0", "--no-progress", "--no-checkpoints"]
+         "--eval-every", "0", "--no-progress"]
 
 
 def test_default_loss_reads_model_outputs_tuples_and_sequence_logits() -> None:
@@ -83,18 +89,40 @@ def train(run_dir: Path, workload: str, *args: str) -> list[float]:
     return losses(run_dir)
 
 
+def export_hf(run_dir: Path, out: Path) -> None:
+    result = run_cli("export", str(run_dir), "--format", "hf", "--out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def trained_model(run_dir: Path, workload: gpuflow.Workload) -> torch.nn.Module:
+    """The factory's model with the run's newest weights, as gpuflow itself loads them."""
+    out = run_dir / "model.safetensors"
+    assert run_cli("export", str(run_dir), "--out", str(out)).returncode == 0
+    workload.model.load_state_dict(load_file(out))
+    return workload.model.eval()
+
+
 @pytest.mark.slow
-def test_gpt2_trains_with_ddp_and_fsdp_as_in_one_process(tmp_path: Path) -> None:
-    single = train(tmp_path / "single", "gpt2", "--batch-size", "16", "--max-steps", "6")
+def test_gpt2_trains_with_ddp_and_fsdp_as_in_one_process_and_exports(tmp_path: Path) -> None:
+    single = train(tmp_path / "single", "gpt2", "--batch-size", "16", "--max-steps", "6",
+                   "--no-checkpoints")
     assert single[-1] < single[0]
     ddp = train(tmp_path / "ddp", "gpt2", "--nproc", "2", "--strategy", "ddp",
-                "--batch-size", "8", "--max-steps", "6")
+                "--batch-size", "8", "--max-steps", "6", "--no-checkpoints")
     # FSDP wraps the GPT2Blocks found from _no_split_modules; checkpointing recomputes them.
     fsdp = train(tmp_path / "fsdp", "gpt2", "--nproc", "2", "--strategy", "fsdp",
                  "--batch-size", "8", "--max-steps", "6", "--activation-checkpointing")
     # Measured here: max |difference| about 2e-7 (fp32 reduction order).
     assert ddp == pytest.approx(single, abs=1e-5)
     assert fsdp == pytest.approx(single, abs=1e-5)
+    # The sharded checkpoint, exported in the model's own format, opens in transformers.
+    export_hf(tmp_path / "fsdp", tmp_path / "hf")
+    reopened = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(reopened).__name__ == "GPT2LMHeadModel"
+    tokens = torch.randint(0, 256, (2, hf_models.SEQ))
+    with torch.no_grad():
+        expected = trained_model(tmp_path / "fsdp", hf_models.gpt2())(tokens).logits
+        assert torch.equal(reopened(tokens).logits, expected)
 
 
 @pytest.mark.slow
@@ -113,8 +141,15 @@ def test_llama_splits_by_its_own_plan_and_by_manual_pipeline_stages(tmp_path: Pa
 
 @pytest.mark.slow
 def test_vit_classifier_learns_the_digits(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
     result = run_cli(*TRAIN, "--workload", "user_workloads.hf_models:vit", "--run-dir",
-                     str(tmp_path), "--batch-size", "32", "--max-steps", "200", "--lr", "3e-3")
+                     str(run_dir), "--batch-size", "32", "--max-steps", "200", "--lr", "3e-3")
     assert result.returncode == 0, result.stderr[-4000:]
-    final = json.loads((tmp_path / "summary.json").read_text())["final_metrics"]
+    final = json.loads((run_dir / "summary.json").read_text())["final_metrics"]
     assert final["val_accuracy"] > 0.8  # chance is 0.1; measured here: 0.91
+    export_hf(run_dir, tmp_path / "hf")
+    reopened = AutoModelForImageClassification.from_pretrained(tmp_path / "hf").eval()
+    images = torch.randn(4, 1, 8, 8)
+    with torch.no_grad():
+        expected = trained_model(run_dir, hf_models.vit())(images).logits
+        assert torch.equal(reopened(images).logits, expected)

@@ -131,9 +131,15 @@ def build_parser() -> argparse.ArgumentParser:
                                 argument_default=argparse.SUPPRESS)
     _add_train_flags(train)
     train.set_defaults(handler=_train)
-    export = commands.add_parser("export", help="write a run's weights as one safetensors file")
+    export = commands.add_parser(
+        "export", help="write a run's weights as one safetensors file or a Hugging Face model")
     export.add_argument("run_dir", help="a gpuflow run dir")
-    export.add_argument("--out", required=True, help="output .safetensors file")
+    export.add_argument("--out", required=True,
+                        help="output .safetensors file, or directory for --format hf")
+    export.add_argument("--format", choices=["safetensors", "hf"], default="safetensors",
+                        help="safetensors (default): one file gpuflow serve reads; hf: a "
+                             "directory transformers' from_pretrained opens (needs "
+                             "gpuflow[hf])")
     export.set_defaults(handler=_export)
     env = commands.add_parser("env", help="devices, versions and the peak FLOP/s used for MFU")
     env.add_argument("--json", action="store_true", help="print JSON")
@@ -214,8 +220,9 @@ def _saved_config(run_dir: Path) -> dict[str, Any]:
 def _export(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from gpuflow.export import export_model
 
-    path, step = export_model(Path(args.run_dir), Path(args.out))
-    print(f"exported step {step} of {args.run_dir} to {path}")
+    path, step = export_model(Path(args.run_dir), Path(args.out), args.format)
+    print(f"exported step {step} of {args.run_dir} to {path}"
+          + (" (Hugging Face format)" if args.format == "hf" else ""))
     return 0
 
 

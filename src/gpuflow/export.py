@@ -1,34 +1,53 @@
-"""Consolidate a run's newest valid checkpoint into one safetensors file for serving."""
+"""Export a run's newest valid checkpoint: one safetensors file for gpuflow's server, or a
+Hugging Face model directory for everything that reads that format.
+
+Checkpoints are saved unsharded whatever the strategy, or consolidated from their shards
+here, so the export is the same for one process, DDP, FSDP, TP or pipelines.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
+from typing import Any, Literal
 
+import torch
 from safetensors.torch import save_file
 
 from gpuflow import checkpoint as ckpt
 from gpuflow.errors import UserError
 
 EXPORT_FORMAT_VERSION = "1"
+ExportFormat = Literal["safetensors", "hf"]
+RUN_CONFIG_FILE = "gpuflow_run.json"  # beside a Hugging Face export: where it came from
 
 
-def export_model(run_dir: Path, out: Path) -> tuple[Path, int]:
-    """Write the newest verified checkpoint's full weights to ``out``; return (path, step).
-
-    The file carries the run's configuration in its metadata, so a server can rebuild the
-    workload's model without the run dir. Checkpoints are saved unsharded whatever the
-    strategy, so the export is the same for one process, DDP or FSDP.
-    """
+def _newest(run_dir: Path) -> tuple[ckpt.Checkpoint, dict[str, torch.Tensor], dict[str, Any]]:
     config_path = run_dir / "config.json"
-    if not config_path.is_file():
-        raise UserError(f"{run_dir} is not a gpuflow run dir (no config.json).")
+    if not config_path.is_file() or not (run_dir / "checkpoints").is_dir():
+        raise UserError(f"{run_dir} is not a gpuflow run dir (no config.json and checkpoints/).")
     found = ckpt.load_latest(run_dir / "checkpoints")
     if found is None:
         raise UserError(f"{run_dir} has no valid checkpoint to export; train it first.")
     checkpoint, model_state, _ = found
-    config = json.loads(config_path.read_text())
+    return checkpoint, model_state, json.loads(config_path.read_text())
+
+
+def export_model(run_dir: Path, out: Path,
+                 format: ExportFormat = "safetensors") -> tuple[Path, int]:
+    """Write the newest verified checkpoint's full weights to ``out``; return (path, step).
+
+    ``safetensors``: one file carrying the run's configuration in its metadata, so a server
+    can rebuild the workload's model without the run dir. ``hf``: a directory that
+    ``transformers``' ``from_pretrained`` opens, written by the workload
+    (``Workload.hf_writer``), with the run's configuration beside it.
+    """
+    checkpoint, model_state, config = _newest(run_dir)
+    if format == "hf":
+        _export_hf(config, model_state, out, checkpoint.step)
+        return out, checkpoint.step
     metadata = {
         "gpuflow_export_format": EXPORT_FORMAT_VERSION,
         "workload": str(config.get("workload")),
@@ -40,3 +59,35 @@ def export_model(run_dir: Path, out: Path) -> tuple[Path, int]:
     save_file(model_state, str(tmp), metadata=metadata)
     tmp.replace(out)
     return out, checkpoint.step
+
+
+def _export_hf(config: dict[str, Any], model_state: dict[str, torch.Tensor], out: Path,
+               step: int) -> None:
+    """Rebuild the workload's model, load the weights and let the workload write it; the
+    directory appears whole or not at all."""
+    from gpuflow.serve.model import build_workload
+
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; a Hugging Face export is a directory.")
+    workload = build_workload(config)
+    writer = workload.hf_writer()
+    try:
+        workload.model.load_state_dict(model_state, strict=True)
+    except RuntimeError as exc:
+        raise UserError(f"The checkpoint does not fit workload {workload.name!r}: "
+                        f"{str(exc).splitlines()[0]}") from None
+    workload.model.eval()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        writer(workload.model, tmp)
+        (tmp / RUN_CONFIG_FILE).write_text(json.dumps({"step": step, "config": config},
+                                                      indent=2))
+        old = out.with_name(f".{out.name}.old{os.getpid()}")
+        if out.exists():
+            out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

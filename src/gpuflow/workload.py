@@ -6,6 +6,7 @@ import importlib
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -92,6 +93,7 @@ class Workload:
     tokens_per_sample: int | None = None
     repeated_blocks: Callable[[nn.Module], Sequence[nn.Module]] | None = None
     tensor_parallel_plan: Mapping[str, Any] | None = None
+    export_hf: Callable[[nn.Module, Path], None] | None = None
 
     def blocks(self) -> list[nn.Module]:
         """The modules that repeat in the model, e.g. transformer layers: ``repeated_blocks``,
@@ -110,6 +112,18 @@ class Workload:
         if self.tensor_parallel_plan is not None or not hf.is_hf_model(self.model):
             return self.tensor_parallel_plan
         return hf.tensor_parallel_plan(self.model, self.blocks(), degree)
+
+    def hf_writer(self) -> Callable[[nn.Module, Path], None]:
+        """What writes the trained model in the Hugging Face format: ``export_hf``, or a
+        Hugging Face model's own ``save_pretrained``."""
+        if self.export_hf is not None:
+            return self.export_hf
+        if hf.is_hf_model(self.model):
+            return hf.save_pretrained
+        raise UserError(
+            f"Workload {self.name!r} has no Hugging Face form: its model is a "
+            f"{type(self.model).__name__}, not a transformers model, and the workload gives no "
+            "Workload(export_hf=...) to write one. Export with --format safetensors.")
 
     def collate(self, samples: list[Any]) -> Batch:
         return (self.collate_fn or default_collate)(samples)

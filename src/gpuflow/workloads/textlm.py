@@ -22,6 +22,7 @@ from gpuflow.data.streaming import open_packed
 from gpuflow.data.text import ByteWindows, RandomBytes, load_split
 from gpuflow.errors import UserError
 from gpuflow.models.gpt import GPT, GPTConfig
+from gpuflow.models.gpt2_format import save_as_gpt2
 from gpuflow.parallel.tensor import transformer_plan
 from gpuflow.workload import Workload
 
@@ -142,6 +143,7 @@ def build(data_dir: str | None = None, data: str = "real",
         example_batch=(example[0], example[1]),
         tokens_per_sample=seq,
         tensor_parallel_plan=transformer_plan(sequence_parallel=True),
+        export_hf=save_as_gpt2,
     )
 
 
