@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import socket
 import subprocess
 import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    import httpx
+    from fastapi import FastAPI
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGINS = Path(__file__).resolve().parent / "plugins"
@@ -33,3 +42,27 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300,
         [sys.executable, "-m", "gpuflow.cli", *args],
         capture_output=True, text=True, timeout=timeout, env=env or cli_env(), cwd=cwd or ROOT,
     )
+
+
+@asynccontextmanager
+async def serving(app: FastAPI, ready: bool = True) -> AsyncIterator[httpx.AsyncClient]:
+    """Serve ``app`` with uvicorn on a socket bound before the server starts (so no polling
+    for the port), in this event loop; optionally wait until the model is warmed up."""
+    import httpx
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}",
+                                     timeout=30) as client:
+            if ready:
+                await asyncio.wait_for(app.state.serve.ready.wait(), 60)
+            yield client
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()

@@ -9,8 +9,7 @@ from torch.utils.data import TensorDataset
 
 from gpuflow import TrainConfig, Trainer, Workload
 from gpuflow.train.flops import count_flops, count_training_flops
-from gpuflow.train.loop import call_model
-from gpuflow.workload import resolve_workload
+from gpuflow.workload import call_model, resolve_workload
 
 
 def test_linear_layer_flops_match_a_hand_count() -> None:

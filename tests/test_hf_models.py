@@ -3,12 +3,13 @@ training runs under every strategy, from configs (nothing is downloaded)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import run_cli, serving
 from safetensors.torch import load_file
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from transformers import (
@@ -22,6 +23,7 @@ from user_workloads import hf_models
 
 import gpuflow
 from gpuflow.errors import UserError
+from gpuflow.serve.app import ServeSettings, create_app
 from gpuflow.workload import accuracy, cross_entropy, model_logits
 
 TRAIN = ["train", "--schedule", "constant", "--warmup-steps", "0", "--log-every", "1",
@@ -94,6 +96,18 @@ def export_hf(run_dir: Path, out: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+def served(source: Path, body: dict) -> dict:
+    """One request to a server of ``source``, as a client sends it."""
+    async def scenario() -> dict:
+        app = create_app(ServeSettings(str(source), device="cpu", max_batch_size=4))
+        async with serving(app) as client:
+            reply = await client.post("/v1/predict", json=body)
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    return asyncio.run(scenario())
+
+
 def trained_model(run_dir: Path, workload: gpuflow.Workload) -> torch.nn.Module:
     """The factory's model with the run's newest weights, as gpuflow itself loads them."""
     out = run_dir / "model.safetensors"
@@ -123,6 +137,10 @@ def test_gpt2_trains_with_ddp_and_fsdp_as_in_one_process_and_exports(tmp_path: P
     with torch.no_grad():
         expected = trained_model(tmp_path / "fsdp", hf_models.gpt2())(tokens).logits
         assert torch.equal(reopened(tokens).logits, expected)
+    # Served from its export, the model's sequence logits come back by name.
+    reply = served(tmp_path / "fsdp" / "model.safetensors", {"inputs": tokens.tolist()})
+    logits = torch.tensor([p["outputs"]["logits"] for p in reply["predictions"]])
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.slow
@@ -137,6 +155,15 @@ def test_llama_splits_by_its_own_plan_and_by_manual_pipeline_stages(tmp_path: Pa
     assert pp == pytest.approx(single, abs=1e-5)
     summary = json.loads((tmp_path / "pp" / "summary.json").read_text())
     assert summary["config"]["pp_split"] == "manual" and summary["final_metrics"]["val_loss"] > 0
+    # Its dict inputs are served as named fields.
+    inputs, _ = hf_models.llama().val_dataset[0]
+    with torch.no_grad():
+        model = trained_model(tmp_path / "pp", hf_models.llama())
+        expected = model(**{k: v[None] for k, v in inputs.items()}).logits
+    reply = served(tmp_path / "pp" / "model.safetensors",
+                   {"inputs": {k: [v.tolist()] for k, v in inputs.items()}})
+    logits = torch.tensor(reply["predictions"][0]["outputs"]["logits"])
+    torch.testing.assert_close(logits, expected[0], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.slow
@@ -153,3 +180,8 @@ def test_vit_classifier_learns_the_digits(tmp_path: Path) -> None:
     with torch.no_grad():
         expected = trained_model(run_dir, hf_models.vit())(images).logits
         assert torch.equal(reopened(images).logits, expected)
+    # Served, its class logits come back as the top labels.
+    reply = served(run_dir, {"inputs": images.tolist(), "top_k": 10})
+    for prediction, probs in zip(reply["predictions"], expected.softmax(-1), strict=True):
+        assert prediction["index"] == int(probs.argmax())
+        assert prediction["probability"] == pytest.approx(float(probs.max()), abs=1e-5)

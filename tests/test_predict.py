@@ -13,9 +13,9 @@ from safetensors.torch import save_file
 
 from gpuflow import TrainConfig
 from gpuflow.cli import main
-from gpuflow.serve.codecs import PredictRequest
 from gpuflow.serve.engine import Engine, EngineOptions
 from gpuflow.serve.predict import collect_inputs, finished_inputs
+from gpuflow.serving import PredictRequest
 from gpuflow.workloads import digits
 
 

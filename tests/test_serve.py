@@ -7,22 +7,19 @@ import base64
 import io
 import json
 import re
-import socket
 import subprocess
 import sys
 import threading
+import time
 import wave
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 import torch
-import uvicorn
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, serving
 from fastapi import FastAPI
 from PIL import Image
 from safetensors.torch import load_file
@@ -32,33 +29,15 @@ from torch.utils.data import TensorDataset
 from gpuflow.cli import main
 from gpuflow.models.gpt import GPT, GPTConfig
 from gpuflow.models.speech import SpeechClassifier
+from gpuflow.parallel.env import free_port
 from gpuflow.serve.app import ServeSettings, create_app
-from gpuflow.serve.codecs import PredictRequest, SpeechCodec, TextCodec
 from gpuflow.serve.engine import Engine, EngineOptions
 from gpuflow.serve.model import LoadedModel, Runner
+from gpuflow.serving import PredictRequest
 from gpuflow.workload import Workload
 from gpuflow.workloads import digits
-
-
-@asynccontextmanager
-async def serving(app: FastAPI, ready: bool = True) -> AsyncIterator[httpx.AsyncClient]:
-    """Serve ``app`` with uvicorn on a socket bound before the server starts (so no polling
-    for the port), in this event loop; optionally wait until the model is warmed up."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}",
-                                     timeout=30) as client:
-            if ready:
-                await asyncio.wait_for(app.state.serve.ready.wait(), 60)
-            yield client
-    finally:
-        server.should_exit = True
-        await task
-        sock.close()
+from gpuflow.workloads.speech_codec import SpeechCodec
+from gpuflow.workloads.text_codec import TextCodec
 
 
 async def eventually(condition: Callable[[], bool], timeout: float = 10) -> None:
@@ -335,8 +314,8 @@ def test_readyz_turns_200_only_after_loading_and_warm_up() -> None:
         assert before.status_code == 503 and before.json()["state"] == "loading"
         assert early.status_code == 503 and early.json()["error"]["code"] == "not_ready"
         assert after.status_code == 200 and after.json()["warmup_s"] >= 0
-        # One row to count the classes, then a batch per bucket (1, 2, 4), all before ready.
-        assert len(probe.seen) == 1 + 1 + 2 + 4
+        # A batch per bucket (1, 2, 4), all before ready.
+        assert len(probe.seen) == 1 + 2 + 4
         assert "/v1/predict" in docs.json()["paths"]
 
     run(scenario)
@@ -420,3 +399,63 @@ def test_serving_benchmark_quick(tmp_path: Path) -> None:
         assert figures["p50_ms"] <= figures["p99_ms"]
     assert single["mean_batch_rows"] == 1
     assert result["machine"]["usable_cores"] >= 1 and result["versions"]["torch"]
+
+
+@pytest.fixture(scope="module")
+def masked_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A plain nn.Module taking two tensors as a dict, trained by the CLI."""
+    run_dir = tmp_path_factory.mktemp("serve") / "masked"
+    done = run_cli("train", "--workload", "user_workloads:masked", "--max-steps", "20",
+                   "--eval-every", "0", "--no-progress", "--run-dir", str(run_dir))
+    assert done.returncode == 0, done.stderr
+    return run_dir
+
+
+def test_a_dict_input_model_is_served_with_the_models_own_answers(masked_run: Path) -> None:
+    from user_workloads import masked
+
+    workload = masked()
+    [checkpoint] = (masked_run / "checkpoints").iterdir()
+    workload.model.load_state_dict(load_file(checkpoint / "model.safetensors"))
+    samples = [workload.val_dataset[i][0] for i in range(5)]
+    features = torch.stack([s["features"] for s in samples])
+    mask = torch.stack([s["mask"] for s in samples])
+    with torch.inference_mode():
+        expected = torch.softmax(workload.model.eval()(features, mask), dim=-1)
+    body = {"inputs": {"features": features.tolist(), "mask": mask.tolist()}, "top_k": 4}
+    bad = {
+        "missing": ({"features": features.tolist()}, "inputs is missing 'mask'"),
+        "extra": ({**body["inputs"], "noise": [[0]]}, "inputs has unknown 'noise'"),
+        "dtype": ({**body["inputs"], "mask": (mask * 0.5).tolist()},
+                  "inputs.mask holds fractional numbers; this model takes integers: "
+                  "[N, 16] int64"),
+        "shape": ({**body["inputs"], "features": features[:, :3].tolist()},
+                  "inputs.features has shape [5, 3]; this model takes [N, 16] float32"),
+    }
+
+    async def scenario() -> None:
+        app = create_app(ServeSettings(str(masked_run), device="cpu", max_batch_size=8))
+        async with serving(app) as client:
+            reply = (await client.post("/v1/predict", json=body)).json()
+            refused = {name: await client.post("/v1/predict", json={"inputs": inputs})
+                       for name, (inputs, _) in bad.items()}
+        for prediction, probs in zip(reply["predictions"], expected, strict=True):
+            served = torch.zeros(4)
+            for entry in prediction["top"]:
+                served[entry["index"]] = entry["probability"]
+            torch.testing.assert_close(served, probs, atol=1e-6, rtol=1e-5)
+        for name, (_, message) in bad.items():
+            assert refused[name].status_code == 422, name
+            error = refused[name].json()["error"]
+            assert error["code"] == "invalid_input" and message in error["message"], error
+
+    run(scenario)
+
+
+def test_a_server_whose_model_cannot_be_built_exits_with_the_reason(masked_run: Path) -> None:
+    started = time.monotonic()
+    result = run_cli("serve", str(masked_run), "--workload", "user_workloads:unbuildable",
+                     "--port", str(free_port()), timeout=60)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "the model's configuration file is missing" in result.stderr.splitlines()[-1]
+    assert time.monotonic() - started < 60

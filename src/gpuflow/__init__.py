@@ -2,11 +2,13 @@
 
 from gpuflow.config import TrainConfig
 from gpuflow.errors import UserError
+from gpuflow.serving import ServingSpec
 from gpuflow.train.loop import RunResult, Trainer, train
 from gpuflow.workload import Workload, accuracy, cross_entropy, resolve_workload
 
 __all__ = [
     "RunResult",
+    "ServingSpec",
     "TrainConfig",
     "Trainer",
     "UserError",

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from gpuflow import checkpoint as ckpt
 from gpuflow.errors import UserError
+from gpuflow.serving import SERVING_FILE
 
 EXPORT_FORMAT_VERSION = "1"
 ExportFormat = Literal["safetensors", "hf"]
@@ -45,6 +46,8 @@ def export_model(run_dir: Path, out: Path,
     (``Workload.hf_writer``), with the run's configuration beside it.
     """
     checkpoint, model_state, config = _newest(run_dir)
+    saved = run_dir / SERVING_FILE
+    serving = json.loads(saved.read_text()) if saved.is_file() else None
     if format == "hf":
         _export_hf(config, model_state, out, checkpoint.step)
         return out, checkpoint.step
@@ -53,6 +56,7 @@ def export_model(run_dir: Path, out: Path,
         "workload": str(config.get("workload")),
         "step": str(checkpoint.step),
         "config": json.dumps(config),
+        **({"serving": json.dumps(serving)} if serving is not None else {}),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")

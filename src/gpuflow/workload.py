@@ -14,11 +14,22 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from gpuflow.errors import UserError
+from gpuflow.serving import ServingSpec
 from gpuflow.workloads import hf
 
 Batch = tuple[Any, torch.Tensor]
 MetricFn = Callable[[Any, torch.Tensor], torch.Tensor]
 IGNORE_INDEX = -100  # targets equal to it count in neither the default loss nor accuracy
+
+
+def call_model(model: nn.Module, inputs: Any) -> Any:
+    """Call ``model`` on a batch's inputs: a tensor, a tuple (positional) or a dict
+    (keyword arguments)."""
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    if isinstance(inputs, tuple | list):
+        return model(*inputs)
+    return model(inputs)
 
 
 def model_logits(outputs: Any) -> torch.Tensor:
@@ -80,6 +91,10 @@ class Workload:
     ``tensor_parallel_plan`` maps module names relative to each block to DTensor parallel
     styles (``ColwiseParallel``/``RowwiseParallel``) for ``--strategy tp``. A Hugging Face
     model needs neither: its layers and its own plan are found (``gpuflow.workloads.hf``).
+    ``export_hf`` writes the trained model in the Hugging Face format for ``gpuflow export
+    --format hf`` (a Hugging Face model needs none: it saves itself). ``serving`` declares
+    how requests become inputs and outputs answers (``gpuflow.serving``); without it any
+    model is served from tensors shaped like its example batch.
     """
 
     name: str
@@ -94,6 +109,7 @@ class Workload:
     repeated_blocks: Callable[[nn.Module], Sequence[nn.Module]] | None = None
     tensor_parallel_plan: Mapping[str, Any] | None = None
     export_hf: Callable[[nn.Module, Path], None] | None = None
+    serving: ServingSpec | None = None
 
     def blocks(self) -> list[nn.Module]:
         """The modules that repeat in the model, e.g. transformer layers: ``repeated_blocks``,

@@ -37,9 +37,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from pydantic import ValidationError
 
     from gpuflow.errors import UserError
-    from gpuflow.serve.codecs import PredictRequest
     from gpuflow.serve.engine import Engine, EngineOptions
     from gpuflow.serve.predict import collect_inputs, predict_files
+    from gpuflow.serving import PredictRequest
 
     if args.batch_size < 1 or args.num_workers < 0:
         raise UserError("--batch-size must be at least 1 and --num-workers 0 or more.")

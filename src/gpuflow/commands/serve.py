@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ipaddress
+import json
 import os
+import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -81,11 +85,21 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         max_queue=args.max_queue, timeout_ms=args.timeout_ms,
         max_body_bytes=args.max_body_bytes, device=args.device, precision=args.precision,
         compile=args.compile or args.cuda_graphs, cuda_graphs=args.cuda_graphs, token=token,
-        threads=args.threads)
-    os.environ[SETTINGS_ENV] = settings_json(settings)
-    print(f"gpuflow serve: http://{args.host}:{args.port} (API docs at /docs); "
-          f"{args.workers} worker(s), batches of up to {args.max_batch_size}, "
-          f"{args.precision}; /readyz turns 200 after warm-up")
-    uvicorn.run("gpuflow.serve.app:app_from_env", factory=True, host=args.host,
-                port=args.port, workers=args.workers, log_level=args.log_level)
-    return 0
+        threads=args.threads, workers=args.workers)
+    with tempfile.TemporaryDirectory(prefix="gpuflow-serve-") as scratch:
+        failure = Path(scratch) / "failure.json"
+        settings = dataclasses.replace(settings, failure_file=str(failure))
+        os.environ[SETTINGS_ENV] = settings_json(settings)
+        print(f"gpuflow serve: http://{args.host}:{args.port} (API docs at /docs); "
+              f"{args.workers} worker(s), batches of up to {args.max_batch_size}, "
+              f"{args.precision}; /readyz turns 200 after warm-up", flush=True)
+        uvicorn.run("gpuflow.serve.app:app_from_env", factory=True, host=args.host,
+                    port=args.port, workers=args.workers, log_level=args.log_level)
+        if not failure.is_file():
+            return 0
+        found = json.loads(failure.read_text())
+    if found["user_error"]:
+        raise UserError(f"{args.source} cannot be served: {found['reason']}")
+    print(f"gpuflow serve: the model failed to load or warm up: {found['reason']}",
+          file=sys.stderr)
+    return 1

@@ -1,7 +1,9 @@
 """The HTTP API: POST /v1/predict, GET /healthz, /readyz and /metrics (FastAPI, OpenAPI at /docs).
 
 The model loads and warms up in the background after start-up, so /healthz answers at once
-and /readyz turns 200 only when every bucket has run (and compiled). Errors are JSON
+and /readyz turns 200 only when every bucket has run (and compiled). A model that cannot be
+loaded or warmed up stops the server (``ServeSettings.failure_file`` says why): /readyz
+answers 503 only while it is still loading or warming up. Errors are JSON
 ``{"error": {"code": ..., "message": ...}}`` with a status that says what happened: 503
 ``queue_full`` with ``Retry-After`` when the bounded queue is full, 504 when a request's
 deadline passes in the queue, 500 for the requests of a batch that raised.
@@ -15,10 +17,12 @@ import hmac
 import json
 import logging
 import os
+import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,11 +31,13 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.config import STARTUP_FAILURE
 
+from gpuflow.errors import UserError
 from gpuflow.serve.batcher import Batcher, BatchFailed, DeadlineExceeded, QueueFull
-from gpuflow.serve.codecs import InputError, PredictRequest
 from gpuflow.serve.engine import Engine, EngineOptions
 from gpuflow.serve.metrics import ServeMetrics
+from gpuflow.serving import InputError, PredictRequest
 
 SETTINGS_ENV = "GPUFLOW_SERVE_SETTINGS"
 PREDICT_PATH = "/v1/predict"
@@ -59,10 +65,26 @@ class ServeSettings:
     token: str | None = None
     threads: int | None = None
     retry_after_s: int = 1
+    workers: int = 1
+    failure_file: str | None = None
 
     def engine_options(self) -> EngineOptions:
         return EngineOptions(self.device, self.precision, self.compile, self.cuda_graphs,
                              self.max_batch_size)
+
+
+def _stop_serving(settings: ServeSettings, reason: str, user_error: bool) -> None:
+    """Say why in ``failure_file`` and stop: a server that can never become ready must not
+    stay up. One worker asks its own server to shut down as Ctrl-C does (uvicorn re-raises
+    the signal after shutting down, and uvicorn.run returns on that one); a worker among
+    several exits as one that failed to start, which stops uvicorn's supervisor instead of
+    a restart."""
+    assert settings.failure_file is not None
+    Path(settings.failure_file).write_text(json.dumps({"reason": reason,
+                                                       "user_error": user_error}))
+    if settings.workers > 1:
+        os._exit(STARTUP_FAILURE)
+    signal.raise_signal(signal.SIGINT)
 
 
 def error(status: int, code: str, message: str, **headers: str) -> JSONResponse:
@@ -174,7 +196,13 @@ def create_app(settings: ServeSettings, load: Callable[[], Engine] | None = None
                                                         state.engine.warm_up)
         except Exception as exc:
             state.problem = f"{type(exc).__name__}: {exc}"
-            log.exception("gpuflow serve: the model failed to load or warm up")
+            if isinstance(exc, UserError):
+                log.error("gpuflow serve: the model cannot be served: %s", exc)
+            else:
+                log.exception("gpuflow serve: the model failed to load or warm up")
+            if settings.failure_file:
+                _stop_serving(settings, str(exc) if isinstance(exc, UserError)
+                              else state.problem, isinstance(exc, UserError))
             return
         log.info("gpuflow serve: ready after %.1f s of warm-up (%s)", state.warmup_s,
                  state.engine.runner.describe())

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpuflow.serve.codecs import Codec, make_codec
 from gpuflow.serve.model import LoadedModel, Runner, load_model
+from gpuflow.serving import Codec, make_codec
 
 
 def batch_buckets(max_batch_size: int) -> list[int]:
@@ -36,7 +36,7 @@ class Engine:
     def __init__(self, loaded: LoadedModel, options: EngineOptions) -> None:
         self.loaded = loaded
         self.options = options
-        self.codec: Codec = make_codec(loaded.workload, loaded.config)
+        self.codec: Codec = make_codec(loaded.workload, loaded.serving_state)
         self.runner = Runner(loaded.model, options.device, options.precision,
                              options.compile, options.cuda_graphs)
         self.buckets = batch_buckets(options.max_batch_size)

@@ -1,8 +1,9 @@
 """Load a trained model for inference from a run dir or an exported safetensors file.
 
 Both carry the run's configuration as JSON (``config.json``, or the export's metadata): the
-workload's factory rebuilds the network from it and the weights are loaded by name. Nothing
-is unpickled. The run dir is read through its documented format (docs/run-dir.md), so
+workload's factory rebuilds the network from it and the weights are loaded by name; and
+the state its codec saved at training time (``serving.json``, or the export's metadata).
+Nothing is unpickled. The run dir is read through its documented format (docs/run-dir.md), so
 serving depends on the format, not on the training code.
 """
 
@@ -19,13 +20,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from gpuflow import checkpoint as ckpt
 from gpuflow.config import TrainConfig
 from gpuflow.errors import UserError
 from gpuflow.hardware import resolve_device
 from gpuflow.precision import PrecisionPolicy, make_policy
-from gpuflow.workload import BUILTIN_WORKLOADS, Workload, resolve_workload
+from gpuflow.serving import SERVING_FILE
+from gpuflow.workload import BUILTIN_WORKLOADS, Workload, call_model, resolve_workload
 
 
 @dataclass
@@ -36,6 +39,7 @@ class LoadedModel:
     config: dict[str, Any]
     step: int
     source: Path
+    serving_state: dict[str, Any] | None = None
 
     @property
     def model(self) -> nn.Module:
@@ -69,12 +73,18 @@ def check_source(path: Path) -> None:
         raise UserError(f"{path} is neither a gpuflow run dir nor a .safetensors export.")
 
 
-def read_source(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], int]:
-    """(run config, weights, step) from a run dir or a ``gpuflow export`` file."""
+Source = tuple[dict[str, Any], dict[str, torch.Tensor], int, dict[str, Any] | None]
+
+
+def read_source(path: Path) -> Source:
+    """(run config, weights, step, codec state or None) from a run dir or a ``gpuflow
+    export`` file; runs saved before the codec state was saved have none."""
     check_source(path)
     if path.is_dir():
         weights, step = newest_run_weights(path)
-        return json.loads((path / "config.json").read_text()), weights, step
+        saved = path / SERVING_FILE
+        serving = json.loads(saved.read_text()) if saved.is_file() else None
+        return json.loads((path / "config.json").read_text()), weights, step, serving
     try:
         with safe_open(str(path), "pt") as handle:
             metadata = handle.metadata() or {}
@@ -83,7 +93,9 @@ def read_source(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], in
     if "config" not in metadata:
         raise UserError(f"{path} has no gpuflow config in its metadata; export it with "
                         "`gpuflow export RUN_DIR --out FILE.safetensors`.")
-    return json.loads(metadata["config"]), load_file(str(path)), int(metadata.get("step", 0))
+    serving = json.loads(metadata["serving"]) if "serving" in metadata else None
+    return (json.loads(metadata["config"]), load_file(str(path)), int(metadata.get("step", 0)),
+            serving)
 
 
 def build_workload(config: dict[str, Any], workload: str | None = None) -> Workload:
@@ -107,7 +119,7 @@ def build_workload(config: dict[str, Any], workload: str | None = None) -> Workl
 def load_model(path: str | Path, workload: str | None = None) -> LoadedModel:
     """Rebuild the run's model and load its weights; ``workload`` overrides the saved one."""
     source = Path(path)
-    config, weights, step = read_source(source)
+    config, weights, step, serving = read_source(source)
     built = build_workload(config, workload)
     try:
         built.model.load_state_dict(weights, strict=True)
@@ -115,7 +127,7 @@ def load_model(path: str | Path, workload: str | None = None) -> LoadedModel:
         raise UserError(f"The weights in {source} do not fit workload "
                         f"{workload or config.get('workload')!r}: {exc}") from None
     built.model.eval()
-    return LoadedModel(built, config, step, source)
+    return LoadedModel(built, config, step, source, serving)
 
 
 class Runner:
@@ -163,7 +175,15 @@ class Runner:
         with torch.inference_mode(), self.policy.autocast():
             yield
 
-    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
-        moved = [t.to(self.device, non_blocking=True) for t in inputs]
+    def call(self, inputs: Any) -> Any:
+        """The model's outputs for a batch's inputs (a tensor, a tuple or a dict of
+        tensors), floating-point tensors in fp32."""
+        moved = tree_map_only(torch.Tensor, lambda t: t.to(self.device, non_blocking=True),
+                              inputs)
         with self.context():
-            return self.model(*moved).float()
+            outputs = call_model(self.model, moved)
+        return tree_map_only(torch.Tensor,
+                             lambda t: t.float() if t.is_floating_point() else t, outputs)
+
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        return self.call(inputs if len(inputs) > 1 else inputs[0])

@@ -24,8 +24,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch.utils.data import DataLoader, Dataset
 
 from gpuflow.errors import UserError
-from gpuflow.serve.codecs import Codec, Decoded, InputError, PredictRequest
 from gpuflow.serve.engine import Engine
+from gpuflow.serving import Codec, Decoded, InputError, PredictRequest
 
 
 @dataclass(frozen=True)

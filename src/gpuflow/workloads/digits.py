@@ -13,6 +13,7 @@ from gpuflow.data.streaming import open_packed
 from gpuflow.errors import UserError
 from gpuflow.models.cnn import SmallCNN
 from gpuflow.workload import Workload
+from gpuflow.workloads.image_codec import image_serving
 
 VAL_FRACTION = 0.2
 SPLIT_SEED = 1234
@@ -59,7 +60,8 @@ def build(width: int = 32, depth: int = 2, data: str = "real",
     packed = open_packed(data_dir, "digits") if data == "real" else None
     if packed is not None:
         return Workload(name="digits", model=model, train_dataset=packed.train,
-                        val_dataset=packed.val, example_batch=packed.example)
+                        val_dataset=packed.val, example_batch=packed.example,
+                        serving=image_serving(packed.example[0].shape[1:], None))
     if data_dir is not None and data == "real":
         raise UserError(f"--data-dir {data_dir} holds no packed set; the digits workload "
                         "reads scikit-learn's bundled scans, or a set made by "
@@ -75,4 +77,5 @@ def build(width: int = 32, depth: int = 2, data: str = "real",
         model=model,
         train_dataset=TensorDataset(images[train_idx], labels[train_idx]),
         val_dataset=TensorDataset(images[val_idx], labels[val_idx]),
+        serving=image_serving(images.shape[1:], (float(mean), float(std))),
     )

@@ -12,6 +12,7 @@ from gpuflow.data.streaming import open_packed
 from gpuflow.errors import UserError
 from gpuflow.models.cnn import SmallCNN
 from gpuflow.workload import Workload
+from gpuflow.workloads.image_codec import image_serving
 
 # Where Debian's dataset-fashion-mnist package puts the set.
 DEFAULT_DIRS = (Path("/usr/share/datasets/fashion-mnist"),)
@@ -84,6 +85,7 @@ def build(data_dir: str | None = None, data: str = "real",
             model=SmallCNN(in_channels=1, num_classes=max(packed.meta["num_classes"], 2),
                            width=width, depth=depth, stem_stride=2),
             train_dataset=packed.train, val_dataset=packed.val, example_batch=packed.example,
+            serving=image_serving(packed.example[0].shape[1:], None),
         )
     if data == "synthetic":
         (train_x, train_y), (test_x, test_y) = (_synthetic(SYNTHETIC_TRAIN, 0),
@@ -99,4 +101,6 @@ def build(data_dir: str | None = None, data: str = "real",
                        stem_stride=2),
         train_dataset=TensorDataset((train_x - mean) / std, train_y),
         val_dataset=TensorDataset((test_x - mean) / std, test_y),
+        serving=image_serving(train_x.shape[1:],
+                              None if data == "synthetic" else (float(mean), float(std))),
     )

@@ -20,6 +20,7 @@ from gpuflow.data.streaming import open_packed
 from gpuflow.errors import UserError
 from gpuflow.models.speech import SpeechClassifier
 from gpuflow.workload import Workload
+from gpuflow.workloads.speech_codec import speech_serving
 
 SAMPLE_RATE = 8000
 NUM_CLASSES = 10
@@ -186,4 +187,5 @@ def build(data_dir: str | None = None, data: str = "real",
         val_dataset=test,
         collate_fn=collate_waveforms,
         example_batch=example,
+        serving=speech_serving(NUM_CLASSES, SAMPLE_RATE),
     )

@@ -25,6 +25,7 @@ from gpuflow.models.gpt import GPT, GPTConfig
 from gpuflow.models.gpt2_format import save_as_gpt2
 from gpuflow.parallel.tensor import transformer_plan
 from gpuflow.workload import Workload
+from gpuflow.workloads.text_codec import text_serving
 
 VOCAB_SIZE = 256
 EXAMPLE_ITEMS = 4
@@ -144,6 +145,7 @@ def build(data_dir: str | None = None, data: str = "real",
         tokens_per_sample=seq,
         tensor_parallel_plan=transformer_plan(sequence_parallel=True),
         export_hf=save_as_gpt2,
+        serving=text_serving(config.seq_len, config.vocab_size),
     )
 
 

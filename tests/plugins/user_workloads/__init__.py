@@ -187,3 +187,42 @@ def checked_gpt() -> gpuflow.Workload:
     workload.repeated_blocks = lambda model: model.gpt.blocks
     workload.tensor_parallel_plan = None
     return workload
+
+
+class MaskedClassifier(nn.Module):
+    """Takes two tensors by name: features and a 0/1 mask of the features to use."""
+
+    def __init__(self, features: int = 16, classes: int = 4) -> None:
+        super().__init__()
+        self.body = TinyMLP(features, classes)
+
+    def forward(self, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.body(features * mask)
+
+
+class NamedInputs(Dataset):
+    """``({"features": x, "mask": m}, label)`` items, as a feature pipeline yields them."""
+
+    def __init__(self, base: TensorDataset, seed: int) -> None:
+        self.base = base
+        features = base.tensors[0].shape[1]
+        generator = torch.Generator().manual_seed(seed)
+        self.masks = (torch.rand(len(base), features, generator=generator) > 0.1).long()
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, index: int):
+        x, y = self.base[index]
+        return {"features": x, "mask": self.masks[index]}, y
+
+
+def masked() -> gpuflow.Workload:
+    return gpuflow.Workload(name="user-masked", model=MaskedClassifier(),
+                            train_dataset=NamedInputs(_separable(512), seed=3),
+                            val_dataset=NamedInputs(_separable(128, seed=1), seed=4))
+
+
+def unbuildable() -> gpuflow.Workload:
+    """A factory that fails as a broken environment would, for the server's start-up."""
+    raise gpuflow.UserError("the model's configuration file is missing")

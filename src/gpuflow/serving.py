@@ -1,0 +1,368 @@
+"""The serving contract: how a request becomes model inputs and an output an answer.
+
+A codec decodes a request into rows and a batching key: rows with the same key can be
+stacked into one batch (same kind of input, same padded length). It runs a batch of rows
+through the model and formats one row's output for the response. A workload may declare
+its own codec (``Workload.serving``: image, text and speech workloads take their natural
+inputs); every other model is served by ``TensorCodec``, which takes the model's inputs as
+tensors, tuples or dicts of tensors shaped like its example batch.
+
+What a codec needs from training (normalisation statistics, the input schema) is its
+*state*: a JSON-able dict saved with the run at training time (``serving.json``) and read
+back from the run or its export, so a server needs neither the training data nor the code
+that split it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import inspect
+import math
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from gpuflow.errors import UserError
+
+if TYPE_CHECKING:
+    from gpuflow.workload import Workload
+
+MAX_NEW_TOKENS = 512
+TOP_K_DEFAULT = 5
+INPUT_FIELDS = ("inputs", "image", "pixels", "text", "audio")
+SERVING_FILE = "serving.json"  # in a run dir: the codec's state, saved at training time
+
+
+class InputError(ValueError):
+    """A request whose inputs do not fit the model (HTTP 422)."""
+
+
+class PredictRequest(BaseModel):
+    """The body of ``POST /v1/predict``: exactly one of the input fields."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    inputs: list[Any] | dict[str, Any] | None = Field(
+        None, description="Raw model inputs: a list of samples, each a nested list with the "
+                          "model's per-sample shape; for a model taking several tensors, an "
+                          "object mapping each input's name to such a list.")
+    image: str | None = Field(None, description="One image, base64-encoded PNG or JPEG.")
+    pixels: list[list[float]] | None = Field(
+        None, description="One grayscale image as rows of pixel values in [0, 255].")
+    text: str | None = Field(None, description="A prompt for a text model.")
+    audio: str | None = Field(None, description="One clip, base64-encoded PCM WAV.")
+    max_new_tokens: int = Field(16, ge=0, le=MAX_NEW_TOKENS,
+                                description="Text models: bytes to generate.")
+    temperature: float = Field(0.0, ge=0.0, le=10.0,
+                               description="Text models: 0 is greedy; above 0 samples.")
+    top_k: int = Field(TOP_K_DEFAULT, ge=1, le=1000,
+                       description="Most probable labels returned with each prediction.")
+    timeout_ms: float | None = Field(
+        None, gt=0, description="Deadline for this request; at most the server's --timeout-ms.")
+
+    def given(self) -> list[str]:
+        return [name for name in INPUT_FIELDS if getattr(self, name) is not None]
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """A request's rows and the key of the batches they may join."""
+
+    key: Hashable
+    rows: list[Any]
+
+
+def length_bucket(length: int, smallest: int, largest: int) -> int:
+    """The padded length for ``length``: the next power of two, within [smallest, largest]."""
+    return min(largest, max(smallest, 1 << max(0, math.ceil(math.log2(max(length, 1))))))
+
+
+def length_buckets(smallest: int, largest: int) -> list[int]:
+    buckets, size = [], smallest
+    while size < largest:
+        buckets.append(size)
+        size *= 2
+    return [*buckets, largest]
+
+
+def b64decode(text: str, field: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise InputError(f"{field} must be base64-encoded bytes.") from None
+
+
+def top_labels(probs: torch.Tensor, labels: Sequence[str], k: int) -> dict[str, Any]:
+    """The argmax label, its probability and the ``k`` most probable labels."""
+    values, indices = probs.topk(min(k, probs.numel()))
+    top = [{"label": labels[int(i)], "index": int(i), "probability": float(v)}
+           for v, i in zip(values, indices, strict=True)]
+    return {**top[0], "top": top}
+
+
+class Codec:
+    """Decodes requests into rows, runs batches of rows, formats each row's output."""
+
+    kind = "tensor"
+    file_suffixes: tuple[str, ...] = (".json",)
+
+    def accepted(self) -> tuple[str, ...]:
+        return ("inputs",)
+
+    def decode(self, request: PredictRequest) -> Decoded:
+        given = request.given()
+        if len(given) != 1 or given[0] not in self.accepted():
+            raise InputError(f"Give exactly one of {', '.join(self.accepted())} for this "
+                             f"{self.kind} model (got {', '.join(given) or 'none'}).")
+        return getattr(self, f"_decode_{given[0]}")(getattr(request, given[0]), request)
+
+    def decode_file(self, path: Path, defaults: dict[str, Any]) -> Decoded:
+        """A file as a request: a JSON request body, or the codec's natural file type."""
+        try:
+            if path.suffix == ".json":
+                return self.decode(PredictRequest.model_validate_json(path.read_bytes()))
+            return self._decode_path(path, defaults)
+        except (InputError, ValueError, OSError) as exc:
+            raise InputError(f"{path}: {exc}") from None
+
+    def _decode_path(self, path: Path, defaults: dict[str, Any]) -> Decoded:
+        raise InputError(f"cannot read {path.suffix} files; give {self.file_suffixes}")
+
+    def _decode_inputs(self, inputs: Any, request: PredictRequest) -> Decoded:
+        raise NotImplementedError
+
+    def from_sample(self, inputs: Any, defaults: dict[str, Any]) -> Decoded:
+        """A sample of a packed set: already what the model takes, as in training."""
+        raise NotImplementedError
+
+    def warmup_rows(self) -> list[tuple[Hashable, Any]]:
+        """One row per batching key, to warm up every bucket before serving."""
+        raise NotImplementedError
+
+    def run(self, runner: Any, key: Hashable, rows: list[Any]) -> list[Any]:
+        """One batch through the model; one output per row."""
+        raise NotImplementedError
+
+    def format(self, output: Any, request: PredictRequest) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+def class_labels(count: int) -> list[str]:
+    return [str(i) for i in range(count)]
+
+
+def classify(logits: torch.Tensor) -> list[torch.Tensor]:
+    """Each row's class probabilities."""
+    return list(torch.softmax(logits.float(), dim=-1).cpu().unbind(0))
+
+
+@dataclass(frozen=True)
+class InputField:
+    """One tensor the model takes: its name, dtype and per-sample shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def describe(self) -> str:
+        return f"[N, {', '.join(map(str, self.shape))}] {self.dtype}".replace("[N, ]", "[N]")
+
+
+@dataclass(frozen=True)
+class InputSchema:
+    """How the model is called: one tensor, a tuple (positional) or a dict (keywords)."""
+
+    call: str  # "tensor" | "positional" | "keyword"
+    fields: tuple[InputField, ...]
+
+    @classmethod
+    def of(cls, inputs: Any, model: nn.Module) -> InputSchema:
+        """The schema of an example batch's inputs; positional inputs take the names of the
+        model's ``forward`` parameters."""
+        def field(name: str, tensor: Any) -> InputField:
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"input {name!r} is a {type(tensor).__name__}, not a tensor")
+            return InputField(name, str(tensor.dtype).removeprefix("torch."),
+                              tuple(tensor.shape[1:]))
+
+        if isinstance(inputs, torch.Tensor):
+            return cls("tensor", (field("inputs", inputs),))
+        if isinstance(inputs, Mapping):
+            return cls("keyword", tuple(field(str(k), v) for k, v in inputs.items()))
+        names = _parameter_names(model, len(inputs))
+        return cls("positional", tuple(field(n, v) for n, v in zip(names, inputs, strict=True)))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"call": self.call, "fields": [
+            {"name": f.name, "dtype": f.dtype, "shape": list(f.shape)} for f in self.fields]}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> InputSchema:
+        return cls(data["call"], tuple(InputField(f["name"], f["dtype"], tuple(f["shape"]))
+                                       for f in data["fields"]))
+
+    def inputs(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """What the model is called with, from one tensor per field."""
+        if self.call == "tensor":
+            return tensors[0]
+        if self.call == "positional":
+            return tuple(tensors)
+        return {f.name: t for f, t in zip(self.fields, tensors, strict=True)}
+
+    def tensors(self, inputs: Any) -> list[torch.Tensor]:
+        """One tensor per field from what the model is called with (a packed sample)."""
+        if self.call == "tensor":
+            return [torch.as_tensor(inputs)]
+        if self.call == "positional":
+            return [torch.as_tensor(value) for value in inputs]
+        return [torch.as_tensor(inputs[f.name]) for f in self.fields]
+
+
+def _parameter_names(model: nn.Module, count: int) -> list[str]:
+    try:
+        parameters = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        parameters = []
+    names = [p.name for p in parameters
+             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:count]
+    return names if len(names) == count else [str(i) for i in range(count)]
+
+
+def _as_field(field: InputField, values: Any, where: str) -> torch.Tensor:
+    """``values`` as a tensor of ``field``'s dtype, ``[N, *shape]``, or an InputError."""
+    try:
+        tensor = torch.tensor(values)
+    except (TypeError, ValueError, RuntimeError):
+        raise InputError(f"{where} must be a list of equally shaped numeric samples; this "
+                         f"model takes {field.describe()}.") from None
+    expected = field.torch_dtype
+    if tensor.is_floating_point() and not (expected.is_floating_point or expected.is_complex):
+        raise InputError(f"{where} holds fractional numbers; this model takes integers: "
+                         f"{field.describe()}.")
+    if tensor.ndim == 0 or len(tensor) == 0 or tuple(tensor.shape[1:]) != field.shape:
+        raise InputError(f"{where} has shape {list(tensor.shape)}; this model takes "
+                         f"{field.describe()}.")
+    return tensor.to(expected)
+
+
+class TensorCodec(Codec):
+    """Any model: its inputs as tensors (``{"inputs": [...]}``), or for a model taking
+    several, one field each (``{"inputs": {"input_ids": [...], "attention_mask": [...]}}``),
+    checked against the example batch's dtypes and per-sample shapes.
+
+    Class logits (``[N, classes]``, alone or as ``.logits``) are answered as the top-k
+    labels; any other output as its tensors, by name.
+    """
+
+    def __init__(self, schema: InputSchema) -> None:
+        self.schema = schema
+        self.fields = schema.fields
+
+    def _decode_inputs(self, inputs: Any, request: PredictRequest) -> Decoded:
+        if self.schema.call == "tensor":
+            if not isinstance(inputs, list):
+                raise InputError(f"inputs must be a list of samples; this model takes "
+                                 f"{self.fields[0].describe()}.")
+            columns = [_as_field(self.fields[0], inputs, "inputs")]
+        else:
+            names = [f.name for f in self.fields]
+            if not isinstance(inputs, dict):
+                raise InputError(f"inputs must be an object with the fields {', '.join(names)}.")
+            missing = [n for n in names if n not in inputs]
+            extra = [n for n in inputs if n not in names]
+            if missing or extra:
+                problem = (f"is missing {', '.join(map(repr, missing))}" if missing
+                           else f"has unknown {', '.join(map(repr, extra))}")
+                raise InputError(f"inputs {problem}; this model takes "
+                                 + ", ".join(f"{f.name} {f.describe()}" for f in self.fields)
+                                 + ".")
+            columns = [_as_field(f, inputs[f.name], f"inputs.{f.name}") for f in self.fields]
+            if len({len(column) for column in columns}) > 1:
+                raise InputError("every field of inputs must hold the same number of samples.")
+        return Decoded(self.kind, list(zip(*(c.unbind(0) for c in columns), strict=True)))
+
+    def from_sample(self, inputs: Any, defaults: dict[str, Any]) -> Decoded:
+        tensors = self.schema.tensors(inputs)
+        for field, tensor in zip(self.fields, tensors, strict=True):
+            if tuple(tensor.shape) != field.shape:
+                raise InputError(f"a packed sample's {field.name} has shape "
+                                 f"{list(tensor.shape)}; this model takes {list(field.shape)}.")
+        return Decoded(self.kind, [tuple(t.to(f.torch_dtype) for f, t in
+                                         zip(self.fields, tensors, strict=True))])
+
+    def warmup_rows(self) -> list[tuple[Hashable, Any]]:
+        return [(self.kind, tuple(torch.zeros(f.shape, dtype=f.torch_dtype)
+                                  for f in self.fields))]
+
+    def run(self, runner: Any, key: Hashable, rows: list[Any]) -> list[Any]:
+        columns = [torch.stack(column) for column in zip(*rows, strict=True)]
+        outputs = runner.call(self.schema.inputs(columns))
+        logits = _class_logits(outputs)
+        if logits is not None:
+            return classify(logits)
+        named = _named_tensors(outputs)
+        return [{name: tensor[i] for name, tensor in named.items()} for i in range(len(rows))]
+
+    def format(self, output: Any, request: PredictRequest) -> dict[str, Any]:
+        if isinstance(output, torch.Tensor):
+            return top_labels(output, class_labels(output.numel()), request.top_k)
+        return {"outputs": {name: tensor.tolist() for name, tensor in output.items()}}
+
+
+def _class_logits(outputs: Any) -> torch.Tensor | None:
+    """Class logits ``[N, classes]``: the output itself, or its ``.logits``."""
+    found = outputs if isinstance(outputs, torch.Tensor) else getattr(outputs, "logits", None)
+    return found if isinstance(found, torch.Tensor) and found.ndim == 2 else None
+
+
+def _named_tensors(outputs: Any) -> dict[str, torch.Tensor]:
+    """Every per-sample tensor of an output, by name (a tuple's by position)."""
+    if isinstance(outputs, torch.Tensor):
+        return {"output": outputs.cpu()}
+    items = outputs.items() if isinstance(outputs, Mapping) else enumerate(outputs)
+    return {str(name): value.cpu() for name, value in items
+            if isinstance(value, torch.Tensor) and value.ndim > 0}
+
+
+@dataclass(frozen=True)
+class ServingSpec:
+    """A workload's own codec: ``state`` is saved with the run at training time and handed
+    to ``codec`` with the trained model when a server loads it."""
+
+    codec: Callable[[nn.Module, Mapping[str, Any]], Codec]
+    state: Mapping[str, Any]
+
+
+def serving_state(workload: Workload) -> dict[str, Any]:
+    """What the workload's codec needs from training, JSON-able, to save with the run."""
+    if workload.serving is not None:
+        return {"spec": dict(workload.serving.state)}
+    inputs, _ = workload.get_example_batch()
+    try:
+        return {"inputs": InputSchema.of(inputs, workload.model).to_json()}
+    except TypeError:
+        return {}  # not servable by TensorCodec; make_codec says why when asked
+
+
+def make_codec(workload: Workload, state: Mapping[str, Any] | None = None) -> Codec:
+    """The workload's codec, from the state saved at training (or, for a run saved before
+    gpuflow saved it, from the rebuilt workload)."""
+    state = serving_state(workload) if state is None else state
+    if workload.serving is not None:
+        return workload.serving.codec(workload.model, state.get("spec", workload.serving.state))
+    if "inputs" not in state:
+        inputs, _ = workload.get_example_batch()
+        raise UserError(f"Workload {workload.name!r} cannot be served: its inputs are a "
+                        f"{type(inputs).__name__} with parts that are not tensors; declare "
+                        "Workload(serving=ServingSpec(...)) with a codec that decodes them.")
+    return TensorCodec(InputSchema.from_json(state["inputs"]))
