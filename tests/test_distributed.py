@@ -288,10 +288,15 @@ def test_pipeline_matches_one_process_and_resumes_in_one(
     assert summary["final_metrics"]["val_loss"] > 0
     # The schedule's waits for sends and receives (the bubble with them) hold the host.
     assert_exposed_comm_measured(step_records(run_dir))
+    assert resumed_in_one_process(run_dir) == pytest.approx(gpt_single, abs=1e-4)
+
+
+def resumed_in_one_process(run_dir: Path) -> list[float]:
+    """The pipelined run continued to step 12 in one process: its whole loss curve."""
     result = run_cli("train", "--resume", str(run_dir), "--nproc", "1", "--strategy", "single",
                      "--pp", "1", "--max-steps", "12", "--no-progress")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert losses(run_dir) == pytest.approx(gpt_single, abs=1e-4)
+    return losses(run_dir)
 
 
 def test_one_process_checkpoint_resumes_under_interleaved_pipeline(
@@ -319,10 +324,7 @@ def test_an_untraceable_model_is_cut_into_manual_stages_and_resumes_in_one(
     # Measured here: max |difference| about 3e-7.
     assert losses(tmp_path) == pytest.approx(gpt_single[:10], abs=1e-4)
     assert eval_loss(tmp_path) > 0
-    result = run_cli("train", "--resume", str(tmp_path), "--nproc", "1", "--strategy", "single",
-                     "--pp", "1", "--max-steps", "12", "--no-progress")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert losses(tmp_path) == pytest.approx(gpt_single, abs=1e-4)
+    assert resumed_in_one_process(tmp_path) == pytest.approx(gpt_single, abs=1e-4)
 
 
 def test_manual_stages_under_fsdp_and_interleaved_resume_a_one_process_run(

@@ -23,6 +23,7 @@ from user_workloads import hf_models
 
 import gpuflow
 from gpuflow.errors import UserError
+from gpuflow.planner.profile import tensor_parallel_plan
 from gpuflow.serve.app import ServeSettings, create_app
 from gpuflow.workload import accuracy, cross_entropy, model_logits
 
@@ -62,6 +63,8 @@ def test_layers_and_the_models_own_tensor_parallel_plan_are_found() -> None:
     assert isinstance(plan["mlp.down_proj"], RowwiseParallel)
     with pytest.raises(UserError, match="4 num attention heads, which --tp 3"):
         llama.parallel_plan(3)
+    # The planner offers tensor-parallel layouts on the same plan.
+    assert set(tensor_parallel_plan(llama)) == set(plan)
     vit = hf_models.vit()
     assert [type(b).__name__ for b in vit.blocks()] == ["ViTLayer"] * 2  # not ViTEmbeddings
     gpt2 = gpuflow.Workload(name="gpt2", model=GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32,

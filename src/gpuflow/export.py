@@ -49,7 +49,7 @@ def export_model(run_dir: Path, out: Path,
     saved = run_dir / SERVING_FILE
     serving = json.loads(saved.read_text()) if saved.is_file() else None
     if format == "hf":
-        _export_hf(config, model_state, out, checkpoint.step)
+        _export_hf(config, model_state, checkpoint, out)
         return out, checkpoint.step
     metadata = {
         "gpuflow_export_format": EXPORT_FORMAT_VERSION,
@@ -65,22 +65,17 @@ def export_model(run_dir: Path, out: Path,
     return out, checkpoint.step
 
 
-def _export_hf(config: dict[str, Any], model_state: dict[str, torch.Tensor], out: Path,
-               step: int) -> None:
+def _export_hf(config: dict[str, Any], model_state: dict[str, torch.Tensor],
+               checkpoint: ckpt.Checkpoint, out: Path) -> None:
     """Rebuild the workload's model, load the weights and let the workload write it; the
     directory appears whole or not at all."""
-    from gpuflow.serve.model import build_workload
+    from gpuflow.serve.model import restore_workload
 
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; a Hugging Face export is a directory.")
-    workload = build_workload(config)
+    workload = restore_workload(config, model_state, checkpoint.path)
     writer = workload.hf_writer()
-    try:
-        workload.model.load_state_dict(model_state, strict=True)
-    except RuntimeError as exc:
-        raise UserError(f"The checkpoint does not fit workload {workload.name!r}: "
-                        f"{str(exc).splitlines()[0]}") from None
-    workload.model.eval()
+    step = checkpoint.step
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

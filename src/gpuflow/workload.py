@@ -122,9 +122,9 @@ class Workload:
             return list(found)
         return hf.layers(self.model) if hf.is_hf_model(self.model) else []
 
-    def parallel_plan(self, degree: int) -> Mapping[str, Any] | None:
-        """``tensor_parallel_plan``, else a Hugging Face model's own plan, for ``--tp
-        degree`` (a UserError names the layer that plan cannot split)."""
+    def parallel_plan(self, degree: int | None = None) -> Mapping[str, Any] | None:
+        """``tensor_parallel_plan``, else a Hugging Face model's own plan, checked for
+        ``--tp degree`` when given (a UserError names the layer that plan cannot split)."""
         if self.tensor_parallel_plan is not None or not hf.is_hf_model(self.model):
             return self.tensor_parallel_plan
         return hf.tensor_parallel_plan(self.model, self.blocks(), degree)

@@ -21,8 +21,9 @@ def register(commands: Any) -> None:
     add("--workload", default="textlm", help="built-in name or pkg.module:factory "
         "(built on the meta device where possible: nothing is allocated)")
     add("--model-size", help="the workload's model size preset or dimensions")
-    add("--data", default="synthetic", choices=["real", "synthetic"],
-        help="data the workload is built with (default synthetic: only shapes matter)")
+    add("--data", choices=["real", "synthetic"],
+        help="data the workload is built with (default for the built-in workloads: "
+             "synthetic, only shapes matter; your own factory is called without it)")
     add("--data-dir", help="the workload's data folder")
     add("--transformer", help="plan a transformer by dimensions instead of a workload: "
         "llama3-8b, or layers=L,dim=D,heads=H,vocab=V,seq=T[,kv_heads,ffn,gated,tied,bias]")
@@ -78,9 +79,11 @@ def _build_workload(args: argparse.Namespace) -> Any:
     """On the meta device when the factory allows it (no memory, no initialisation)."""
     import torch
 
-    from gpuflow.workload import resolve_workload
+    from gpuflow.workload import BUILTIN_WORKLOADS, resolve_workload
 
-    options = {"data": args.data}
+    options = {}
+    if args.data or args.workload in BUILTIN_WORKLOADS:
+        options["data"] = args.data or "synthetic"
     if args.model_size:
         options["model_size"] = args.model_size
     if args.data_dir:

@@ -37,6 +37,15 @@ from gpuflow.workload import Workload
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def tensor_parallel_plan(workload: Workload) -> Any:
+    """The plan ``--strategy tp`` would apply (a Hugging Face model's own included), or None
+    where there is none to plan with."""
+    try:
+        return workload.parallel_plan()
+    except UserError:
+        return None
+
+
 @dataclass(frozen=True)
 class ModelProfile:
     """Per-sample figures of one model in one precision; bytes unless named otherwise."""
@@ -159,7 +168,7 @@ class _SavedTensorRecorder:
         for index, block in enumerate(blocks):
             handles.append(block.register_forward_pre_hook(self._enter(index == 0)))
             handles.append(block.register_forward_hook(self._leave))
-            for name, style in (workload.tensor_parallel_plan or {}).items():
+            for name, style in (tensor_parallel_plan(workload) or {}).items():
                 layer = block.get_submodule(name)
                 if isinstance(style, ColwiseParallel):
                     handles.append(layer.register_forward_hook(self._set_sharded(True)))
@@ -321,7 +330,7 @@ def profile_workload(workload: Workload, precision: str = "fp32",
                            for f in fields(_Trace) if f.name != "saved"})
     block_ids = {id(p) for block in workload.blocks() for p in block.parameters()}
     tp_ids = {id(p) for block in workload.blocks()
-              for name, style in (workload.tensor_parallel_plan or {}).items()
+              for name, style in (tensor_parallel_plan(workload) or {}).items()
               if isinstance(style, ColwiseParallel | RowwiseParallel)
               for p in block.get_submodule(name).parameters()
               if not (isinstance(style, RowwiseParallel) and p.dim() == 1)}

@@ -15,7 +15,7 @@ from gpuflow.planner.cost import StepTime, predict_step_time
 from gpuflow.planner.hardware import GPU_TYPES, Hardware, cpu_hardware, gpu_hardware
 from gpuflow.planner.layout import DEFAULT_SETTINGS, Layout, RunSettings
 from gpuflow.planner.memory import MemoryBreakdown, predict_memory
-from gpuflow.planner.profile import ModelProfile, profile_workload
+from gpuflow.planner.profile import ModelProfile, profile_workload, tensor_parallel_plan
 from gpuflow.workload import Workload
 
 
@@ -219,7 +219,7 @@ def choose_plan(workload: Workload, config_like: Any, devices: int | Hardware,
     profiles = {precision: profile_workload(workload, precision,
                                             fsdp=hardware.devices > 1)}
     plans = search(profiles, hardware, global_batch,
-                   tensor_parallel=workload.tensor_parallel_plan is not None,
+                   tensor_parallel=tensor_parallel_plan(workload) is not None,
                    pipeline=pipeline, settings=RunSettings.of(config_like))
     if not plans or not plans[0].fits:
         raise UserError(recommendation(plans, hardware) if plans else

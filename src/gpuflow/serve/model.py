@@ -116,10 +116,9 @@ def build_workload(config: dict[str, Any], workload: str | None = None) -> Workl
         return resolve_workload(spec, {**options, "data": "synthetic"})
 
 
-def load_model(path: str | Path, workload: str | None = None) -> LoadedModel:
-    """Rebuild the run's model and load its weights; ``workload`` overrides the saved one."""
-    source = Path(path)
-    config, weights, step, serving = read_source(source)
+def restore_workload(config: dict[str, Any], weights: dict[str, torch.Tensor], source: Path,
+                     workload: str | None = None) -> Workload:
+    """The run's workload rebuilt, its model holding ``weights``, in eval mode."""
     built = build_workload(config, workload)
     try:
         built.model.load_state_dict(weights, strict=True)
@@ -127,7 +126,15 @@ def load_model(path: str | Path, workload: str | None = None) -> LoadedModel:
         raise UserError(f"The weights in {source} do not fit workload "
                         f"{workload or config.get('workload')!r}: {exc}") from None
     built.model.eval()
-    return LoadedModel(built, config, step, source, serving)
+    return built
+
+
+def load_model(path: str | Path, workload: str | None = None) -> LoadedModel:
+    """Rebuild the run's model and load its weights; ``workload`` overrides the saved one."""
+    source = Path(path)
+    config, weights, step, serving = read_source(source)
+    return LoadedModel(restore_workload(config, weights, source, workload), config, step,
+                       source, serving)
 
 
 class Runner:

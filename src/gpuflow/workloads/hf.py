@@ -60,7 +60,7 @@ def _model_plan(model: nn.Module) -> dict[str, str]:
 
 
 def tensor_parallel_plan(model: nn.Module, blocks: Sequence[nn.Module],
-                         degree: int) -> dict[str, Any]:
+                         degree: int | None) -> dict[str, Any]:
     """The model's own plan as DTensor styles keyed relative to each block.
 
     Entries outside the blocks (embeddings, the LM head) are left out: gpuflow keeps those
@@ -93,7 +93,8 @@ def tensor_parallel_plan(model: nn.Module, blocks: Sequence[nn.Module],
         raise UserError(f"{kind}'s tensor-parallel plan names none of its repeated layers "
                         f"({', '.join(block_names[:2])}, ...): give the Workload a "
                         "tensor_parallel_plan.")
-    _check_heads(model, degree)
+    if degree is not None:
+        _check_heads(model, degree)
     return relative
 
 
