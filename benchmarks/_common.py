@@ -14,6 +14,7 @@ import os
 import platform
 import re
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -156,6 +157,18 @@ def timestamp() -> str:
 
 def command_line() -> str:
     return " ".join([Path(sys.executable).name, *sys.argv])
+
+
+def git_commit() -> dict[str, Any]:
+    """The commit the benchmark ran at, and whether the working tree differed from it."""
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    return {"commit": git("rev-parse", "HEAD") or None,
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:

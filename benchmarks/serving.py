@@ -36,7 +36,14 @@ import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import default_result_path, machine_info, package_version, versions  # noqa: E402
+from _common import (  # noqa: E402
+    command_line,
+    default_result_path,
+    git_commit,
+    machine_info,
+    package_version,
+    versions,
+)
 
 CONFIGS = {"dynamic": None, "max_batch_size_1": 1}
 
@@ -103,7 +110,7 @@ def batch_rows(url: str) -> tuple[float, float]:
 
 
 async def drive(url: str, body: dict[str, Any], concurrency: int, warmup_s: float,
-                window_s: float) -> dict[str, Any]:
+                window_s: float, path: str = "/v1/predict") -> dict[str, Any]:
     """Closed loop: ``concurrency`` clients; only answers that start inside the window count."""
     latencies: list[float] = []
     errors = 0
@@ -115,7 +122,7 @@ async def drive(url: str, body: dict[str, Any], concurrency: int, warmup_s: floa
         async def client_loop() -> None:
             nonlocal errors
             while (sent := time.perf_counter()) < window_end:
-                reply = await client.post("/v1/predict", json=body)
+                reply = await client.post(path, json=body)
                 if sent >= window_start:
                     latencies.append(time.perf_counter() - sent)
                     errors += reply.status_code != 200
@@ -204,6 +211,8 @@ def main() -> int:
                 process.wait(timeout=30)
     result = {
         "benchmark": "serving",
+        "command": command_line(),
+        "git": git_commit(),
         "model": f"{args.workload}, untrained weights",
         "settings": {k: getattr(args, k) for k in ("device", "cuda_graphs", "concurrency",
                                                     "max_batch_size",

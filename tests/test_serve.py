@@ -142,16 +142,39 @@ def test_served_predictions_match_the_trained_model_run_directly(digits_run: Pat
     run(scenario)
 
 
-def test_concurrent_requests_are_batched_and_measured() -> None:
+def test_a_lone_request_runs_at_once_however_long_batches_may_wait() -> None:
     async def scenario() -> None:
         app = probe_app(Probe(), max_wait_ms=10_000)
         async with serving(app) as client:
-            replies = await asyncio.gather(*(client.post("/v1/predict", json=rows(i))
-                                             for i in range(8)))
+            replies = [(await client.post("/v1/predict", json=rows(i))).json()
+                       for i in range(3)]
+        # Nobody else was on the way: no request waited for company.
+        assert all(r["batch_rows"] == 1 and r["queue_ms"] < 1000 for r in replies), replies
+
+    run(scenario)
+
+
+def test_requests_arriving_while_a_batch_runs_form_the_next_batch() -> None:
+    probe = Probe()
+
+    async def scenario() -> None:
+        app = probe_app(probe, max_wait_ms=10_000)
+        async with serving(app) as client:
+            probe.entered.clear()
+            probe.gate.clear()
+            first = asyncio.create_task(client.post("/v1/predict", json=rows(0)))
+            assert await asyncio.to_thread(probe.entered.wait, 10)
+            later = [asyncio.create_task(client.post("/v1/predict", json=rows(i)))
+                     for i in range(1, 8)]
+            await eventually(lambda: app.state.serve.batcher.depth == 7)
+            probe.gate.set()
+            replies = [await first, *await asyncio.gather(*later)]
             text = (await client.get("/metrics")).text
         assert [r.status_code for r in replies] == [200] * 8
-        assert {r.json()["batch_rows"] for r in replies} == {8}
-        assert metric(text, "gpuflow_batch_size_count") == 1
+        assert [r.json()["batch_rows"] for r in replies] == [1] + [7] * 7
+        # The seven ran as soon as the model was free, not after --max-wait-ms.
+        assert all(r.json()["queue_ms"] < 5000 for r in replies[1:])
+        assert metric(text, "gpuflow_batch_size_count") == 2
         assert metric(text, "gpuflow_batch_size_sum") == 8
         assert metric(text, 'gpuflow_requests_total{status="200"}') == 8
         assert metric(text, "gpuflow_request_latency_seconds_count") == 8

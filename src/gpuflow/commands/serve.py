@@ -21,7 +21,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "serve", help="serve a model over HTTP with dynamic batching",
         description="Serve a run dir or an exported .safetensors file over HTTP "
-                    "(POST /v1/predict, /healthz, /readyz, /metrics; API docs at /docs).")
+                    "(POST /v1/predict, /healthz, /readyz, /metrics; for language models "
+                    "also the OpenAI-compatible POST /v1/completions and GET /v1/models; "
+                    "API docs at /docs).")
     add = parser.add_argument
     add("source", metavar="RUN_DIR|MODEL.safetensors", help="a gpuflow run dir or export")
     add("--workload", help="rebuild the model with this workload instead of the saved one")
@@ -30,7 +32,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     add("--port", type=int, default=8000, help="default 8000")
     add("--max-batch-size", type=int, default=32, help="rows per batch (default 32)")
     add("--max-wait-ms", type=float, default=5.0,
-        help="longest a request waits for its batch to fill (default 5)")
+        help="longest a partial batch waits for requests already on their way in "
+             "(default 5); a request that finds the model idle and nobody else coming "
+             "runs at once")
     add("--max-queue", type=int, default=1024,
         help="requests that may wait; more get 503 queue_full (default 1024)")
     add("--timeout-ms", type=float, default=2000.0,
@@ -43,6 +47,10 @@ def register(commands: argparse._SubParsersAction) -> None:
     add("--compile", action="store_true", help="torch.compile the model for each bucket")
     add("--cuda-graphs", action="store_true",
         help="CUDA only: capture CUDA graphs for the fixed buckets (implies --compile)")
+    add("--kv-cache-gib", type=float,
+        help="language models: memory for the KV cache of /v1/completions, which holds up "
+             "to --max-batch-size sequences (default: half the GPU's free memory, a quarter "
+             "of a CPU's RAM)")
     add("--workers", type=int, default=1,
         help="server processes, each with its own copy of the model (default 1)")
     add("--threads", type=int,
@@ -76,6 +84,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     for name in ("max_batch_size", "max_queue", "workers", "max_body_bytes", "threads"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1.")
+    if args.kv_cache_gib is not None and args.kv_cache_gib <= 0:
+        raise UserError("--kv-cache-gib must be positive.")
     if args.max_wait_ms < 0 or args.timeout_ms <= 0:
         raise UserError("--max-wait-ms must be 0 or more and --timeout-ms positive.")
     check_source(Path(args.source))  # exit code 2 on a wrong path, before uvicorn starts
@@ -85,7 +95,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         max_queue=args.max_queue, timeout_ms=args.timeout_ms,
         max_body_bytes=args.max_body_bytes, device=args.device, precision=args.precision,
         compile=args.compile or args.cuda_graphs, cuda_graphs=args.cuda_graphs, token=token,
-        threads=args.threads, workers=args.workers)
+        threads=args.threads, workers=args.workers, kv_cache_gib=args.kv_cache_gib)
     with tempfile.TemporaryDirectory(prefix="gpuflow-serve-") as scratch:
         failure = Path(scratch) / "failure.json"
         settings = dataclasses.replace(settings, failure_file=str(failure))

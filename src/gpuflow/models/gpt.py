@@ -6,6 +6,10 @@ embedding. The linear layers carry stable names (``attn.qkv``, ``attn.proj``, ``
 ``mlp.proj``) because tensor-parallel plans address them by name: ``qkv`` and ``fc`` split
 by output columns, ``attn.proj`` and ``mlp.proj`` by input rows.
 
+For generation it also runs cached: ``decode`` takes new tokens of several sequences, each
+at its own position, appends their keys and values to a ``KVCache`` allocated once, and
+attends over each sequence's cached prefix instead of recomputing it.
+
 The model knows nothing of parallelism, precision or telemetry.
 """
 
@@ -50,6 +54,36 @@ class GPTConfig:
         return v * d + t * d + self.layers * per_block + 2 * d
 
 
+class KVCache:
+    """Keys and values of every layer for ``slots`` sequences of up to ``seq_len`` tokens,
+    allocated once: ``[layers, slots, heads, seq_len, head_dim]`` each."""
+
+    def __init__(self, config: GPTConfig, slots: int, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
+        shape = (config.layers, slots, config.heads, config.seq_len, config.dim // config.heads)
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)
+        self.values = torch.zeros(shape, device=device, dtype=dtype)
+        self.slots, self.seq_len = slots, config.seq_len
+
+    def nbytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size()
+
+    @staticmethod
+    def bytes_per_slot(config: GPTConfig, dtype: torch.dtype = torch.float32) -> int:
+        return 2 * config.layers * config.seq_len * config.dim * dtype.itemsize
+
+
+@dataclass(frozen=True)
+class CacheView:
+    """Where a decode step reads and writes: cache slots, the position of each sequence's
+    first new token, and the length of the longest prefix after the step."""
+
+    cache: KVCache
+    slots: torch.Tensor
+    starts: torch.Tensor
+    span: int
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention through ``scaled_dot_product_attention(is_causal=True)``."""
 
@@ -60,16 +94,38 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(config.dim, config.dim)
         self.dropout = config.dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         batch, length, _ = x.shape
         # qkv's output is laid out head by head, (heads, 3, head_dim), not (3, heads,
         # head_dim): splitting it by columns then hands each tensor-parallel rank whole heads
         # with their q, k and v, and the -1 below is the number of heads held locally.
         qkv = self.qkv(x).view(batch, length, -1, 3, self.head_dim)
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+        q, k, v = self._heads(x)
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
+        return self.proj(y.transpose(1, 2).reshape(batch, length, -1))
+
+    def cached(self, x: torch.Tensor, layer: int, view: CacheView) -> torch.Tensor:
+        """Attention of new tokens over their sequences' cached prefixes and themselves,
+        their keys and values written into the cache first."""
+        batch, length, _ = x.shape
+        q, k, v = self._heads(x)
+        offsets = view.starts[:, None] + torch.arange(length, device=x.device)  # [B, T]
+        keys, values = view.cache.keys[layer], view.cache.values[layer]
+        rows = view.slots[:, None].expand(batch, length)
+        keys[rows, :, offsets] = k.transpose(1, 2).to(keys.dtype)
+        values[rows, :, offsets] = v.transpose(1, 2).to(values.dtype)
+        span = torch.arange(view.span, device=x.device)
+        visible = span[None, None, :] <= offsets[:, :, None]  # [B, T, span]
+        y = F.scaled_dot_product_attention(
+            q, keys[view.slots, :, :view.span].to(q.dtype),
+            values[view.slots, :, :view.span].to(q.dtype), attn_mask=visible[:, None])
         return self.proj(y.transpose(1, 2).reshape(batch, length, -1))
 
 
@@ -99,6 +155,10 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.drop(self.attn(self.ln1(x)))
         return x + self.drop(self.mlp(self.ln2(x)))
+
+    def cached(self, x: torch.Tensor, layer: int, view: CacheView) -> torch.Tensor:
+        x = x + self.attn.cached(self.ln1(x), layer, view)
+        return x + self.mlp(self.ln2(x))
 
 
 class GPT(nn.Module):
@@ -148,6 +208,24 @@ class GPT(nn.Module):
         x = self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
         for block in self.blocks:
             x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+    def decode(self, tokens: torch.Tensor, cache: KVCache, slots: torch.Tensor,
+               starts: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, T, vocab]`` of ``tokens[B, T]``, sequence ``b`` being the one in cache
+        slot ``slots[b]`` whose tokens so far end at ``starts[b]``: a prompt's prefill
+        (``starts`` 0, T its length) or one decode step of many sequences (T 1). Equal to
+        ``forward`` on each whole sequence, without recomputing its prefix."""
+        length = tokens.shape[1]
+        end = int(starts.max()) + length
+        if end > self.config.seq_len:
+            raise ValueError(f"a sequence of {end} tokens is longer than the model's context "
+                             f"({self.config.seq_len})")
+        positions = starts[:, None] + torch.arange(length, device=tokens.device)
+        x = self.tok_emb(tokens) + self.pos_emb(positions)
+        view = CacheView(cache, slots, starts, end)
+        for layer, block in enumerate(self.blocks):
+            x = block.cached(x, layer, view)
         return self.lm_head(self.ln_f(x))
 
     def num_parameters(self) -> int:

@@ -1,4 +1,5 @@
-"""The HTTP API: POST /v1/predict, GET /healthz, /readyz and /metrics (FastAPI, OpenAPI at /docs).
+"""The HTTP API: POST /v1/predict, GET /healthz, /readyz and /metrics (FastAPI, OpenAPI at /docs),
+and for language models the OpenAI-compatible POST /v1/completions and GET /v1/models.
 
 The model loads and warms up in the background after start-up, so /healthz answers at once
 and /readyz turns 200 only when every bucket has run (and compiled). A model that cannot be
@@ -35,7 +36,9 @@ from uvicorn.config import STARTUP_FAILURE
 
 from gpuflow.errors import UserError
 from gpuflow.serve.batcher import Batcher, BatchFailed, DeadlineExceeded, QueueFull
+from gpuflow.serve.completions import RequestProblem, add_completion_routes
 from gpuflow.serve.engine import Engine, EngineOptions
+from gpuflow.serve.generate.engine import GenerationEngine, build_generator
 from gpuflow.serve.metrics import ServeMetrics
 from gpuflow.serving import InputError, PredictRequest
 
@@ -65,6 +68,7 @@ class ServeSettings:
     token: str | None = None
     threads: int | None = None
     retry_after_s: int = 1
+    kv_cache_gib: float | None = None
     workers: int = 1
     failure_file: str | None = None
 
@@ -139,6 +143,12 @@ class _Gate:
         await response(scope, receive, send)
 
 
+def _queue_full(settings: ServeSettings) -> JSONResponse:
+    return error(503, "queue_full", f"The queue is full ({settings.max_queue} requests "
+                 "waiting); retry after the Retry-After seconds.",
+                 **{"Retry-After": str(settings.retry_after_s)})
+
+
 def _too_large(limit: int) -> JSONResponse:
     return error(413, "body_too_large", f"The request body is over the {limit} bytes this "
                                         "server takes (--max-body-bytes).")
@@ -166,6 +176,7 @@ class _State:
     def __init__(self) -> None:
         self.batcher: Batcher | None = None
         self.engine: Engine | None = None
+        self.generator: GenerationEngine | None = None
         self.ready = asyncio.Event()
         self.problem: str | None = None
         self.warmup_s: float | None = None
@@ -194,6 +205,10 @@ def create_app(settings: ServeSettings, load: Callable[[], Engine] | None = None
             state.engine = await loop.run_in_executor(batcher.executor, load)
             state.warmup_s = await loop.run_in_executor(batcher.executor,
                                                         state.engine.warm_up)
+            engine = state.engine
+            state.generator = build_generator(
+                engine.loaded.model, engine.runner, settings.kv_cache_gib,
+                settings.max_batch_size, settings.max_queue, metrics)
         except Exception as exc:
             state.problem = f"{type(exc).__name__}: {exc}"
             if isinstance(exc, UserError):
@@ -204,6 +219,8 @@ def create_app(settings: ServeSettings, load: Callable[[], Engine] | None = None
                 _stop_serving(settings, str(exc) if isinstance(exc, UserError)
                               else state.problem, isinstance(exc, UserError))
             return
+        if state.generator is not None:
+            state.generator.start()
         log.info("gpuflow serve: ready after %.1f s of warm-up (%s)", state.warmup_s,
                  state.engine.runner.describe())
         state.ready.set()
@@ -215,6 +232,8 @@ def create_app(settings: ServeSettings, load: Callable[[], Engine] | None = None
         yield
         preparing.cancel()
         await batcher.stop()
+        if state.generator is not None:
+            await asyncio.to_thread(state.generator.stop)
 
     app = FastAPI(title="gpuflow", summary="Predictions from a gpuflow model, batched.",
                   lifespan=lifespan)
@@ -232,8 +251,12 @@ def create_app(settings: ServeSettings, load: Callable[[], Engine] | None = None
     @app.get("/readyz", summary="200 once the model is loaded and every bucket warmed up")
     async def readyz() -> JSONResponse:
         if state.ready.is_set() and state.engine is not None:
+            generator = state.generator
             return JSONResponse({"ready": True, "warmup_s": state.warmup_s,
-                                 **state.engine.describe()})
+                                 **state.engine.describe(),
+                                 "generation": None if generator is None else {
+                                     "slots": generator.slots,
+                                     "kv_cache_bytes": generator.cache.nbytes()}})
         return JSONResponse({"ready": False, "state": state.problem or
                              ("warming up" if state.engine else "loading")}, status_code=503)
 
@@ -249,26 +272,31 @@ def create_app(settings: ServeSettings, load: Callable[[], Engine] | None = None
             return error(503, "not_ready", "The model is loading or warming up; see /readyz.",
                          **{"Retry-After": str(settings.retry_after_s)})
         engine = state.engine
-        body = await _read_body(request, settings.max_body_bytes)
-        if body is None:
-            return _too_large(settings.max_body_bytes)
-        try:
-            parsed = PredictRequest.model_validate_json(body)
-            decoded = await asyncio.to_thread(engine.codec.decode, parsed)
-        except ValidationError as exc:
-            return JSONResponse({"error": {"code": "invalid_request", "message": "The body "
-                                           "does not match the request schema (see /docs).",
-                                           "details": json.loads(exc.json(include_url=False))}},
-                                status_code=422)
-        except InputError as exc:
-            return error(422, "invalid_input", str(exc))
-        if len(decoded.rows) > settings.max_batch_size:
-            return error(422, "too_many_inputs", f"{len(decoded.rows)} inputs in one request; "
-                         f"this server takes at most {settings.max_batch_size} "
-                         "(--max-batch-size).")
-        timeout_ms = min(parsed.timeout_ms or settings.timeout_ms, settings.timeout_ms)
-        submitted = asyncio.ensure_future(
-            batcher.submit(decoded.key, decoded.rows, timeout_ms / 1000))
+        if batcher.full:  # refused before its body is read
+            return _queue_full(settings)
+        with batcher.incoming():
+            body = await _read_body(request, settings.max_body_bytes)
+            if body is None:
+                return _too_large(settings.max_body_bytes)
+            try:
+                parsed = PredictRequest.model_validate_json(body)
+                decoded = await asyncio.to_thread(engine.codec.decode, parsed)
+            except ValidationError as exc:
+                return JSONResponse({"error": {
+                    "code": "invalid_request",
+                    "message": "The body does not match the request schema (see /docs).",
+                    "details": json.loads(exc.json(include_url=False))}}, status_code=422)
+            except InputError as exc:
+                return error(422, "invalid_input", str(exc))
+            if len(decoded.rows) > settings.max_batch_size:
+                return error(422, "too_many_inputs", f"{len(decoded.rows)} inputs in one "
+                             f"request; this server takes at most {settings.max_batch_size} "
+                             "(--max-batch-size).")
+            timeout_ms = min(parsed.timeout_ms or settings.timeout_ms, settings.timeout_ms)
+            try:
+                submitted = batcher.submit(decoded.key, decoded.rows, timeout_ms / 1000)
+            except QueueFull:
+                return _queue_full(settings)
         gone = asyncio.ensure_future(_disconnected(request))
         await asyncio.wait({submitted, gone}, return_when=asyncio.FIRST_COMPLETED)
         gone.cancel()
@@ -278,10 +306,6 @@ def create_app(settings: ServeSettings, load: Callable[[], Engine] | None = None
             return Response(status_code=CLIENT_CLOSED)
         try:
             result = submitted.result()
-        except QueueFull:
-            return error(503, "queue_full", f"The queue is full ({settings.max_queue} requests "
-                         "waiting); retry after the Retry-After seconds.",
-                         **{"Retry-After": str(settings.retry_after_s)})
         except DeadlineExceeded:
             return error(504, "deadline_exceeded", f"The request waited {timeout_ms:g} ms in "
                          "the queue without reaching the model; it was dropped.")
@@ -299,6 +323,21 @@ def create_app(settings: ServeSettings, load: Callable[[], Engine] | None = None
             "model": {"workload": engine.loaded.workload.name, "step": engine.loaded.step},
         })
 
+    def generator() -> GenerationEngine:
+        if not state.ready.is_set() or state.engine is None:
+            raise RequestProblem(503, "not_ready",
+                                 "The model is loading or warming up; see /readyz.")
+        if state.generator is None:
+            raise RequestProblem(404, "not_a_language_model", f"This server's model "
+                                 f"({state.engine.loaded.workload.name}) does not generate "
+                                 "text; use /v1/predict.")
+        return state.generator
+
+    def model_name() -> str:
+        return state.engine.loaded.workload.name if state.engine else "loading"
+
+    add_completion_routes(app, generator, model_name, settings.timeout_ms / 1000,
+                          _disconnected, CLIENT_CLOSED)
     app.add_middleware(_Gate, settings=settings, metrics=metrics)
     return app
 

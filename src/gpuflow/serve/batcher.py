@@ -1,9 +1,12 @@
 """Dynamic batching on asyncio: a bounded queue, deadlines enforced while waiting.
 
 Requests carrying rows and a batching key wait in a FIFO queue. The batch is led by the
-oldest request: it waits at most ``max_wait_s`` for others of its key to fill up to
-``max_batch_size`` rows, then the whole batch runs in a worker thread (one at a time, so
-the event loop stays free to accept requests and fire deadlines). Unlike queues that check
+oldest request and runs as soon as the model is free: a request that finds the model idle
+and nobody else on the way runs at once, and batches form from what arrives while a batch
+runs. It waits for company only while other requests are already on their way in (being
+read and decoded, ``incoming()``), and then at most ``max_wait_s``, or until its key fills
+``max_batch_size`` rows. The batch runs in a worker thread (one at a time, so the event
+loop stays free to accept requests and fire deadlines). Unlike queues that check
 deadlines only on dequeue, each request's deadline is a timer: when it fires, the request
 leaves the queue at once and its caller gets ``DeadlineExceeded``. A caller that is
 cancelled (its client went away) also leaves the queue. A batch that raises fails only its
@@ -13,8 +16,9 @@ own requests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -68,10 +72,28 @@ class Batcher:
         self._queue: dict[_Pending, None] = {}  # insertion-ordered, O(1) removal
         self._arrived = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._incoming = 0
 
     @property
     def depth(self) -> int:
         return len(self._queue)
+
+    @property
+    def full(self) -> bool:
+        """Whether a new request could not be queued even if every one on its way in were
+        refused: the place to refuse it before reading its body."""
+        return len(self._queue) + self._incoming >= self.max_queue
+
+    @contextlib.contextmanager
+    def incoming(self) -> Iterator[None]:
+        """A request on its way in (its body being read and decoded): a partial batch may
+        wait for it, up to ``max_wait_s``."""
+        self._incoming += 1
+        try:
+            yield
+        finally:
+            self._incoming -= 1
+            self._arrived.set()  # one fewer to wait for
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop())
@@ -85,9 +107,12 @@ class Batcher:
             pending.future.cancel()
         self.executor.shutdown(wait=True)
 
-    async def submit(self, key: Hashable, rows: list[Any], timeout_s: float) -> Result:
-        """Queue ``rows`` and wait for their outputs; raises QueueFull, DeadlineExceeded,
-        BatchFailed. Cancelling the caller takes the request out of the queue."""
+    def submit(self, key: Hashable, rows: list[Any], timeout_s: float
+               ) -> asyncio.Future[Result]:
+        """Queue ``rows`` now (no batch can start between this and the end of the caller's
+        ``incoming()``) and return the future of their outputs, which fails with
+        DeadlineExceeded or BatchFailed; raises QueueFull. Cancelling the future takes the
+        request out of the queue."""
         if not 0 < len(rows) <= self.max_batch_size:
             raise ValueError(f"a request holds 1 to {self.max_batch_size} rows")
         if len(self._queue) >= self.max_queue:
@@ -95,13 +120,11 @@ class Batcher:
         loop = asyncio.get_running_loop()
         pending = _Pending(key, rows, loop.create_future())
         pending.timer = loop.call_later(timeout_s, self._expire, pending)
+        pending.future.add_done_callback(lambda _: self._remove(pending))
         self._queue[pending] = None
         self._changed()
         self._arrived.set()
-        try:
-            return await pending.future
-        finally:
-            self._remove(pending)
+        return pending.future
 
     def _remove(self, pending: _Pending) -> None:
         if pending.timer is not None:
@@ -131,7 +154,8 @@ class Batcher:
                 continue
             first = next(iter(self._queue))
             closes = first.enqueued + self.max_wait_s
-            while first in self._queue and self._ready_rows(first.key) < self.max_batch_size:
+            while (first in self._queue and self._incoming > 0
+                   and self._ready_rows(first.key) < self.max_batch_size):
                 remaining = closes - time.monotonic()
                 if remaining <= 0:
                     break

@@ -8,7 +8,9 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 
 
 class ServeMetrics:
-    """Requests by status, end-to-end / queue / compute time, batch sizes, queue and in-flight."""
+    """Requests by status, end-to-end / queue / compute time, batch sizes, queue and
+    in-flight; for generation, time to first token, inter-token latency, generated tokens,
+    active and waiting sequences, and the share of KV cache slots in use."""
 
     def __init__(self, max_batch_size: int) -> None:
         self.registry = CollectorRegistry()
@@ -32,6 +34,34 @@ class ServeMetrics:
                                  registry=reg)
         self.in_flight = Gauge("gpuflow_in_flight_requests",
                                "Prediction requests being handled", registry=reg)
+
+        self.first_token_time = Histogram(
+            "gpuflow_time_to_first_token_seconds",
+            "From a completion request's arrival to its first token", buckets=LATENCY_BUCKETS,
+            registry=reg)
+        self.inter_token = Histogram("gpuflow_inter_token_latency_seconds",
+                                     "Between consecutive tokens of one completion",
+                                     buckets=LATENCY_BUCKETS, registry=reg)
+        self.generated = Counter("gpuflow_generated_tokens", "Tokens generated", registry=reg)
+        self.active_sequences = Gauge("gpuflow_active_sequences",
+                                      "Sequences holding a KV cache slot", registry=reg)
+        self.waiting_sequences = Gauge("gpuflow_waiting_sequences",
+                                       "Completion requests waiting for a slot", registry=reg)
+        self.kv_cache_usage = Gauge("gpuflow_kv_cache_usage",
+                                    "Share of KV cache slots in use (0-1)", registry=reg)
+
+    def first_token(self, seconds: float) -> None:
+        self.first_token_time.observe(seconds)
+        self.generated.inc()
+
+    def next_token(self, seconds: float) -> None:
+        self.inter_token.observe(seconds)
+        self.generated.inc()
+
+    def occupancy(self, active: int, waiting: int, slots: int) -> None:
+        self.active_sequences.set(active)
+        self.waiting_sequences.set(waiting)
+        self.kv_cache_usage.set(active / slots if slots else 0.0)
 
     def batch_formed(self, rows: int) -> None:
         self.batch_size.observe(rows)

@@ -1,0 +1,240 @@
+"""The generation engine: KV-cached continuous batching equal to recomputing every prefix,
+sampling, stop strings, and the OpenAI-compatible API driven by the official client."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+from conftest import serving
+
+from gpuflow import TrainConfig, train
+from gpuflow.models.gpt import GPT, GPTConfig
+from gpuflow.serve.app import ServeSettings, create_app
+from gpuflow.serve.generate.engine import Delta, Done, GenerationEngine, WaitingFull
+from gpuflow.serve.generate.models import GPTDecoder
+from gpuflow.serve.generate.sampling import SamplingParams, filter_logits
+from gpuflow.serve.generate.text import TextStream
+from gpuflow.workloads import textlm
+
+SIZE = "layers=2,dim=32,heads=4,seq=64"
+
+
+def tiny_gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=256, seq_len=64, layers=2, dim=32, heads=4)).eval()
+
+
+def greedy_reference(model: GPT, prompt: bytes, count: int) -> bytes:
+    """Greedy decoding that recomputes the whole prefix at every token."""
+    tokens = list(prompt)
+    with torch.inference_mode():
+        for _ in range(count):
+            tokens.append(int(model(torch.tensor([tokens]))[0, -1].argmax()))
+    return bytes(tokens[len(prompt):])
+
+
+async def completion(generation) -> tuple[str, Done]:
+    parts = []
+    while True:
+        event = await generation.events.get()
+        if isinstance(event, Done):
+            return "".join(parts), event
+        assert isinstance(event, Delta), event
+        parts.append(event.text)
+
+
+def engine_for(model: GPT, slots: int, max_waiting: int = 64) -> GenerationEngine:
+    return GenerationEngine(GPTDecoder(model, torch.float32), slots, max_waiting,
+                            torch.inference_mode)
+
+
+def test_continuous_batching_generates_what_recomputing_every_prefix_does() -> None:
+    """Six prompts through three slots: sequences join as others leave, every step decodes
+    several sequences at different positions, and each completion is the exact greedy one."""
+    model = tiny_gpt()
+    prompts = [b"def f(x):", b"import torch", b"a", b"The quick brown fox jumps",
+               b"class Engine:\n    ", b"0123456789"]
+    budgets = [12, 5, 20, 9, 14, 3]
+
+    async def scenario() -> list[tuple[str, Done]]:
+        engine = engine_for(model, slots=3)
+        engine.start()
+        try:
+            first = [engine.submit(list(p), SamplingParams(max_tokens=n, temperature=0.0))
+                     for p, n in zip(prompts[:4], budgets[:4], strict=True)]
+            await asyncio.sleep(0.01)  # the rest join a running batch
+            later = [engine.submit(list(p), SamplingParams(max_tokens=n, temperature=0.0))
+                     for p, n in zip(prompts[4:], budgets[4:], strict=True)]
+            return await asyncio.gather(*(completion(g) for g in first + later))
+        finally:
+            engine.stop()
+
+    results = asyncio.run(scenario())
+    for prompt, budget, (text, done) in zip(prompts, budgets, results, strict=True):
+        expected = greedy_reference(model, prompt, budget).decode("utf-8", errors="replace")
+        assert text == expected, prompt
+        assert done.finish_reason == "length" and done.completion_tokens == budget
+        assert done.prompt_tokens == len(prompt)
+
+
+def test_sampling_is_repeatable_by_seed_and_stop_strings_end_a_completion() -> None:
+    model = tiny_gpt()
+
+    async def scenario() -> list[tuple[str, Done]]:
+        engine = engine_for(model, slots=4)
+        engine.start()
+        try:
+            runs = [SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=7),
+                    SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=7),
+                    SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=8),
+                    SamplingParams(max_tokens=24, temperature=1.0, top_k=1, seed=9)]
+            return await asyncio.gather(*(completion(engine.submit(list(b"x = "), params))
+                                          for params in runs))
+        finally:
+            engine.stop()
+
+    (a, _), (b, _), (c, _), (top1, _) = asyncio.run(scenario())
+    assert a == b and a != c
+    assert top1 == greedy_reference(model, b"x = ", 24).decode("utf-8", errors="replace")
+    stop = a[5:7]  # a stop string that the seeded completion reaches
+
+    async def stopped() -> tuple[str, Done]:
+        engine = engine_for(model, slots=1)
+        engine.start()
+        try:
+            params = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=7,
+                                    stop=(stop,))
+            return await completion(engine.submit(list(b"x = "), params))
+        finally:
+            engine.stop()
+
+    text, done = asyncio.run(stopped())
+    assert text == a[:a.index(stop)] and done.finish_reason == "stop"
+
+
+def test_a_full_waiting_queue_refuses_and_a_cancelled_request_frees_its_slot() -> None:
+    model = tiny_gpt()
+
+    async def scenario() -> tuple[str, Done]:
+        engine = engine_for(model, slots=1, max_waiting=1)
+        # Not started: requests stay waiting.
+        leaving = engine.submit(list(b"abc"), SamplingParams(max_tokens=60, temperature=0.0))
+        with pytest.raises(WaitingFull):
+            engine.submit(list(b"abc"), SamplingParams(max_tokens=4, temperature=0.0))
+        engine.start()
+        try:
+            await asyncio.wait_for(leaving.events.get(), 10)  # it holds the one slot
+            leaving.cancel()
+            done = await completion(leaving)
+            assert done[1].finish_reason == "cancelled"
+            after = engine.submit(list(b"abc"), SamplingParams(max_tokens=4, temperature=0.0))
+            return await asyncio.wait_for(completion(after), 10)
+        finally:
+            engine.stop()
+
+    text, done = asyncio.run(scenario())
+    assert done.finish_reason == "length" and len(text.encode("utf-8", "replace")) >= 1
+
+
+def test_text_stream_holds_back_what_may_start_a_stop_and_decodes_utf8_whole() -> None:
+    stream = TextStream(["\n\n", "END"])
+    sent = [stream.feed(b) for b in (b"ab", b"c\n", b"d", b"E", b"N", b"D", b"more")]
+    assert "".join(sent) == "abc\nd" and stream.stopped
+    utf8 = TextStream([])
+    parts = [utf8.feed(bytes([b])) for b in "é€".encode()] + [utf8.finish()]
+    assert parts[0] == "" and "".join(parts) == "é€"
+
+
+def test_top_k_and_top_p_keep_the_most_probable_tokens() -> None:
+    logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
+    assert torch.isinf(filter_logits(logits, 2, 1.0))[2:].all()
+    probs = torch.softmax(logits, -1)  # 0.64, 0.24, 0.09, ...: 0.8 needs the first two
+    kept = ~torch.isinf(filter_logits(logits, 0, 0.8))
+    assert kept.tolist() == [True, True, False, False, False]
+    assert probs[:2].sum() >= 0.8
+
+
+@pytest.fixture(scope="module")
+def textlm_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, GPT]:
+    run_dir = tmp_path_factory.mktemp("generate") / "textlm"
+    result = train(textlm.build(model_size=SIZE),
+                   TrainConfig(max_steps=3, batch_size=8, progress=False, eval_every=0,
+                               run_dir=str(run_dir), workload="textlm", model_size=SIZE))
+    return run_dir, result.model.eval()
+
+
+def test_the_openai_client_completes_and_streams_through_the_server(
+    textlm_run: tuple[Path, GPT]
+) -> None:
+    run_dir, model = textlm_run
+    expected = greedy_reference(model, b"def main():", 12).decode("utf-8", errors="replace")
+
+    async def scenario() -> dict:
+        app = create_app(ServeSettings(str(run_dir), device="cpu", max_batch_size=4,
+                                       token="secret"))
+        async with serving(app) as client:
+            base = f"{client.base_url}/v1"
+            sdk = openai.OpenAI(base_url=base, api_key="secret", max_retries=0)
+            listed = await asyncio.to_thread(sdk.models.list)
+            whole = await asyncio.to_thread(
+                sdk.completions.create, model="textlm", prompt="def main():", max_tokens=12,
+                temperature=0)
+            chunks = await asyncio.to_thread(lambda: list(sdk.completions.create(
+                model="textlm", prompt="def main():", max_tokens=12, temperature=0,
+                stream=True, stream_options={"include_usage": True})))
+            by_ids = await asyncio.to_thread(
+                sdk.completions.create, model="textlm", prompt=list(b"def main():"),
+                max_tokens=12, temperature=0)
+            unauthorized = openai.OpenAI(base_url=base, api_key="wrong", max_retries=0)
+            with pytest.raises(openai.AuthenticationError):
+                await asyncio.to_thread(unauthorized.completions.create, model="textlm",
+                                        prompt="x")
+            with pytest.raises(openai.BadRequestError, match="context"):
+                await asyncio.to_thread(sdk.completions.create, model="textlm",
+                                        prompt="y" * 64, max_tokens=4)
+            with pytest.raises(openai.NotFoundError):
+                await asyncio.to_thread(sdk.completions.create, model="gpt-4", prompt="x")
+            headers = {"Authorization": "Bearer secret"}
+            metrics = (await client.get("/metrics", headers=headers)).text
+            ready = (await client.get("/readyz", headers=headers)).json()
+        return {"listed": listed, "whole": whole, "chunks": chunks, "by_ids": by_ids,
+                "metrics": metrics, "ready": ready}
+
+    found = asyncio.run(scenario())
+    assert [m.id for m in found["listed"].data] == ["textlm"]
+    whole = found["whole"]
+    assert whole.choices[0].text == expected and whole.choices[0].finish_reason == "length"
+    assert whole.usage.prompt_tokens == len(b"def main():")
+    assert whole.usage.completion_tokens == 12 and whole.usage.total_tokens == 23
+    chunks = found["chunks"]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.completion_tokens == 12
+    assert found["by_ids"].choices[0].text == expected
+    assert found["ready"]["generation"]["slots"] == 4
+    for name in ("gpuflow_time_to_first_token_seconds_count",
+                 "gpuflow_inter_token_latency_seconds_count", "gpuflow_generated_tokens_total"):
+        assert name in found["metrics"]
+    generated = next(float(line.split()[-1]) for line in found["metrics"].splitlines()
+                     if line.startswith("gpuflow_generated_tokens_total"))
+    assert generated == 36
+
+
+def test_a_model_that_does_not_generate_answers_404_on_completions(tmp_path: Path) -> None:
+    from user_workloads import mlp
+
+    run_dir = tmp_path / "run"
+    train(mlp(), TrainConfig(max_steps=1, batch_size=32, progress=False, run_dir=str(run_dir),
+                             workload="user_workloads:mlp"))
+
+    async def scenario() -> tuple[int, dict]:
+        app = create_app(ServeSettings(str(run_dir), device="cpu", max_batch_size=4))
+        async with serving(app) as client:
+            reply = await client.post("/v1/completions", json={"prompt": "x"})
+        return reply.status_code, reply.json()
+
+    status, body = asyncio.run(scenario())
+    assert status == 404 and body["error"]["code"] == "not_a_language_model"
