@@ -7,7 +7,7 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -66,3 +66,10 @@ async def serving(app: FastAPI, ready: bool = True) -> AsyncIterator[httpx.Async
         server.should_exit = True
         await task
         sock.close()
+
+
+async def eventually(condition: Callable[[], bool], timeout: float = 10) -> None:
+    """Wait for a state the server reaches on its own (e.g. a queue depth)."""
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.005)

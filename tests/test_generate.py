@@ -4,12 +4,15 @@ sampling, stop strings, and the OpenAI-compatible API driven by the official cli
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import torch
-from conftest import serving
+from conftest import eventually, serving
+from fastapi import FastAPI
 
 from gpuflow import TrainConfig, train
 from gpuflow.models.gpt import GPT, GPTConfig
@@ -238,3 +241,74 @@ def test_a_model_that_does_not_generate_answers_404_on_completions(tmp_path: Pat
 
     status, body = asyncio.run(scenario())
     assert status == 404 and body["error"]["code"] == "not_a_language_model"
+
+
+def served_textlm(run_dir: Path, **settings) -> FastAPI:
+    return create_app(ServeSettings(str(run_dir), device="cpu", **{"max_batch_size": 2,
+                                                                   **settings}))
+
+
+def test_bad_parameters_are_refused_naming_the_field(textlm_run: tuple[Path, GPT]) -> None:
+    bad = {
+        "negative max_tokens": ({"prompt": "x", "max_tokens": -1}, 422, "max_tokens"),
+        "past the context": ({"prompt": "x" * 60, "max_tokens": 8}, 400, "max_tokens"),
+        "unknown field": ({"prompt": "x", "temprature": 0.5}, 422, "temprature"),
+        "wrong type": ({"prompt": "x", "max_tokens": "many"}, 422, "max_tokens"),
+        "empty prompt": ({"prompt": ""}, 400, "prompt"),
+        "token out of range": ({"prompt": [1, 999]}, 400, "prompt"),
+    }
+
+    async def scenario() -> dict[str, httpx.Response]:
+        async with serving(served_textlm(textlm_run[0])) as client:
+            return {name: await client.post("/v1/completions", json=body)
+                    for name, (body, _, _) in bad.items()}
+
+    replies = asyncio.run(scenario())
+    for name, (_, status, field) in bad.items():
+        assert replies[name].status_code == status, (name, replies[name].text)
+        assert field in replies[name].text, (name, replies[name].text)
+
+
+def test_waiting_requests_are_bounded_and_dropped_without_a_first_token(
+    textlm_run: tuple[Path, GPT]
+) -> None:
+    async def scenario() -> tuple[httpx.Response, httpx.Response]:
+        app = served_textlm(textlm_run[0], max_queue=1, timeout_ms=300)
+        async with serving(app) as client:
+            # With the engine stopped, requests wait for a slot that never frees.
+            await asyncio.to_thread(app.state.serve.generator.stop)
+            waiting = asyncio.create_task(client.post("/v1/completions", json={"prompt": "a"}))
+            await eventually(lambda: app.state.serve.generator.waiting == 1)
+            refused = await client.post("/v1/completions", json={"prompt": "b"})
+            return await waiting, refused
+
+    waiting, refused = asyncio.run(scenario())
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "queue_full"
+    assert waiting.status_code == 504 and waiting.json()["error"]["code"] == "deadline_exceeded"
+
+
+def test_a_client_leaving_mid_stream_frees_its_slot(textlm_run: tuple[Path, GPT],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    step = GPTDecoder.logits
+
+    def slow(self, *args):  # 20 ms a step: the client leaves long before 60 tokens
+        time.sleep(0.02)
+        return step(self, *args)
+
+    monkeypatch.setattr(GPTDecoder, "logits", slow)
+
+    async def scenario() -> str:
+        app = served_textlm(textlm_run[0])
+        async with serving(app) as client:
+            body = {"prompt": "ab", "max_tokens": 60, "stream": True, "temperature": 0}
+            async with client.stream("POST", "/v1/completions", json=body) as reply:
+                async for line in reply.aiter_lines():
+                    if line.startswith("data: "):
+                        break  # the first chunk came; leave
+            await eventually(lambda: app.state.serve.generator.active == 0)
+            return (await client.get("/metrics")).text
+
+    metrics = asyncio.run(scenario())
+    generated = next(float(line.split()[-1]) for line in metrics.splitlines()
+                     if line.startswith("gpuflow_generated_tokens_total"))
+    assert 1 <= generated < 30

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, run_cli, serving
+from conftest import ROOT, eventually, run_cli, serving
 from fastapi import FastAPI
 from PIL import Image
 from safetensors.torch import load_file
@@ -38,13 +38,6 @@ from gpuflow.workload import Workload
 from gpuflow.workloads import digits
 from gpuflow.workloads.speech_codec import SpeechCodec
 from gpuflow.workloads.text_codec import TextCodec
-
-
-async def eventually(condition: Callable[[], bool], timeout: float = 10) -> None:
-    """Wait for a state the server reaches on its own (e.g. a queue depth)."""
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.005)
 
 
 def metric(text: str, name: str) -> float:

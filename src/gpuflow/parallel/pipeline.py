@@ -397,9 +397,8 @@ def _split_points(block_names: list[str], stages: int) -> dict[str, SplitPoint]:
             f"{stages} pipeline stages need at least {stages} repeated blocks; the model has "
             f"{len(block_names)}. Lower --pp, or use --pp-schedule 1f1b (one stage per rank)."
         )
-    count = len(block_names)
-    return {block_names[round(i * count / stages)]: SplitPoint.BEGINNING
-            for i in range(1, stages)}
+    return {block_names[start]: SplitPoint.BEGINNING
+            for start, _ in manual.stage_bounds(len(block_names), stages)[1:]}
 
 
 def _stage_index(submod_name: str) -> int:

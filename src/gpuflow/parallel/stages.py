@@ -29,8 +29,9 @@ STAGE_MODEL = "net"  # the model copy's attribute in a stage; its names follow t
 _ARG = "_arg"  # positional model inputs travel as keyword arguments _arg0, _arg1, ...
 
 
-class _StageDone(Exception):  # noqa: N818 - control flow, not an error
-    """Raised by the stand-in after a stage's last block to end the forward there."""
+class _StageDone(Exception):
+    """Raised by the stand-in after a stage's last block to end the forward there (control
+    flow, not an error)."""
 
     def __init__(self, hidden: torch.Tensor) -> None:
         super().__init__()
@@ -110,24 +111,23 @@ class OutputLayout:
         return tuple(value for _, value in kept)
 
     def rebuild(self, flat: Any) -> Any:
-        if self.kind in (None, torch.Tensor):
+        if self.kind is None or self.kind is torch.Tensor:
             return flat
-        values = flat if isinstance(flat, tuple | list) else (flat,)
-        if isinstance(self.keys[0] if self.keys else 0, int):
-            return tuple(values)
-        assert self.kind is not None
+        values = tuple(flat) if isinstance(flat, tuple | list) else (flat,)
+        if not issubclass(self.kind, Mapping):
+            return values  # a tuple's per-sample tensors
         return self.kind(**dict(zip(self.keys, values, strict=True)))
 
 
 class ManualStage(nn.Module):
     """One stage: the model with other stages' blocks stood in for."""
 
-    def __init__(self, model: nn.Module, owned: list[str], first: bool, last: bool,
-                 handoff: _Handoff, layout: OutputLayout) -> None:
+    def __init__(self, model: nn.Module, owned: list[str], first: bool,
+                 handoff: _Handoff) -> None:
         super().__init__()
         setattr(self, STAGE_MODEL, model)
-        self.owned, self.first, self.last = owned, first, last
-        self._handoff, self.layout = handoff, layout
+        self.owned, self.first = owned, first
+        self._handoff, self.layout = handoff, OutputLayout()
 
     def owned_blocks(self) -> list[nn.Module]:
         model = getattr(self, STAGE_MODEL)
@@ -165,10 +165,13 @@ def _block_calls(model: nn.Module, blocks: Sequence[nn.Module],
     handles = [block.register_forward_hook(recorder(i), with_kwargs=True)
                for i, block in enumerate(blocks)]
     args, kwargs = _from_keywords(example)
+    training = model.training
+    model.eval()  # no dropout, no running statistics updated, no random numbers drawn
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             model(*args, **kwargs)
     finally:
+        model.train(training)
         for handle in handles:
             handle.remove()
     if problems or any(call is None for call in calls):
@@ -182,7 +185,7 @@ def _block_calls(model: nn.Module, blocks: Sequence[nn.Module],
 
 
 def stage_bounds(count: int, stages: int) -> list[tuple[int, int]]:
-    """Near-equal runs of blocks, [start, end) per stage, as the traced path cuts them."""
+    """Near-equal runs of blocks, [start, end) per stage (the traced path cuts there too)."""
     cuts = [round(i * count / stages) for i in range(stages + 1)]
     return list(zip(cuts[:-1], cuts[1:], strict=True))
 
@@ -214,8 +217,7 @@ def build_manual_stages(model: nn.Module, block_names: list[str], stages: int,
             if isinstance(module, _StandIn):  # the copy's stand-ins share this stage's box
                 module.handoff = handoff
         built.append(ManualStage(trimmed, block_names[start:end], first=index == 0,
-                                 last=index == stages - 1, handoff=handoff,
-                                 layout=OutputLayout()))
+                                 handoff=handoff))
     return built
 
 

@@ -66,16 +66,17 @@ def _error(status: int, code: str, message: str) -> JSONResponse:
 def _prompt_tokens(body: CompletionRequest, lm: Any) -> list[int]:
     tokens = lm.tokenize(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
     if not tokens:
-        raise RequestProblem(400, "invalid_prompt", "The prompt holds no tokens.")
+        raise RequestProblem(400, "invalid_prompt", "prompt is empty: give at least one token.")
     if min(tokens) < 0 or max(tokens) >= lm.vocab_size:
         raise RequestProblem(400, "invalid_prompt",
-                             f"Token ids must lie in [0, {lm.vocab_size - 1}].")
-    if len(tokens) + 1 > lm.context:
+                             f"prompt: token ids must lie in [0, {lm.vocab_size - 1}].")
+    if len(tokens) + body.max_tokens > lm.context:
         raise RequestProblem(400, "context_length_exceeded",
-                             f"The prompt holds {len(tokens)} tokens; this model's context is "
-                             f"{lm.context}, which leaves no room to generate.")
+                             f"prompt ({len(tokens)} tokens) + max_tokens ({body.max_tokens}) "
+                             f"is more than this model's context of {lm.context} tokens; "
+                             "shorten the prompt or lower max_tokens.")
     if len(body.stop or []) > MAX_STOP:
-        raise RequestProblem(400, "invalid_stop", f"At most {MAX_STOP} stop strings.")
+        raise RequestProblem(400, "invalid_stop", f"stop: at most {MAX_STOP} strings.")
     return tokens
 
 

@@ -124,6 +124,16 @@ class GenerationEngine:
         self._thread = threading.Thread(target=self._run, name="gpuflow-generate",
                                         daemon=True)
 
+    @property
+    def active(self) -> int:
+        """Sequences holding a cache slot."""
+        return len(self._active)
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a slot."""
+        return len(self._waiting)
+
     def start(self) -> None:
         self._thread.start()
 
@@ -236,7 +246,7 @@ class GenerationEngine:
 
     def _observe(self) -> None:
         if self.observer is not None:
-            self.observer.occupancy(len(self._active), len(self._waiting), self.slots)
+            self.observer.occupancy(self.active, self.waiting, self.slots)
 
 
 def cache_slots(bytes_per_slot: int, budget_bytes: int, max_seqs: int) -> int:
