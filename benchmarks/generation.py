@@ -1,26 +1,39 @@
-"""Text generation load test: /v1/predict (every byte re-runs the whole prefix, one batch at
-a time) against /v1/completions (KV cache, continuous batching), side by side.
+"""Text generation load test, side by side on the same weights: gpuflow's engine
+(/v1/completions: KV cache, continuous batching), gpuflow's no-cache path (/v1/predict:
+every byte re-runs the whole prefix, one batch at a time) and, when it starts here,
+`transformers serve --continuous-batching` on the same model exported to the Hugging Face
+format (it needs `pip install accelerate` beside gpuflow[hf]; without it the run says so in
+its notes and goes on without that contender).
 
-One `gpuflow serve` process serves textlm's tiny GPT (untrained: the cost of generating
-does not depend on the weights) on a free loopback port. Closed-loop clients ask both
-endpoints for the same completion, greedy, of the same prompt, in alternating rounds so
-that a change in machine load hits both. Reported per endpoint: completions per second,
-generated tokens per second, p50/p99 end-to-end latency and errors (504s included).
+textlm's tiny GPT (untrained: the cost of generating does not depend on the weights) is
+served by each contender on a free loopback port, every server with one torch thread.
+Closed-loop clients ask for the same greedy completion of the same prompt at each
+concurrency, the contenders taking turns round by round so that a change in machine load
+hits all of them. Per contender and concurrency: output tokens per second, time to first
+token (the first streamed text; the whole answer for /v1/predict, which does not stream)
+and each request's mean inter-token latency, p50 and p99, and errors.
 
-    .venv/bin/python benchmarks/generation.py              # ~1 minute
-    .venv/bin/python benchmarks/generation.py --quick      # a few seconds
+    .venv/bin/python benchmarks/generation.py              # a few minutes
+    .venv/bin/python benchmarks/generation.py --quick      # seconds
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
@@ -32,81 +45,214 @@ from _common import (  # noqa: E402
     versions,
     write_json,
 )
-from serving import drive, start_server, untrained_export, wait_ready  # noqa: E402
+from serving import free_port, untrained_export  # noqa: E402
 
 
-def bodies(prompt: list[int], tokens: int) -> dict[str, tuple[str, dict[str, Any]]]:
-    """The same greedy completion asked of each endpoint."""
+@dataclass(frozen=True)
+class Contender:
+    name: str
+    url: str
+    path: str
+    body: dict[str, Any]
+    streams: bool
+
+
+def percentile(values: list[float], share: float) -> float | None:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(share * len(ordered)))] if ordered else None
+
+
+async def timed_request(client: httpx.AsyncClient, contender: Contender
+                        ) -> tuple[float, float, bool]:
+    """(seconds to the first text, seconds to the end, ok) of one request."""
+    start = time.perf_counter()
+    first: float | None = None
+    if not contender.streams:
+        reply = await client.post(contender.path, json=contender.body)
+        end = time.perf_counter() - start
+        return end, end, reply.status_code == 200
+    async with client.stream("POST", contender.path, json=contender.body) as reply:
+        ok = reply.status_code == 200
+        async for line in reply.aiter_lines():
+            if first is None and line.startswith("data: {"):
+                choices = json.loads(line[6:]).get("choices") or [{}]
+                if choices[0].get("text"):
+                    first = time.perf_counter() - start
+    end = time.perf_counter() - start
+    return (first if first is not None else end), end, ok
+
+
+async def drive(contender: Contender, concurrency: int, tokens: int, warmup_s: float,
+                window_s: float) -> dict[str, Any]:
+    """Closed loop; only requests sent inside the window count."""
+    firsts: list[float] = []
+    gaps: list[float] = []
+    errors = 0
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=contender.url, timeout=120, limits=limits) as client:
+        start = time.perf_counter()
+        window_start, window_end = start + warmup_s, start + warmup_s + window_s
+
+        async def client_loop() -> None:
+            nonlocal errors
+            while (sent := time.perf_counter()) < window_end:
+                first, end, ok = await timed_request(client, contender)
+                if sent < window_start:
+                    continue
+                errors += not ok
+                if ok:
+                    firsts.append(first)
+                    gaps.append((end - first) / (tokens - 1))
+
+        await asyncio.gather(*(client_loop() for _ in range(concurrency)))
     return {
-        "predict": ("/v1/predict", {"inputs": [prompt], "max_new_tokens": tokens,
-                                    "temperature": 0.0}),
-        "completions": ("/v1/completions", {"prompt": prompt, "max_tokens": tokens,
-                                            "temperature": 0.0}),
+        "requests": len(firsts), "errors": errors,
+        "tokens_per_s": len(firsts) * tokens / window_s,
+        "ttft_p50_ms": 1000 * statistics.median(firsts) if firsts else None,
+        "ttft_p99_ms": 1000 * percentile(firsts, 0.99) if firsts else None,
+        "itl_p50_ms": 1000 * statistics.median(gaps) if gaps else None,
+        "itl_p99_ms": 1000 * percentile(gaps, 0.99) if gaps else None,
     }
+
+
+def start(command: list[str], url: str, ready_path: str, env: dict[str, str],
+          timeout: float = 180) -> subprocess.Popen[bytes]:
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               env=env)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{command[0]} exited: {process.stderr.read().decode()[-2000:]}")
+        try:
+            if httpx.get(url + ready_path, timeout=1).status_code == 200:
+                return process
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    process.kill()
+    raise RuntimeError(f"{' '.join(command)} not ready after {timeout} s")
+
+
+def hf_export(model_file: Path, folder: Path) -> Path:
+    """The same weights as a GPT2LMHeadModel directory."""
+    from safetensors.torch import load_file
+
+    from gpuflow import TrainConfig
+    from gpuflow.models.gpt2_format import save_as_gpt2
+    from gpuflow.workload import resolve_workload
+
+    config = TrainConfig(workload="textlm", data="synthetic")
+    model = resolve_workload("textlm", config.workload_options()).model
+    model.load_state_dict(load_file(model_file))
+    out = folder / "hf"
+    save_as_gpt2(model.eval(), out)
+    return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--tokens", type=int, default=16, help="bytes generated per request")
+    parser.add_argument("--concurrency", default="1,8,32",
+                        help="comma-separated client counts (default 1,8,32)")
+    parser.add_argument("--tokens", type=int, default=64, help="bytes generated per request")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-batch-size", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--warmup-s", type=float, default=2.0)
-    parser.add_argument("--window-s", type=float, default=8.0)
-    parser.add_argument("--quick", action="store_true", help="1 round of 1 s, 4 clients")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--warmup-s", type=float, default=3.0)
+    parser.add_argument("--window-s", type=float, default=10.0)
+    parser.add_argument("--no-transformers", action="store_true",
+                        help="leave `transformers serve` out")
+    parser.add_argument("--quick", action="store_true",
+                        help="1 round of 1 s at 4 clients, 16 tokens, no transformers serve")
     parser.add_argument("--out", type=Path,
                         help="default benchmarks/results/generation-<machine>.json")
     args = parser.parse_args()
     args.out = args.out or default_result_path("generation")
     if args.quick:
-        args.rounds, args.warmup_s, args.window_s, args.concurrency = 1, 0.5, 1.0, 4
-    with tempfile.TemporaryDirectory() as folder:
-        model, example = untrained_export(Path(folder), "textlm")
+        args.rounds, args.warmup_s, args.window_s, args.concurrency = 1, 0.5, 1.0, "4"
+        args.tokens, args.no_transformers = 16, True
+    levels = [int(level) for level in args.concurrency.split(",")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    processes: list[subprocess.Popen[bytes]] = []
+    notes: list[str] = []
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch)
+        model_file, example = untrained_export(folder, "textlm")
         prompt = example["inputs"][0][: args.prompt_tokens]
-        process, url = start_server(model, args.device, args.max_batch_size, 5.0,
-                                    4 * args.concurrency, args.threads, False)
-        rounds: dict[str, list[dict[str, Any]]] = {"predict": [], "completions": []}
+        greedy = {"prompt": prompt, "max_tokens": args.tokens, "temperature": 0.0}
         try:
-            wait_ready(process, url)
+            port = free_port()
+            gpuflow_url = f"http://127.0.0.1:{port}"
+            processes.append(start(
+                [sys.executable, "-m", "gpuflow.cli", "serve", str(model_file), "--port",
+                 str(port), "--max-batch-size", str(args.max_batch_size), "--max-queue",
+                 str(4 * max(levels)), "--threads", "1", "--timeout-ms", "60000",
+                 "--log-level", "warning"], gpuflow_url, "/readyz", env))
+            contenders = [
+                Contender("gpuflow", gpuflow_url, "/v1/completions",
+                          {**greedy, "stream": True}, True),
+                Contender("gpuflow no cache", gpuflow_url, "/v1/predict",
+                          {"inputs": [prompt], "max_new_tokens": args.tokens,
+                           "temperature": 0.0}, False)]
+            executable = shutil.which("transformers", path=str(Path(sys.executable).parent))
+            if not args.no_transformers and executable:
+                hf_dir = hf_export(model_file, folder)
+                port = free_port()
+                hf_url = f"http://127.0.0.1:{port}"
+                try:
+                    processes.append(start(
+                        [executable, "serve", str(hf_dir), "--continuous-batching",
+                         "--device", "cpu", "--host", "127.0.0.1", "--port", str(port)],
+                        hf_url, "/health", env))
+                    contenders.append(Contender(
+                        "transformers serve", hf_url, "/v1/completions",
+                        {**greedy, "model": str(hf_dir), "stream": True}, True))
+                except RuntimeError as exc:
+                    notes.append(f"transformers serve did not start: {exc}")
+            results: dict[str, dict[str, list[dict[str, Any]]]] = {
+                c.name: {str(level): [] for level in levels} for c in contenders}
             for number in range(args.rounds):
-                for name, (path, body) in bodies(prompt, args.tokens).items():
-                    figures = asyncio.run(drive(url, body, args.concurrency, args.warmup_s,
-                                                args.window_s, path))
-                    figures["tokens_per_s"] = figures["requests_per_s"] * args.tokens
-                    rounds[name].append(figures)
-                    print(f"round {number + 1} {name:>12}: {figures['requests_per_s']:8.1f} "
-                          f"req/s {figures['tokens_per_s']:8.1f} tok/s  p50 "
-                          f"{figures['p50_ms']:8.1f} ms  p99 {figures['p99_ms']:8.1f} ms  "
-                          f"errors {figures['errors']}")
+                for level in levels:
+                    for contender in contenders:
+                        figures = asyncio.run(drive(contender, level, args.tokens,
+                                                    args.warmup_s, args.window_s))
+                        results[contender.name][str(level)].append(figures)
+                        print(f"round {number + 1} c{level:<3} {contender.name:>18}: "
+                              f"{figures['tokens_per_s']:8.1f} tok/s  ttft p50 "
+                              f"{figures['ttft_p50_ms'] or 0:8.1f} ms  itl p50 "
+                              f"{figures['itl_p50_ms'] or 0:6.2f} ms  errors "
+                              f"{figures['errors']}", flush=True)
         finally:
-            process.terminate()
-            process.wait(timeout=30)
-    runs = {name: {"errors": sum(r["errors"] for r in rs),
-                   **{key: statistics.median(r[key] for r in rs)
-                      for key in ("requests_per_s", "tokens_per_s", "p50_ms", "p99_ms")},
-                   "rounds": rs}
-            for name, rs in rounds.items()}
+            for process in processes:
+                process.terminate()
+                process.wait(timeout=30)
+    keys = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+    runs = {name: {level: {"errors": sum(r["errors"] for r in rounds),
+                           **{key: statistics.median(r[key] for r in rounds
+                                                     if r[key] is not None) for key in keys},
+                           "rounds": rounds}
+                   for level, rounds in by_level.items()}
+            for name, by_level in results.items()}
     write_json(args.out, {
         "benchmark": "generation",
         "command": command_line(),
         "git": git_commit(),
-        "model": "textlm tiny, untrained weights",
+        "model": "textlm tiny (4 x 128, 128 context), untrained weights",
         "settings": {k: getattr(args, k) for k in (
-            "device", "concurrency", "tokens", "prompt_tokens", "max_batch_size", "threads",
-            "rounds", "warmup_s", "window_s", "quick")},
+            "concurrency", "tokens", "prompt_tokens", "max_batch_size", "rounds", "warmup_s",
+            "window_s", "quick")},
         "runs": runs,
+        "notes": notes,
         "machine": machine_info(),
-        "versions": versions(fastapi=package_version("fastapi"),
+        "versions": versions(transformers=package_version("transformers"),
+                             fastapi=package_version("fastapi"),
                              uvicorn=package_version("uvicorn")),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     })
-    predict, cached = runs["predict"], runs["completions"]
-    print(f"/v1/predict: {predict['tokens_per_s']:.0f} tok/s, p50 {predict['p50_ms']:.0f} ms | "
-          f"/v1/completions: {cached['tokens_per_s']:.0f} tok/s, p50 {cached['p50_ms']:.0f} ms "
-          f"({cached['tokens_per_s'] / predict['tokens_per_s']:.1f}x) -> {args.out}")
+    for level in map(str, levels):
+        line = ", ".join(f"{name} {by_level[level]['tokens_per_s']:.0f}"
+                         for name, by_level in runs.items())
+        print(f"c{level}: output tokens/s: {line}")
+    print(f"-> {args.out}")
     return 0
 
 

@@ -4,6 +4,9 @@ sampling, stop strings, and the OpenAI-compatible API driven by the official cli
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -11,7 +14,7 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import eventually, serving
+from conftest import ROOT, eventually, serving
 from fastapi import FastAPI
 
 from gpuflow import TrainConfig, train
@@ -312,3 +315,17 @@ def test_a_client_leaving_mid_stream_frees_its_slot(textlm_run: tuple[Path, GPT]
     generated = next(float(line.split()[-1]) for line in metrics.splitlines()
                      if line.startswith("gpuflow_generated_tokens_total"))
     assert 1 <= generated < 30
+
+
+def test_generation_benchmark_quick(tmp_path: Path) -> None:
+    out = tmp_path / "generation.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "generation.py"),
+                           "--quick", "--out", str(out)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    for name in ("gpuflow", "gpuflow no cache"):
+        figures = result["runs"][name]["4"]
+        assert figures["errors"] == 0 and figures["tokens_per_s"] > 0
+        assert figures["ttft_p50_ms"] <= figures["ttft_p99_ms"]
+    assert result["git"]["commit"] and result["command"].startswith("python")

@@ -76,12 +76,31 @@ class KVCache:
 @dataclass(frozen=True)
 class CacheView:
     """Where a decode step reads and writes: cache slots, the position of each sequence's
-    first new token, and the length of the longest prefix after the step."""
+    first new token, and the length of the longest prefix after the step. ``run`` is the
+    slots as a slice when they are consecutive, so their prefixes are read in place."""
 
     cache: KVCache
     slots: torch.Tensor
     starts: torch.Tensor
     span: int
+    run: slice | None = None
+
+    @classmethod
+    def of(cls, cache: KVCache, slots: torch.Tensor, starts: torch.Tensor,
+           span: int) -> CacheView:
+        run = None
+        if slots.device.type == "cpu":  # looking costs a device sync elsewhere
+            first = int(slots[0])
+            if torch.equal(slots, torch.arange(first, first + len(slots))):
+                run = slice(first, first + len(slots))
+        return cls(cache, slots, starts, span, run)
+
+    def prefix(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor[slots, :, :span]`` (one layer's keys or values)."""
+        if self.run is not None:
+            return tensor[self.run, :, :self.span]
+        # index_select copies several times faster than advanced indexing.
+        return tensor[:, :, :self.span].index_select(0, self.slots)
 
 
 class CausalSelfAttention(nn.Module):
@@ -123,9 +142,9 @@ class CausalSelfAttention(nn.Module):
         values[rows, :, offsets] = v.transpose(1, 2).to(values.dtype)
         span = torch.arange(view.span, device=x.device)
         visible = span[None, None, :] <= offsets[:, :, None]  # [B, T, span]
-        y = F.scaled_dot_product_attention(
-            q, keys[view.slots, :, :view.span].to(q.dtype),
-            values[view.slots, :, :view.span].to(q.dtype), attn_mask=visible[:, None])
+        y = F.scaled_dot_product_attention(q, view.prefix(keys).to(q.dtype),
+                                           view.prefix(values).to(q.dtype),
+                                           attn_mask=visible[:, None])
         return self.proj(y.transpose(1, 2).reshape(batch, length, -1))
 
 
@@ -223,7 +242,7 @@ class GPT(nn.Module):
                              f"({self.config.seq_len})")
         positions = starts[:, None] + torch.arange(length, device=tokens.device)
         x = self.tok_emb(tokens) + self.pos_emb(positions)
-        view = CacheView(cache, slots, starts, end)
+        view = CacheView.of(cache, slots, starts, end)
         for layer, block in enumerate(self.blocks):
             x = block.cached(x, layer, view)
         return self.lm_head(self.ln_f(x))

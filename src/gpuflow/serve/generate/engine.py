@@ -177,7 +177,8 @@ class GenerationEngine:
             if generation.cancelled:
                 generation.emit(Done("cancelled", len(generation.prompt), 0))
                 continue
-            generation.slot = self._free.pop()
+            generation.slot = min(self._free)  # low slots first, to keep them consecutive
+            self._free.remove(generation.slot)
             self._active.append(generation)
             tokens = torch.tensor([generation.prompt], device=self._device)
             logits = self.lm.logits(tokens, self.cache, self._slots([generation]),
@@ -197,7 +198,7 @@ class GenerationEngine:
             self._retire(generation, "cancelled")
         if not self._active:
             return
-        batch = list(self._active)
+        batch = sorted(self._active, key=lambda g: g.slot)  # consecutive slots: no copies
         last = torch.tensor([[g.generated[-1]] for g in batch], device=self._device)
         starts = torch.tensor([g.length - 1 for g in batch], device=self._device)
         logits = self.lm.logits(last, self.cache, self._slots(batch), starts)[:, -1]
