@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -77,6 +78,16 @@ def probe_app(probe: Probe, **settings: Any) -> FastAPI:
     serve = ServeSettings(**{"source": "probe", "device": "cpu", "max_batch_size": 8,
                              **settings})
     return create_app(serve, load=lambda: probe_engine(probe, serve.engine_options()))
+
+
+async def holding_the_model(probe: Probe, client: httpx.AsyncClient, value: float
+                            ) -> asyncio.Task[httpx.Response]:
+    """A request whose batch holds the model at the probe's gate until it is set."""
+    probe.entered.clear()
+    probe.gate.clear()
+    running = asyncio.create_task(client.post("/v1/predict", json=rows(value)))
+    assert await asyncio.to_thread(probe.entered.wait, 10)
+    return running
 
 
 def rows(*first: float) -> dict[str, Any]:
@@ -153,10 +164,7 @@ def test_requests_arriving_while_a_batch_runs_form_the_next_batch() -> None:
     async def scenario() -> None:
         app = probe_app(probe, max_wait_ms=10_000)
         async with serving(app) as client:
-            probe.entered.clear()
-            probe.gate.clear()
-            first = asyncio.create_task(client.post("/v1/predict", json=rows(0)))
-            assert await asyncio.to_thread(probe.entered.wait, 10)
+            first = await holding_the_model(probe, client, 0)
             later = [asyncio.create_task(client.post("/v1/predict", json=rows(i)))
                      for i in range(1, 8)]
             await eventually(lambda: app.state.serve.batcher.depth == 7)
@@ -185,10 +193,7 @@ def test_a_full_queue_answers_503_with_retry_after() -> None:
     async def scenario() -> None:
         app = probe_app(probe, max_queue=1, max_wait_ms=0)
         async with serving(app) as client:
-            probe.entered.clear()
-            probe.gate.clear()
-            running = asyncio.create_task(client.post("/v1/predict", json=rows(1)))
-            assert await asyncio.to_thread(probe.entered.wait, 10)
+            running = await holding_the_model(probe, client, 1)
             queued = asyncio.create_task(client.post("/v1/predict", json=rows(2)))
             await eventually(lambda: app.state.serve.batcher.depth == 1)
             refused = await client.post("/v1/predict", json=rows(3))
@@ -210,10 +215,7 @@ def test_a_deadline_passing_in_the_queue_gives_504_and_the_model_never_sees_it()
         app = probe_app(probe, max_wait_ms=0)
         async with serving(app) as client:
             probe.seen.clear()
-            probe.entered.clear()
-            probe.gate.clear()
-            running = asyncio.create_task(client.post("/v1/predict", json=rows(1)))
-            assert await asyncio.to_thread(probe.entered.wait, 10)
+            running = await holding_the_model(probe, client, 1)
             late = await client.post("/v1/predict", json={**rows(7), "timeout_ms": 50})
             # The first batch still holds the model: the deadline fired while waiting.
             assert late.status_code == 504 and not probe.gate.is_set()
@@ -237,10 +239,7 @@ def test_a_client_that_disconnects_leaves_the_queue() -> None:
         app = probe_app(probe, max_wait_ms=0)
         async with serving(app) as client:
             probe.seen.clear()
-            probe.entered.clear()
-            probe.gate.clear()
-            running = asyncio.create_task(client.post("/v1/predict", json=rows(1)))
-            assert await asyncio.to_thread(probe.entered.wait, 10)
+            running = await holding_the_model(probe, client, 1)
             leaving = asyncio.create_task(client.post("/v1/predict", json=rows(5)))
             await eventually(lambda: app.state.serve.batcher.depth == 1)
             leaving.cancel()  # closes its connection
@@ -260,10 +259,7 @@ def test_a_failing_batch_fails_only_its_requests_and_serving_goes_on() -> None:
     async def scenario() -> None:
         app = probe_app(probe, max_wait_ms=0)
         async with serving(app) as client:
-            probe.entered.clear()
-            probe.gate.clear()
-            healthy = asyncio.create_task(client.post("/v1/predict", json=rows(1)))
-            assert await asyncio.to_thread(probe.entered.wait, 10)
+            healthy = await holding_the_model(probe, client, 1)
             # Queued together behind the held batch, so they form the next batch.
             poisoned = [asyncio.create_task(client.post("/v1/predict", json=rows(value)))
                         for value in (-1, 4)]
