@@ -129,7 +129,9 @@ def test_analytic_transformer_matches_the_trace_of_the_built_in_gpt() -> None:
                       "batch_per_sample"):
             assert getattr(analytic, field) == pytest.approx(getattr(traced, field), rel=0.01,
                                                              abs=1e4)
-        assert analytic.flops_per_sample == pytest.approx(traced.flops_per_sample, rel=0.03)
+        # Both by the convention; the analytic form also counts the biases as matmul
+        # parameters (0.5% here).
+        assert analytic.flops_per_sample == pytest.approx(traced.flops_per_sample, rel=0.01)
 
 
 STRATEGIES = {

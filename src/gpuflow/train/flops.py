@@ -21,16 +21,25 @@ def _cpu_sdpa_forward(query_shape, key_shape, value_shape, *args, out_shape=None
     return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
 
 
-def _cpu_sdpa_backward(grad_out_shape, query_shape, key_shape, value_shape, *args,
-                       out_shape=None, **kwargs) -> int:
-    return flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape,
-                                                 value_shape)
+def _sdpa_backward_by_convention(grad_out_shape, query_shape, key_shape, value_shape, *args,
+                                 out_shape=None, **kwargs) -> int:
+    """Twice the forward: the gradients of its two matmuls. torch's own formula also counts
+    the score matrix that fused kernels recompute in backward; the field's convention
+    (PaLM, torchtitan, llm.c: 6N + 12·L·d·T per token) counts work the model needs, not
+    work a kernel chooses to redo."""
+    return 2 * flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
 
 
-# torch has no formula for the CPU flash-attention kernels; without these MFU is understated.
+# MFU by the convention: every attention backward is counted as twice its forward; and
+# torch has no formula for the CPU flash-attention kernels, without which MFU is understated.
+# Causal attention is counted in full, as the convention does.
 CUSTOM_FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
     _aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_forward,
-    _aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward,
+    **{op: _sdpa_backward_by_convention for op in (
+        _aten._scaled_dot_product_flash_attention_for_cpu_backward,
+        _aten._scaled_dot_product_flash_attention_backward,
+        _aten._scaled_dot_product_efficient_attention_backward,
+        _aten._scaled_dot_product_cudnn_attention_backward)},
 }
 
 
