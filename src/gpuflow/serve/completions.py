@@ -90,8 +90,9 @@ async def _first_event(generation: Generation, timeout_s: float) -> Event:
                              "request was dropped.") from None
 
 
-def add_completion_routes(app: FastAPI, get_engine: Callable[[], Any], model_name: Callable[[],
-                          str], timeout_s: float, watch_disconnect: Callable[[Request], Any],
+def add_completion_routes(app: FastAPI, get_engine: Callable[[], Any],
+                          model_name: Callable[[], str], timeout_s: float,
+                          watch_disconnect: Callable[[Request], Any],
                           client_closed: int) -> None:
     """Register the OpenAI-compatible routes; ``get_engine`` raises RequestProblem while
     there is no engine to generate with."""
