@@ -19,6 +19,7 @@ import base64
 import binascii
 import inspect
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,7 +107,7 @@ def top_labels(probs: torch.Tensor, labels: Sequence[str], k: int) -> dict[str, 
     return {**top[0], "top": top}
 
 
-class Codec:
+class Codec(ABC):
     """Decodes requests into rows, runs batches of rows, formats each row's output."""
 
     kind = "tensor"
@@ -134,23 +135,25 @@ class Codec:
     def _decode_path(self, path: Path, defaults: dict[str, Any]) -> Decoded:
         raise InputError(f"cannot read {path.suffix} files; give {self.file_suffixes}")
 
+    @abstractmethod
     def _decode_inputs(self, inputs: Any, request: PredictRequest) -> Decoded:
-        raise NotImplementedError
+        """The rows of a request's ``inputs`` field."""
 
+    @abstractmethod
     def from_sample(self, inputs: Any, defaults: dict[str, Any]) -> Decoded:
         """A sample of a packed set: already what the model takes, as in training."""
-        raise NotImplementedError
 
+    @abstractmethod
     def warmup_rows(self) -> list[tuple[Hashable, Any]]:
         """One row per batching key, to warm up every bucket before serving."""
-        raise NotImplementedError
 
+    @abstractmethod
     def run(self, runner: Any, key: Hashable, rows: list[Any]) -> list[Any]:
         """One batch through the model; one output per row."""
-        raise NotImplementedError
 
+    @abstractmethod
     def format(self, output: Any, request: PredictRequest) -> dict[str, Any]:
-        raise NotImplementedError
+        """One row's output as the answer's JSON."""
 
 
 def class_labels(count: int) -> list[str]:
