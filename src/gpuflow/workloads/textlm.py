@@ -15,7 +15,6 @@ import math
 from dataclasses import fields, replace
 
 import torch
-from torch.nn import functional as F
 from torch.utils.data import Dataset
 
 from gpuflow.data.streaming import open_packed
@@ -24,7 +23,7 @@ from gpuflow.errors import UserError
 from gpuflow.models.gpt import GPT, GPTConfig
 from gpuflow.models.gpt2_format import save_as_gpt2
 from gpuflow.parallel.tensor import transformer_plan
-from gpuflow.workload import Workload
+from gpuflow.workload import Workload, cross_entropy
 from gpuflow.workloads.text_codec import text_serving
 
 VOCAB_SIZE = 256
@@ -102,8 +101,9 @@ def parse_model_size(spec: str | None) -> GPTConfig:
 
 
 def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean next-byte cross-entropy in nats, computed in fp32 whatever the autocast dtype."""
-    return F.cross_entropy(logits.float().flatten(0, -2), target.flatten())
+    """Mean next-byte cross-entropy in nats, computed in fp32 whatever the autocast dtype
+    (the workload contract's default loss, which reads sequence logits per position)."""
+    return cross_entropy(logits, target)
 
 
 def bits_per_byte(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

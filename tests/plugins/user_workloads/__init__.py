@@ -131,12 +131,9 @@ def killed_mlp() -> gpuflow.Workload:
     return workload
 
 
-def _lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(logits.float().flatten(0, 1), target.flatten())
-
-
 def tiny_gpt() -> gpuflow.Workload:
-    """A small 4-block GPT on random bytes, with the Megatron tensor-parallel plan."""
+    """A small 4-block GPT on random bytes, with the Megatron tensor-parallel plan; the
+    default loss reads its sequence logits per position."""
     from gpuflow.models.gpt import GPT, GPTConfig
     from gpuflow.parallel.tensor import transformer_plan
 
@@ -151,7 +148,6 @@ def tiny_gpt() -> gpuflow.Workload:
         model=GPT(GPTConfig(vocab_size=64, seq_len=seq, layers=4, dim=32, heads=4)),
         train_dataset=TensorDataset(inputs, targets),
         val_dataset=TensorDataset(inputs[:20], targets[:20]),
-        loss_fn=_lm_loss,
         metrics={},
         tokens_per_sample=seq,
         tensor_parallel_plan=transformer_plan(),
