@@ -27,7 +27,8 @@ def register(commands: Any) -> None:
     pack.add_argument("--force", action="store_true",
                       help="pack again over a finished set in --out")
     pack.add_argument("--no-progress", dest="progress", action="store_false",
-                      help="no progress bar")
+                      help="no progress report (by default a live bar on a terminal, else a "
+                           "line per shard on stderr: bytes read, shards, MiB/s, ETA)")
     data.set_defaults(handler=run)
 
 
@@ -38,8 +39,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     shard_mb = DEFAULT_SHARD_MB if args.shard_size_mb is None else args.shard_size_mb
     if shard_mb <= 0:
         raise UserError("--shard-size-mb must be positive.")
+    progress = ("off" if not args.progress else "bar" if sys.stderr.isatty() else "lines")
     manifest = pack(args.workload, args.src, args.out, shard_mb=shard_mb,
-                    force=args.force, progress=args.progress and sys.stderr.isatty())
+                    force=args.force, progress=progress)
     counts = ", ".join(f"{name} {manifest.count(name):,} "
                        f"{'tokens' if manifest.kind == 'tokens' else 'samples'} in "
                        f"{len(shards)} shard(s)" for name, shards in manifest.splits.items())

@@ -1,26 +1,28 @@
 """Convert a workload's data set into a packed set of shards (see ``gpuflow.data.shards``).
 
 Text becomes token shards; every other workload's items, as its own readers produce them,
-become tensor records. Packing is resumable: each finished shard is recorded in a hidden
-state file as soon as it is renamed into place, and a rerun with the same settings keeps
-the shards that still match their checksums and continues after them. The manifest is
-written last, so a folder with a manifest is a finished set.
+become tensor records. Memory stays bounded whatever the corpus: text is read from its
+files a chunk at a time straight into the shard being written, and records one at a time
+from lazy splits (the built-in image and text readers' own, or a user workload's datasets
+as given). Packing is resumable: each finished shard is recorded in a hidden state file as
+soon as it is renamed into place, and a rerun with the same settings keeps the shards that
+still match their checksums and continues after them. The manifest is written last, so a
+folder with a manifest is a finished set.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from gpuflow.data.pack_progress import Mode, PackProgress
 from gpuflow.data.shards import (
     EXAMPLE_FILE,
     FORMAT_VERSION,
@@ -29,18 +31,22 @@ from gpuflow.data.shards import (
     Manifest,
     RecordShardWriter,
     ShardInfo,
+    TokenShardWriter,
     encode_record,
     is_packed,
     layout_of,
     sha256_file,
     shard_name,
     write_manifest,
-    write_token_shard,
 )
+from gpuflow.data.text import READ_CHUNK, Span, SpanReader, split_spans
 from gpuflow.errors import UserError
 
 DEFAULT_SHARD_MB = 64
 TOKEN_WORKLOADS = ("textlm",)
+# Built-in workloads whose raw readers hold the whole set in memory for training read it
+# lazily for packing instead: "module:function" taking the raw --data-dir.
+LAZY_SOURCES: dict[str, str] = {"mnist-idx": "gpuflow.workloads.mnist_idx:pack_source"}
 
 
 @dataclass(frozen=True)
@@ -50,39 +56,41 @@ class RecordSource:
     workload: str
     splits: dict[str, Sequence[Any]]
     example: Any
-    meta: dict[str, Any]
 
 
 def workload_records(workload: str, src: str | None) -> RecordSource:
-    """A workload's own train/val datasets, read by its raw readers from ``src``."""
+    """A workload's train/val items from ``src``: its lazy reader where it has one, else
+    the datasets its factory builds (lazy or not, as the workload wrote them)."""
+    if workload in LAZY_SOURCES:
+        module, _, name = LAZY_SOURCES[workload].partition(":")
+        return getattr(importlib.import_module(module), name)(src)
     from gpuflow.workload import resolve_workload
 
     built = resolve_workload(workload, {} if src is None else {"data_dir": src})
     splits: dict[str, Sequence[Any]] = {"train": built.train_dataset}  # type: ignore[dict-item]
     if built.val_dataset is not None:
         splits["val"] = built.val_dataset  # type: ignore[assignment]
-    return RecordSource(built.name, splits, built.get_example_batch(),
-                        class_count(splits.values()))
+    return RecordSource(built.name, splits, built.get_example_batch())
 
 
-def class_count(splits: Any) -> dict[str, Any]:
-    """``{"num_classes": max label + 1}`` when every target is an integer, else nothing."""
-    top = -1
-    for split in splits:
-        for index in range(len(split)):
-            target = torch.as_tensor(split[index][1])
-            if target.ndim != 0 or target.is_floating_point():
-                return {}
-            top = max(top, int(target))
-    return {"num_classes": top + 1} if top >= 0 else {}
+@dataclass
+class LabelTally:
+    """The largest integer target packed so far, for ``meta["num_classes"]``; ``None``
+    once a target is not an integer. Kept in the pack state, so a resumed pack knows the
+    labels of the shards it keeps without reading them again (rewritten shards hold the
+    same items, so counting one twice changes nothing)."""
 
+    top: int | None = -1
 
-def text_tokens(src: str | None) -> dict[str, bytes]:
-    """Byte-level text split by document, exactly as the textlm workload splits it."""
-    from gpuflow.data.text import load_split
+    def add(self, item: Any) -> None:
+        if self.top is None:
+            return
+        target = torch.as_tensor(item[1])
+        self.top = (None if target.ndim != 0 or target.is_floating_point()
+                    else max(self.top, int(target)))
 
-    split = load_split(src)
-    return {"train": split.train, "val": split.val}
+    def meta(self) -> dict[str, Any]:
+        return {"num_classes": self.top + 1} if self.top is not None and self.top >= 0 else {}
 
 
 class PackState:
@@ -92,6 +100,7 @@ class PackState:
         self.path = out / PACK_STATE
         self.settings = settings
         self.splits: dict[str, list[ShardInfo]] = {}
+        self.labels = LabelTally()
 
     @classmethod
     def resume(cls, out: Path, settings: dict[str, Any]) -> PackState:
@@ -105,6 +114,7 @@ class PackState:
                 f"--out {out} holds an unfinished pack made with other settings "
                 f"({saved['settings']}). Rerun with those, or add --force to start over."
             )
+        state.labels = LabelTally(saved.get("labels_top", -1))
         for split, shards in saved["splits"].items():
             kept = state.splits.setdefault(split, [])
             for shard in map(lambda s: ShardInfo(**s), shards):
@@ -115,50 +125,65 @@ class PackState:
                 kept.append(shard)
         return state
 
+    def done(self, split: str) -> tuple[int, int]:
+        """Records (or tokens) and shards of ``split`` finished so far."""
+        shards = self.splits.get(split, [])
+        return sum(shard.count for shard in shards), len(shards)
+
     def record(self, split: str, shard: ShardInfo) -> None:
         self.splits.setdefault(split, []).append(shard)
         tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps({"settings": self.settings, "splits": {
-            name: [asdict(s) for s in shards] for name, shards in self.splits.items()}}))
+        tmp.write_text(json.dumps({"settings": self.settings, "labels_top": self.labels.top,
+                                   "splits": {name: [asdict(s) for s in shards]
+                                              for name, shards in self.splits.items()}}))
         os.replace(tmp, self.path)
 
 
-@contextmanager
-def progress_bar(enabled: bool) -> Iterator[Progress]:
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("{task.fields[unit]}"), TimeRemainingColumn())
-    with Progress(*columns, disable=not enabled) as progress:
-        yield progress
-
-
 def _write_records(out: Path, split: str, items: Sequence[Any], state: PackState,
-                   shard_bytes: int, progress: Progress) -> None:
-    done = sum(shard.count for shard in state.splits.get(split, []))
-    task = progress.add_task(f"{split}", total=len(items), completed=done, unit="samples")
+                   shard_bytes: int, progress: PackProgress) -> None:
+    done, shards = state.done(split)
+    progress.begin(split, len(items), "items", done, shards)
     writer: RecordShardWriter | None = None
     for index in range(done, len(items)):
         if writer is None:
-            number = len(state.splits.get(split, []))
-            writer = RecordShardWriter(out / shard_name(split, number, "records"))
-        writer.write(encode_record(items[index]))
+            writer = RecordShardWriter(out / shard_name(split, len(state.splits.get(split, [])),
+                                                        "records"))
+        item = items[index]
+        record = encode_record(item)
+        state.labels.add(item)
+        writer.write(record)
+        progress.advance(len(record), 1)
         if writer.size >= shard_bytes:
             state.record(split, writer.close())
+            progress.shard_written()
             writer = None
-        progress.advance(task)
     if writer is not None:
         state.record(split, writer.close())
+        progress.shard_written()
 
 
-def _write_tokens(out: Path, split: str, data: bytes, state: PackState, shard_bytes: int,
-                  progress: Progress) -> None:
-    tokens = np.frombuffer(data, dtype=np.uint8)
-    done = sum(shard.count for shard in state.splits.get(split, []))
-    task = progress.add_task(f"{split}", total=len(tokens), completed=done, unit="bytes")
-    for start in range(done, len(tokens), shard_bytes):
-        number = len(state.splits.get(split, []))
-        chunk = tokens[start:start + shard_bytes]
-        state.record(split, write_token_shard(out / shard_name(split, number, "tokens"), chunk))
-        progress.advance(task, len(chunk))
+def _write_tokens(out: Path, split: str, spans: list[Span], state: PackState,
+                  shard_bytes: int, progress: PackProgress) -> None:
+    """Shards of ``shard_bytes`` tokens cut from the split's bytes, read a chunk at a time:
+    a shard's length is known before it is read, so its header is written first and its
+    tokens go straight to the file."""
+    total = sum(span.size for span in spans)
+    done, shards = state.done(split)
+    progress.begin(split, total, "bytes", done, shards)
+    reader = SpanReader(spans, done)
+    for start in range(done, total, shard_bytes):
+        count = min(shard_bytes, total - start)
+        writer = TokenShardWriter(out / shard_name(split, shards, "tokens"), count)
+        while writer.written < count:
+            chunk = reader.read(min(READ_CHUNK, count - writer.written))
+            if not chunk:
+                raise UserError(f"The text being packed got shorter while it was read; pack "
+                                f"it again when it is no longer written to ({split} split).")
+            writer.write(chunk)
+            progress.advance(len(chunk), len(chunk))
+        state.record(split, writer.close())
+        progress.shard_written()
+        shards += 1
 
 
 def _prepare_out(out: Path, force: bool) -> None:
@@ -181,9 +206,10 @@ def _prepare_out(out: Path, force: bool) -> None:
 
 def pack(workload: str, src: str | Path | None, out: str | Path,
          shard_mb: float = DEFAULT_SHARD_MB, force: bool = False,
-         progress: bool = True) -> Manifest:
+         progress: bool | Mode = True) -> Manifest:
     """Pack ``workload``'s data from ``src`` (its raw --data-dir; None: its default) into
-    ``out``, continuing an interrupted pack of the same settings."""
+    ``out``, continuing an interrupted pack of the same settings. ``progress``: a live bar
+    (True or "bar"), a line per shard ("lines"), or nothing (False or "off")."""
     out = Path(out)
     source = None if src is None else str(Path(src).resolve())
     if source is not None and is_packed(source):
@@ -196,18 +222,19 @@ def pack(workload: str, src: str | Path | None, out: str | Path,
     state = PackState.resume(out, settings)
     manifest = Manifest(workload=workload, kind=kind, splits={}, source=source,
                         shard_bytes=shard_bytes)
-    with progress_bar(progress) as bar:
+    mode: Mode = "bar" if progress is True else "off" if progress is False else progress
+    with PackProgress(mode) as report:
         if kind == "tokens":
-            for split, data in text_tokens(source).items():
-                _write_tokens(out, split, data, state, shard_bytes, bar)
+            for split, spans in split_spans(source).items():
+                _write_tokens(out, split, spans, state, shard_bytes, report)
         else:
             records = workload_records(workload, source)
             for split, items in records.splits.items():
-                _write_records(out, split, items, state, shard_bytes, bar)
+                _write_records(out, split, items, state, shard_bytes, report)
             manifest.workload = records.workload
             manifest.layout = layout_of(records.splits["train"][0])
             manifest.example_layout = layout_of(records.example)
-            manifest.meta = records.meta
+            manifest.meta = state.labels.meta()
             writer = RecordShardWriter(out / EXAMPLE_FILE)
             writer.write(encode_record(records.example))
             manifest.example = writer.close()

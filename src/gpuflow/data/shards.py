@@ -308,13 +308,26 @@ def _commit(tmp: Path, path: Path) -> None:
     os.replace(tmp, path)
 
 
-class RecordShardWriter:
-    """Appends encoded records to a hidden temporary file; ``close`` names it."""
+class _ShardFile:
+    """A shard written to a hidden temporary file; ``_finish`` makes it durable, names it
+    and describes it for the manifest."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.tmp = path.with_name(f".{path.name}.tmp")
         self._handle = open(self.tmp, "wb")  # noqa: SIM115 (open until close())
+
+    def _finish(self, count: int) -> ShardInfo:
+        self._handle.close()
+        _commit(self.tmp, self.path)
+        return ShardInfo(self.path.name, self.path.stat().st_size, sha256_file(self.path), count)
+
+
+class RecordShardWriter(_ShardFile):
+    """Appends encoded records; ``close`` writes the index and trailer and names the file."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
         self._handle.write(MAGIC)
         self._offsets: list[int] = []
         self.size = len(MAGIC)
@@ -333,19 +346,38 @@ class RecordShardWriter:
         index_offset = self.size
         self._handle.write(np.asarray(self._offsets, dtype="<u8").tobytes())
         self._handle.write(_TRAILER.pack(self.count, index_offset, MAGIC))
-        self._handle.close()
-        _commit(self.tmp, self.path)
-        return ShardInfo(self.path.name, self.path.stat().st_size, sha256_file(self.path),
-                         self.count)
+        return self._finish(self.count)
+
+
+class TokenShardWriter(_ShardFile):
+    """A token shard of ``count`` tokens in numpy's .npy format, written as the tokens
+    arrive: the header (which only needs the count) first, so no shard is held in memory."""
+
+    def __init__(self, path: Path, count: int) -> None:
+        super().__init__(path)
+        np.lib.format.write_array_header_1_0(self._handle, {
+            "descr": np.lib.format.dtype_to_descr(TOKEN_DTYPE), "fortran_order": False,
+            "shape": (count,)})
+        self.count = count
+        self.written = 0
+
+    def write(self, tokens: bytes) -> None:
+        if self.written + len(tokens) > self.count:
+            raise ValueError(f"{self.path.name}: more than the {self.count} tokens announced")
+        self._handle.write(tokens)
+        self.written += len(tokens)
+
+    def close(self) -> ShardInfo:
+        if self.written != self.count:
+            raise ValueError(f"{self.path.name}: {self.written} of {self.count} tokens written")
+        return self._finish(self.count)
 
 
 def write_token_shard(path: Path, tokens: np.ndarray) -> ShardInfo:
     """A 1-D token array in numpy's .npy format, which ``np.load(mmap_mode='r')`` maps."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as handle:
-        np.save(handle, np.ascontiguousarray(tokens, dtype=TOKEN_DTYPE))
-    _commit(tmp, path)
-    return ShardInfo(path.name, path.stat().st_size, sha256_file(path), len(tokens))
+    writer = TokenShardWriter(path, len(tokens))
+    writer.write(np.ascontiguousarray(tokens, dtype=TOKEN_DTYPE).tobytes())
+    return writer.close()
 
 
 def write_manifest(directory: Path, manifest: Manifest) -> None:

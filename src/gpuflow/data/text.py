@@ -52,7 +52,7 @@ def pydoc_documents() -> list[Document]:
     return [Document(name, topics[name].encode("utf-8")) for name in sorted(topics)]
 
 
-def directory_documents(data_dir: str | Path) -> list[Document]:
+def text_files(data_dir: str | Path) -> list[Path]:
     """Every *.txt, *.md and *.rst file under ``data_dir``, recursively, in sorted path order."""
     root = Path(data_dir).expanduser()
     if not root.is_dir():
@@ -62,16 +62,24 @@ def directory_documents(data_dir: str | Path) -> list[Document]:
             f"({', '.join('*' + s for s in TEXT_SUFFIXES)}), or drop --data-dir to train on "
             "the Python documentation bundled with CPython."
         )
-    paths = sorted(p for p in root.rglob("*")
-                   if p.suffix.lower() in TEXT_SUFFIXES and p.is_file())
-    documents = [Document(str(p.relative_to(root)), p.read_bytes()) for p in paths]
+    return sorted(p for p in root.rglob("*") if p.suffix.lower() in TEXT_SUFFIXES and p.is_file())
+
+
+def _no_text(data_dir: str | Path) -> UserError:
+    return UserError(
+        f"--data-dir {data_dir} holds no non-empty text files "
+        f"({', '.join('*' + s for s in TEXT_SUFFIXES)}, searched recursively). "
+        "Add some, or drop --data-dir to train on the bundled Python documentation."
+    )
+
+
+def directory_documents(data_dir: str | Path) -> list[Document]:
+    """The non-empty text files of ``data_dir`` (see ``text_files``), read whole."""
+    root = Path(data_dir).expanduser()
+    documents = [Document(str(p.relative_to(root)), p.read_bytes()) for p in text_files(root)]
     documents = [doc for doc in documents if doc.data.strip()]
     if not documents:
-        raise UserError(
-            f"--data-dir {data_dir} holds no non-empty text files "
-            f"({', '.join('*' + s for s in TEXT_SUFFIXES)}, searched recursively). "
-            "Add some, or drop --data-dir to train on the bundled Python documentation."
-        )
+        raise _no_text(data_dir)
     return documents
 
 
@@ -84,6 +92,11 @@ def held_out_positions(count: int) -> list[int]:
     return [j * count // k + 1 for j in range(k)]
 
 
+def single_document_cut(size: int) -> int:
+    """Where a corpus of one document is split: its last 10% of bytes are held out."""
+    return size - max(1, int(size * VAL_FRACTION))
+
+
 def split_documents(documents: Sequence[Document]) -> TextSplit:
     """Hold out ~10% of the documents (deterministically, by position in sorted order).
 
@@ -91,7 +104,7 @@ def split_documents(documents: Sequence[Document]) -> TextSplit:
     """
     if len(documents) == 1:
         data = documents[0].data
-        cut = len(data) - max(1, int(len(data) * VAL_FRACTION))
+        cut = single_document_cut(len(data))
         name = documents[0].name
         return TextSplit(data[:cut], data[cut:], (name,), (name + " (last 10%)",))
     held = set(held_out_positions(len(documents)))
@@ -152,3 +165,86 @@ class RandomBytes(Dataset):
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         chunk = torch.randint(0, 256, (self.seq_len + 1,), generator=generator)
         return chunk[:-1], chunk[1:]
+
+
+# --- streamed, for packing: the same split, never held in memory -----------------------
+
+READ_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class Span:
+    """Bytes ``[start, end)`` of a file (or of bytes in memory: the bundled topics and the
+    separators between documents)."""
+
+    source: Path | bytes
+    start: int
+    end: int
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+def has_text(path: Path) -> bool:
+    """Whether a file holds more than whitespace, read a chunk at a time."""
+    with open(path, "rb") as handle:
+        while chunk := handle.read(READ_CHUNK):
+            if chunk.strip():
+                return True
+    return False
+
+
+def split_spans(data_dir: str | Path | None = None) -> dict[str, list[Span]]:
+    """The train and val bytes of ``load_split(data_dir)`` as spans of the files, found
+    from the files' sizes: joined, each split is exactly the bytes ``load_split`` gives."""
+    if data_dir is None:
+        sources: list[Path | bytes] = [doc.data for doc in pydoc_documents()]
+    else:
+        sources = [path for path in text_files(data_dir) if has_text(path)]
+        if not sources:
+            raise _no_text(data_dir)
+    sizes = [len(s) if isinstance(s, bytes) else s.stat().st_size for s in sources]
+    if len(sources) == 1:
+        cut = single_document_cut(sizes[0])
+        return {"train": [Span(sources[0], 0, cut)], "val": [Span(sources[0], cut, sizes[0])]}
+    held = set(held_out_positions(len(sources)))
+    splits: dict[str, list[Span]] = {"train": [], "val": []}
+    for position, (source, size) in enumerate(zip(sources, sizes, strict=True)):
+        spans = splits["val" if position in held else "train"]
+        if spans:
+            spans.append(Span(DOC_SEPARATOR, 0, len(DOC_SEPARATOR)))
+        spans.append(Span(source, 0, size))
+    return splits
+
+
+class SpanReader:
+    """Reads spans as one stream, from ``skip`` bytes in, at most a chunk at a time."""
+
+    def __init__(self, spans: Sequence[Span], skip: int = 0) -> None:
+        self._spans = list(spans)
+        self._index, self._position = 0, 0
+        while self._index < len(self._spans) and skip >= self._spans[self._index].size:
+            skip -= self._spans[self._index].size
+            self._index += 1
+        self._position = skip
+
+    def read(self, limit: int = READ_CHUNK) -> bytes:
+        """Up to ``limit`` bytes from the current span; empty at the end of the last."""
+        while self._index < len(self._spans):
+            span = self._spans[self._index]
+            start = span.start + self._position
+            count = min(limit, span.end - start)
+            if count > 0:
+                self._position += count
+                if isinstance(span.source, bytes):
+                    return span.source[start:start + count]
+                with open(span.source, "rb") as handle:
+                    handle.seek(start)
+                    data = handle.read(count)
+                if len(data) != count:
+                    raise UserError(f"{span.source} changed while it was being packed; "
+                                    "pack it again when it is no longer written to.")
+                return data
+            self._index, self._position = self._index + 1, 0
+        return b""
