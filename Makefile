@@ -13,7 +13,7 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet -e ".[dev,tensorboard,hf]"
+	$(BIN)/python -m pip install --quiet -e ".[dev,tensorboard,hf,fp8]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -35,7 +35,7 @@ def test_invalid_toml_and_missing_file(tmp_path: Path) -> None:
     ("values", "message"),
     [
         ({"batch_size": 0}, "--batch-size must be at least 1"),
-        ({"precision": "fp8"}, "--precision must be one of"),
+        ({"precision": "fp4"}, "--precision must be one of"),
         ({"lr": -1.0}, "--lr must be positive"),
         ({"max_steps": 10, "epochs": 1.0}, "either --max-steps or --epochs"),
         ({"batch_size": "64"}, "`batch_size` must be of type int"),

@@ -37,7 +37,12 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
         help="synthetic: random data of the workload's shapes, for throughput runs")
     add("--model-size", help="the workload's model size preset (e.g. textlm: tiny|small|124m)")
     add("--device", help="auto | cpu | cuda | cuda:N (default auto)")
-    add("--precision", choices=["fp32", "tf32", "bf16", "fp16"], help="default fp32")
+    add("--precision", choices=["fp32", "tf32", "bf16", "fp16", "fp8"],
+        help="default fp32; fp8: torchao float8 matmuls in the linear layers that gain, bf16 "
+             "autocast elsewhere (H100-class GPUs, turns on --compile, needs gpuflow[fp8])")
+    add("--fp8-recipe", choices=["tensorwise", "rowwise"],
+        help="--precision fp8 scaling: one scale per tensor (default; fp8 all-gather under "
+             "fsdp) or per row (more accurate, a little slower)")
     add("--batch-size", type=_int_or_auto,
         help="samples per micro-batch (default 64), or auto: the largest that fits, "
              "accumulating to keep the global batch")
@@ -60,6 +65,9 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
     add("--activation-checkpointing", action="store_true", default=argparse.SUPPRESS,
         help="recompute the workload's repeated blocks in backward")
     add("--clip-grad", type=_positive_or_none, help="max gradient norm (default off)")
+    add("--cuda-graphs", action="store_true", default=argparse.SUPPRESS,
+        help="replay each step's forward and backward as CUDA graphs (torch.compile "
+             "reduce-overhead): for launch-bound, static-shape runs on one GPU")
     add("--seed", type=int, help="default 0")
     add("--run-dir", help="default runs/<workload>-<timestamp>")
     add("--checkpoint-every", type=int, help="save every N steps (default 0: at the end only)")

@@ -13,7 +13,8 @@ from gpuflow.errors import UserError
 # DistributedDataParallel's gradient bucket size when --bucket-mb is not given.
 DDP_DEFAULT_BUCKET_MIB = 25.0
 
-Precision = Literal["fp32", "tf32", "bf16", "fp16"]
+Precision = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
+Fp8Recipe = Literal["tensorwise", "rowwise"]
 OptimizerName = Literal["adamw", "sgd"]
 Schedule = Literal["cosine", "constant"]
 Strategy = Literal["single", "ddp", "fsdp", "tp", "pp", "auto"]
@@ -40,6 +41,7 @@ class TrainConfig:
     device: str = "auto"
     precision: Precision = "fp32"
     batch_size: int | Literal["auto"] = DEFAULT_BATCH_SIZE
+    fp8_recipe: Fp8Recipe = "tensorwise"
     global_batch: int | None = None
     memory_cap_gib: float | None = None
     grad_accum: int = 1
@@ -54,6 +56,7 @@ class TrainConfig:
     log_every: int = 10
     compile: bool = False
     activation_checkpointing: bool = False
+    cuda_graphs: bool = False
     clip_grad: float | None = None
     seed: int = 0
     run_dir: str | None = None
@@ -87,6 +90,7 @@ class TrainConfig:
         """Reject values that would fail later with an unhelpful traceback."""
         _check_choice("precision", self.precision, Precision)
         _check_choice("optimizer", self.optimizer, OptimizerName)
+        _check_choice("fp8_recipe", self.fp8_recipe, Fp8Recipe)
         _check_choice("schedule", self.schedule, Schedule)
         _check_choice("data", self.data, DataSource)
         _check_choice("pp_schedule", self.pp_schedule, PipelineSchedule)
@@ -132,6 +136,24 @@ class TrainConfig:
             if value is not None and value < 1:
                 raise UserError(f"--{_flag(name)} must be at least 1 (got {value}).")
 
+        if (self.precision == "fp8" or self.cuda_graphs) and self.strategy != "auto":
+            self.check_step_modes(self.resolved_strategy(self.nproc * self.nnodes),
+                                  self.tp, self.pp)
+
+    def check_step_modes(self, strategy: str, tp: int, pp: int) -> None:
+        """fp8 and CUDA graphs only with the strategies they compose with."""
+        if self.precision == "fp8" and (tp > 1 or pp > 1 or strategy in ("tp", "pp")):
+            raise UserError(
+                "--precision fp8 composes with --strategy single, ddp and fsdp; tensor and "
+                "pipeline parallelism would need torchao's float8 parallel styles, which "
+                f"gpuflow does not apply (this run: --strategy {strategy}"
+                f"{f' --tp {tp}' if tp > 1 else ''}{f' --pp {pp}' if pp > 1 else ''}). Use "
+                "--precision bf16 with them.")
+        if self.cuda_graphs and strategy != "single":
+            raise UserError(
+                f"--cuda-graphs runs with --strategy single only: with --strategy {strategy}, "
+                f"{_UNGRAPHABLE[strategy]}, which one captured graph cannot replay. Drop "
+                "--cuda-graphs, or train on one GPU.")
     def mesh_shape(self, world_size: int) -> tuple[int, int, int]:
         """(data-parallel, tensor-parallel, pipeline-parallel) degrees; their product is the
         world size. ``tp`` and ``pp`` alone take every process unless given."""
@@ -197,6 +219,15 @@ class TrainConfig:
 
 def _flag(name: str) -> str:
     return name.replace("_", "-")
+
+# Why a captured CUDA graph cannot replay a step of each multi-process strategy.
+_UNGRAPHABLE = {
+    "ddp": "DDP all-reduces gradient buckets from autograd hooks while backward runs",
+    "fsdp": "FSDP2 gathers, frees and allocates parameters around each block",
+    "tp": "tensor parallelism runs collectives inside each block",
+    "pp": "the pipeline schedule sends activations between ranks between micro-steps",
+}
+
 
 
 def _check_choice(name: str, value: object, literal: object) -> None:

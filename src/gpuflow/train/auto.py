@@ -46,7 +46,11 @@ def plan_strategy(workload: Workload, config: TrainConfig, world: int
     if global_batch % world:
         raise UserError(f"--global-batch {global_batch} does not divide over {world} "
                         "processes.")
-    wanted = dataclasses.replace(config, batch_size=global_batch // world, grad_accum=1)
+    # The planner has no fp8 model: it plans fp8 runs as bf16 ones, whose memory they about
+    # match and whose step time bounds theirs from above.
+    precision = "bf16" if config.precision == "fp8" else config.precision
+    wanted = dataclasses.replace(config, batch_size=global_batch // world, grad_accum=1,
+                                 precision=precision)
     plan = choose_plan(workload, wanted, world)
     strategy = plan.strategy
     if plan.pp > 1:

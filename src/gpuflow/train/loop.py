@@ -45,6 +45,7 @@ from gpuflow.parallel import timed_waits
 from gpuflow.parallel.data_parallel import apply_ddp, apply_fsdp, set_gradient_sync
 from gpuflow.parallel.env import init_distributed
 from gpuflow.precision import make_policy
+from gpuflow.train import cuda_graphs, fp8
 from gpuflow.train.flops import count_flops, count_training_flops
 from gpuflow.train.optim import build_optimizer, build_scheduler, restore_schedule
 from gpuflow.train.progress import ProgressDisplay
@@ -157,6 +158,7 @@ class Trainer:
         if self.policy.loss_scaling and (self.strategy == "fsdp" or self.pp > 1):
             raise UserError(f"--strategy {self.strategy} supports fp32, tf32 and bf16; "
                             "use --precision bf16.")
+        config = self.config = self._check_step_modes(config)
         self.run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(workload.name)
         self.checkpoint_dir = self.run_dir / "checkpoints"
         self.model = workload.model.to(self.device)
@@ -195,6 +197,10 @@ class Trainer:
             self.total_steps = max(1, math.ceil(epochs * self.steps_per_epoch))
 
         self.flops_per_step = self._count_step_flops(example) * self.dp
+        # Converted after counting: the model's FLOPs are the same in fp8.
+        self.fp8 = (fp8.convert(self.model, workload.blocks(), config.fp8_recipe,
+                                fsdp_all_gather=self.strategy == "fsdp")
+                    if config.precision == "fp8" else None)
         self.timer = StepTimer(self.device)
         self.pipeline: Pipeline | None = None
         self.forward_model: nn.Module = self._parallelize(example)
@@ -209,6 +215,8 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, config, self.device)
         self.scheduler = build_scheduler(self.optimizer, config, self.total_steps)
         self.scaler = self.policy.make_scaler()
+        if self.fp8 is not None and self.fp8.fsdp_float8_all_gather:
+            fp8.precompute_scales_after_step(self.optimizer, self.model)
         self.peak = peak_flops(self.device, self.policy.peak_key)
 
         self.step = 0
@@ -235,6 +243,25 @@ class Trainer:
         self.timer.start_window()
 
     # --- set-up -------------------------------------------------------------------------
+
+    def _check_step_modes(self, config: TrainConfig) -> TrainConfig:
+        """Refuse fp8 and CUDA graphs where they cannot run (the device last, so that the
+        other refusals show on a CPU too); both need --compile, which they turn on."""
+        config.check_step_modes(self.strategy, self.tp, self.pp)
+        if config.precision == "fp8":
+            fp8.check_device(self.device)
+        if config.cuda_graphs:
+            cuda_graphs.check_static_shapes(self.workload.train_dataset, self.workload.collate,
+                                            self.workload.name)
+            cuda_graphs.check_device(self.device)
+        wanted = [flag for flag, on in (("--precision fp8", config.precision == "fp8"),
+                                        ("--cuda-graphs", config.cuda_graphs)) if on]
+        if not wanted or config.compile:
+            return config
+        one = len(wanted) == 1
+        warnings.warn(f"{' and '.join(wanted)} turn{'s' * one} on --compile, which "
+                      f"{'it needs' if one else 'they need'}.", stacklevel=3)
+        return dataclasses.replace(config, compile=True)
 
     def _probe_step(self, batch: Batch) -> None:
         """Forward and backward of one batch, leaving no trace (for --batch-size auto)."""
@@ -373,10 +400,12 @@ class Trainer:
         step at the micro-batch's shape surfaces compiler failures here (the run then continues
         in eager mode) and compiles the graph the steps will use.
         """
-        blocks = self.workload.blocks()
+        blocks = [] if self.config.cuda_graphs else self.workload.blocks()
         inputs, target = resize_rows(example, self.micro_batch)
         try:
-            if blocks:
+            if self.config.cuda_graphs:
+                compiled = cuda_graphs.graph(self.forward_model)
+            elif blocks:
                 for block in blocks:
                     block.compile()
                 compiled = self.forward_model
@@ -387,6 +416,10 @@ class Trainer:
                     loss = self.workload.loss_fn(call_model(compiled, inputs), target)
                 loss.backward()
         except Exception as exc:
+            if self.config.cuda_graphs:
+                raise UserError(f"--cuda-graphs: torch.compile failed to record the step "
+                                f"({type(exc).__name__}: {str(exc).splitlines()[0]}); drop "
+                                "--cuda-graphs to train without graphs.") from exc
             for block in blocks:
                 block._compiled_call_impl = None  # undoes nn.Module.compile()
             warnings.warn(
@@ -395,7 +428,8 @@ class Trainer:
             )
             return
         self.forward_model, self.compiled = compiled, True
-        self.compile_scope = f"{len(blocks)} blocks" if blocks else "model"
+        self.compile_scope = (f"{len(blocks)} blocks" if blocks else
+                              "model, as CUDA graphs" if self.config.cuda_graphs else "model")
 
     def _maybe_resume(self) -> bool:
         if not self.config.resume:
@@ -623,6 +657,7 @@ class Trainer:
             f"gpuflow: {self.workload.name} on {device_name(self.device)} ({self.device}){ranks}, "
             f"{self.policy.describe()}, global batch {global_batch} = micro-batch "
             f"{self.micro_batch} x accum {config.grad_accum} x data-parallel {self.dp}, "
+            f"{self.fp8.describe() + '; ' if self.fp8 else ''}"
             f"{self.total_steps} steps{resumed}{compiled}; "
             f"run dir {self.run_dir}{chosen}"
         )
@@ -816,6 +851,7 @@ class Trainer:
             "precision_description": self.policy.describe(),
             "compiled": self.compiled,
             "compile_scope": self.compile_scope,
+            "fp8": self.fp8.as_dict() if self.fp8 else None,
             "activation_checkpointing": self.config.activation_checkpointing,
             "device": str(self.device),
             "device_name": device_name(self.device),
