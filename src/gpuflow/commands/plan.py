@@ -45,7 +45,10 @@ def register(commands: Any) -> None:
     add("--no-pipeline", dest="pipeline", action="store_false",
         help="leave pipeline-parallel meshes out")
     add("--measure", action="store_true",
-        help="calibrate efficiency and link bandwidth with short probes on this machine")
+        help="on a GPU of --gpu-type: take the efficiency from the MFU of a short training "
+             "run of the workload (and, with two GPUs, the link from an all-reduce probe)")
+    add("--compile", action="store_true",
+        help="with --measure: compile the measured run, as the training will be")
     add("--all", action="store_true", help="show every row, not only the best 20")
     add("--json", action="store_true", help="print JSON")
     parser.set_defaults(handler=run)
@@ -75,8 +78,9 @@ def _profiles(args: argparse.Namespace, precisions: list[str], devices: int
             for p in precisions}
 
 
-def _build_workload(args: argparse.Namespace) -> Any:
-    """On the meta device when the factory allows it (no memory, no initialisation)."""
+def _build_workload(args: argparse.Namespace, meta: bool = True) -> Any:
+    """On the meta device when the factory allows it (no memory, no initialisation), unless
+    the model is to run."""
     import torch
 
     from gpuflow.workload import BUILTIN_WORKLOADS, resolve_workload
@@ -88,6 +92,8 @@ def _build_workload(args: argparse.Namespace) -> Any:
         options["model_size"] = args.model_size
     if args.data_dir:
         options["data_dir"] = args.data_dir
+    if not meta:
+        return resolve_workload(args.workload, options)
     try:
         with torch.device("meta"):
             return resolve_workload(args.workload, options)
@@ -108,13 +114,14 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     run_settings.validate()
     hardware = gpu_hardware(args.gpu_type, args.gpus, args.nodes, args.gpu_mem_gib,
                             args.intra_bw, args.inter_bw, args.efficiency)
-    notes: list[str] = []
-    if args.measure:
-        from gpuflow.planner.measure import calibrate
-        hardware, notes = calibrate(hardware, precisions[0])
     global_batch = args.global_batch or 8 * hardware.devices
     if global_batch < 1:
         raise UserError(f"--global-batch must be at least 1 (got {global_batch}).")
+    notes: list[str] = []
+    measured = None
+    if args.measure:
+        hardware, notes, measured = _calibrate(args, hardware, precisions[0],
+                                               max(1, global_batch // hardware.devices))
     profiles = _profiles(args, precisions, hardware.devices)
     plans = search(profiles, hardware, global_batch, pipeline=args.pipeline,
                    settings=RunSettings.of(run_settings))
@@ -128,10 +135,12 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
             "hardware": {"name": hardware.name, "devices": hardware.devices,
                          "memory_bytes": hardware.memory_bytes,
                          "efficiency": hardware.efficiency,
+                         "efficiency_source": hardware.efficiency_source,
                          "intra": hardware.intra.__dict__, "inter": hardware.inter.__dict__,
                          "peak_flops": hardware.peak_flops, "source": hardware.source},
             "model": {k: dataclasses.asdict(v) for k, v in profiles.items()},
             "global_batch": global_batch, "calibration": notes,
+            "measured_run": measured.as_dict() if measured else None,
             "plans": [p.as_dict() for p in plans],
             "recommended": plans[0].as_dict() if plans[0].fits else None,
             "reason": reason,
@@ -140,6 +149,22 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     _print_table(plans if args.all else plans[:20], hardware, profile, global_batch, notes)
     print(reason)
     return 0
+
+
+def _calibrate(args: argparse.Namespace, hardware: Any, precision: str, micro_batch: int
+               ) -> tuple[Any, list[str], Any]:
+    """Refuse unless this machine is a --gpu-type GPU, then measure the real model on it."""
+    from gpuflow.planner.measure import calibrate, check_measurable
+    from gpuflow.train.calibrate import measure_efficiency
+
+    check_measurable(args.gpu_type)
+    if args.transformer:
+        raise UserError("plan --measure trains the real model, and --transformer gives only "
+                        "dimensions: plan a --workload, or give --efficiency.")
+    measured = measure_efficiency(_build_workload(args, meta=False), precision, micro_batch,
+                                  compile=args.compile)
+    hardware, notes = calibrate(hardware, measured.efficiency, measured.describe())
+    return hardware, notes, measured
 
 
 def _print_table(plans: Sequence[Any], hardware: Any, profile: Any, global_batch: int,
@@ -157,7 +182,7 @@ def _print_table(plans: Sequence[Any], hardware: Any, profile: Any, global_batch
         f"{hardware.devices} x {hardware.name} ({hardware.memory_bytes / gib:.0f} GiB; "
         f"{hardware.intra.name} {hardware.intra.bandwidth / 1e9:.0f} GB/s inside a node, "
         f"{hardware.inter.name} {hardware.inter.bandwidth / 1e9:.0f} GB/s between nodes); "
-        f"compute at {hardware.efficiency:.2f} of the dense peak")
+        f"compute at {hardware.efficiency:.2f} of the dense peak ({hardware.efficiency_source})")
     for note in notes:
         console.print(f"measured: {note}")
     table = Table(title="Candidate plans (memory in GiB per device, time in s per step)")

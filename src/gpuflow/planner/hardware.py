@@ -3,7 +3,9 @@
 GPU peak FLOP/s and memory come from ``gpuflow.gpu_specs`` (datasheets, with sources). Link
 bandwidths here are per GPU and per direction, the figure a ring collective's bus bandwidth
 approaches; every entry names its source. Any figure can be overridden by a flag, and
-``--measure`` replaces the efficiency and bandwidth with probes of this machine.
+``gpuflow plan --measure`` replaces the efficiency with the MFU of a short training run of
+the real model on a GPU of the planned type (and the link with a probe where two GPUs are
+present). Every Hardware says where its efficiency came from.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from gpuflow.errors import UserError
-from gpuflow.gpu_specs import GPU_SPECS, GpuSpec
+from gpuflow.gpu_specs import GPU_SPECS, GpuSpec, lookup_gpu
 
 GIB = 2**30
 
@@ -62,10 +64,13 @@ class GpuType:
     efficiency: float
 
 
-# The default efficiency, 0.45 of the dense peak, is the middle of the model-FLOPs
-# utilisation published for eager FSDP training of 8B-70B transformers on A100/H100
-# (torchtitan docs/performance.md: 33-39% on H100 at 500 W, 50-58% on A100).
+# The fallback efficiency when none is measured or given, 0.45 of the dense peak: the middle
+# of the model-FLOPs utilisation published for eager FSDP training of 8B-70B transformers on
+# A100/H100 (torchtitan docs/performance.md: 33-39% on H100 at 500 W, 50-58% on A100).
 DEFAULT_EFFICIENCY = 0.45
+DEFAULT_EFFICIENCY_SOURCE = (
+    f"default {DEFAULT_EFFICIENCY}, not measured: the middle of published MFUs for FSDP "
+    "training on A100/H100 (plan --measure on the GPU type measures it)")
 GPU_TYPES: dict[str, GpuType] = {t.key: t for t in (
     GpuType("a100-40g", "A100 SXM4 40GB", "nvlink3", "ib-hdr", DEFAULT_EFFICIENCY),
     GpuType("a100-80g", "A100 SXM4 80GB", "nvlink3", "ib-hdr", DEFAULT_EFFICIENCY),
@@ -98,6 +103,7 @@ class Hardware:
     efficiency: float
     framework_overhead: int
     source: str
+    efficiency_source: str = DEFAULT_EFFICIENCY_SOURCE
     # GPUs run collectives on their own streams, beside compute. CPU ranks run gloo's
     # threads on the cores the compute uses, and FSDP2 has no side streams there to prefetch
     # on: every collective adds to the step.
@@ -114,6 +120,14 @@ class Hardware:
 
 def _spec(name: str) -> GpuSpec:
     return next(spec for spec in GPU_SPECS if spec.name == name)
+
+
+def gpu_type_of(device_name: str) -> str | None:
+    """The ``--gpu-type`` key of a ``torch.cuda.get_device_name()`` answer, if the table has
+    it."""
+    spec = lookup_gpu(device_name)
+    return next((key for key, kind in GPU_TYPES.items()
+                 if spec is not None and spec.name == kind.spec_name), None)
 
 
 def resolve_link(name: str) -> Link:
@@ -148,6 +162,8 @@ def gpu_hardware(gpu_type: str, gpus: int, nodes: int = 1, memory_gib: float | N
         efficiency=efficiency if efficiency is not None else kind.efficiency,
         framework_overhead=GPU_FRAMEWORK_OVERHEAD,
         source=spec.source,
+        efficiency_source="--efficiency" if efficiency is not None else
+        DEFAULT_EFFICIENCY_SOURCE,
     )
 
 
@@ -163,5 +179,6 @@ def cpu_hardware(processes: int, peak_flops: dict[str, float], memory_bytes: int
         name="cpu", peak_flops=peak_flops, memory_bytes=memory_bytes // max(1, processes),
         gpus_per_node=processes, nodes=1, intra=link, inter=link, efficiency=efficiency,
         framework_overhead=0, source="measured torch.mm peak of this CPU (gpuflow.hardware)",
+        efficiency_source=f"assumed {efficiency} of this CPU's measured matmul peak",
         overlaps_communication=False,
     )

@@ -1,9 +1,11 @@
 """``gpuflow plan --measure``: calibrate the hardware description on the machine at hand.
 
-Compute: the best square-matmul throughput (``gpuflow.hardware.measure_matmul_flops``) over
-the device's peak gives the efficiency. Links: two local processes all-reduce two message
-sizes over gloo (nccl when two GPUs are visible) and the alpha-beta model is solved from the
-two timings.
+It measures only what the machine can say about the ``--gpu-type`` planned for, so it refuses
+to run anywhere but on such a GPU (a CPU's matmul rate over an H100's datasheet peak is no
+efficiency of an H100). Compute: the efficiency is the MFU of a short training run of the
+real model (``gpuflow.train.calibrate``). Links: where two GPUs are visible, two local
+processes all-reduce two message sizes over nccl and the alpha-beta model is solved from the
+two timings; with one GPU the datasheet's link stays.
 """
 
 from __future__ import annotations
@@ -18,19 +20,32 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gpuflow.hardware import _DTYPES, measure_matmul_flops
+from gpuflow.errors import UserError
 from gpuflow.parallel.env import free_port
-from gpuflow.planner.hardware import Hardware, Link
+from gpuflow.planner.hardware import Hardware, Link, gpu_type_of
 
 SIZES = (1 << 16, 1 << 24)
 REPEATS = 5
 
 
-def measure_efficiency(hardware: Hardware, precision: str) -> float:
-    """Best matmul FLOP/s here over the peak the plan assumes (capped at 1)."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    measured = measure_matmul_flops(_DTYPES[precision], device)
-    return min(1.0, measured / hardware.peak_flops[precision])
+def check_measurable(gpu_type: str) -> str:
+    """This machine's GPU name when it is a ``gpu_type``; otherwise refuse, saying why."""
+    fallback = ("Run it on the GPU type planned for, or plan without --measure, giving "
+                "--efficiency (the MFU of a `gpuflow train` run on that GPU) or keeping the "
+                "documented default")
+    if not torch.cuda.is_available():
+        raise UserError(
+            "plan --measure calibrates the plan by training the model on this machine, which "
+            f"has no GPU: a CPU's rate says nothing about --gpu-type {gpu_type}. {fallback}.")
+    name = torch.cuda.get_device_name()
+    here = gpu_type_of(name)
+    if here != gpu_type.lower():
+        other = (f"plan for it with --gpu-type {here}" if here else
+                 "the planner has no figures for it")
+        raise UserError(
+            f"plan --measure measures this machine's {name}, not the --gpu-type {gpu_type} "
+            f"planned for ({other}). {fallback}.")
+    return name
 
 
 def _allreduce_worker(rank: int, port: int, backend: str, out: str) -> None:
@@ -71,14 +86,17 @@ def measure_link(name: str = "measured") -> Link:
                 f"({SIZES[0]} and {SIZES[1]} bytes)")
 
 
-def calibrate(hardware: Hardware, precision: str) -> tuple[Hardware, list[str]]:
-    """The hardware with measured efficiency and (intra-node) link; notes on what was done."""
-    notes = []
-    efficiency = measure_efficiency(hardware, precision)
-    notes.append(f"compute efficiency {efficiency:.2f} of the {precision} peak (matmul probe)")
+def calibrate(hardware: Hardware, efficiency: float, efficiency_source: str
+              ) -> tuple[Hardware, list[str]]:
+    """The hardware with the measured efficiency and, given two GPUs, the measured intra-node
+    link; notes on what was done."""
+    hardware = replace(hardware, efficiency=efficiency, efficiency_source=efficiency_source)
+    notes = [f"compute efficiency {efficiency_source}"]
+    if torch.cuda.device_count() < 2:
+        notes.append(f"one GPU here: no link to measure, {hardware.intra.name} kept "
+                     f"({hardware.intra.source})")
+        return hardware, notes
     link = measure_link()
     notes.append(f"link {link.bandwidth / 1e9:.2f} GB/s, alpha {link.latency_s * 1e6:.0f} us "
                  f"({link.source})")
-    if not torch.cuda.is_available():
-        notes.append("no GPU here: the link measured is gloo on the CPU, not the GPU fabric")
-    return replace(hardware, efficiency=efficiency, intra=link), notes
+    return replace(hardware, intra=link), notes

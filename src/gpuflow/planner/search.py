@@ -9,10 +9,15 @@ from typing import Any
 import torch
 
 from gpuflow.errors import UserError
-from gpuflow.gpu_specs import lookup_gpu
 from gpuflow.hardware import cpu_peak, total_memory
 from gpuflow.planner.cost import StepTime, predict_step_time
-from gpuflow.planner.hardware import GPU_TYPES, Hardware, cpu_hardware, gpu_hardware
+from gpuflow.planner.hardware import (
+    GPU_TYPES,
+    Hardware,
+    cpu_hardware,
+    gpu_hardware,
+    gpu_type_of,
+)
 from gpuflow.planner.layout import DEFAULT_SETTINGS, Layout, RunSettings
 from gpuflow.planner.memory import MemoryBreakdown, predict_memory
 from gpuflow.planner.profile import ModelProfile, profile_workload, tensor_parallel_plan
@@ -190,14 +195,13 @@ def local_hardware(devices: int) -> Hardware:
     """The machine this process runs on, as the planner describes it."""
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
-        spec = lookup_gpu(name)
-        for key, kind in GPU_TYPES.items():
-            if spec is not None and spec.name == kind.spec_name:
-                per_node = min(devices, torch.cuda.device_count())
-                memory = torch.cuda.get_device_properties(0).total_memory / 2**30
-                return gpu_hardware(key, per_node, max(1, devices // per_node), memory)
-        raise UserError(f"The planner has no figures for {name!r}; "
-                        f"known GPU types: {', '.join(GPU_TYPES)}.")
+        key = gpu_type_of(name)
+        if key is None:
+            raise UserError(f"The planner has no figures for {name!r}; "
+                            f"known GPU types: {', '.join(GPU_TYPES)}.")
+        per_node = min(devices, torch.cuda.device_count())
+        memory = torch.cuda.get_device_properties(0).total_memory / 2**30
+        return gpu_hardware(key, per_node, max(1, devices // per_node), memory)
     peaks = {key: cpu_peak(key).flops or 1.0 for key in ("fp32", "tf32", "bf16", "fp16")}
     return cpu_hardware(devices, peaks, total_memory() or 2**34)
 

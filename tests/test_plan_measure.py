@@ -1,0 +1,67 @@
+"""`gpuflow plan --measure`: it measures only the GPU type planned for, by training the real
+model, and every plan says where its efficiency came from."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gpuflow.cli import main
+from gpuflow.errors import UserError
+from gpuflow.hardware import cpu_peak, total_memory
+from gpuflow.planner import measure
+from gpuflow.planner.cost import predict_step_time
+from gpuflow.planner.hardware import DEFAULT_EFFICIENCY, cpu_hardware, gpu_hardware
+from gpuflow.planner.layout import Layout
+from gpuflow.planner.profile import profile_workload
+from gpuflow.train.calibrate import measure_efficiency
+from gpuflow.workload import resolve_workload
+
+
+def test_measure_refuses_a_machine_without_the_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU; the refusal is for machines without one")
+    assert main(["plan", "--measure", "--workload", "textlm", "--gpu-type", "h200",
+                 "--gpus", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "which has no GPU: a CPU's rate says nothing about --gpu-type h200" in err
+
+
+def test_measure_refuses_another_gpu_type(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(UserError, match="not the --gpu-type h200 planned for "
+                                        r"\(plan for it with --gpu-type a100-80g\)"):
+        measure.check_measurable("h200")
+    assert measure.check_measurable("a100-80g") == "NVIDIA A100-SXM4-80GB"
+
+
+def test_every_plan_names_its_efficiency(capsys: pytest.CaptureFixture[str]) -> None:
+    assert gpu_hardware("h100", 8).efficiency == DEFAULT_EFFICIENCY
+    assert gpu_hardware("h100", 8).efficiency_source.startswith("default 0.45, not measured")
+    assert gpu_hardware("h100", 8, efficiency=0.5).efficiency_source == "--efficiency"
+    assert main(["plan", "--transformer", "llama3-8b", "--json"]) == 0
+    hardware = json.loads(capsys.readouterr().out)["hardware"]
+    assert hardware["efficiency_source"].startswith("default 0.45")
+
+
+def test_a_measured_efficiency_makes_the_planner_predict_the_measured_step() -> None:
+    """The efficiency is the run's MFU by the trainer's count, optimizer and all; given it,
+    the planner predicts that run's step from its own FLOP count. The two counts agree (the
+    same convention), so the predicted step is the measured one."""
+    spec = {"data": "synthetic", "model_size": "layers=2,dim=64,heads=2,seq=32"}
+    measured = measure_efficiency(resolve_workload("textlm", spec), "fp32", 4, device="cpu",
+                                  steps=6)
+    assert 0 < measured.efficiency <= 1
+    assert measured.efficiency == pytest.approx(
+        measured.flops_per_step / measured.step_time_s / measured.peak_flops)
+    assert "measured: MFU" in measured.describe() and "micro-batch 4" in measured.describe()
+    peaks = {key: cpu_peak(key).flops for key in ("fp32", "tf32", "bf16", "fp16")}
+    hardware = cpu_hardware(1, peaks, total_memory() or 2**34, efficiency=measured.efficiency)
+    with torch.device("meta"):
+        workload = resolve_workload("textlm", spec)
+    profile = profile_workload(workload, "fp32")
+    predicted = predict_step_time(profile, Layout("single", micro_batch=4), hardware).step_s
+    assert predicted == pytest.approx(measured.step_time_s, rel=0.05)
