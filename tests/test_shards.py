@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -369,3 +370,114 @@ def test_streaming_memory_stays_bounded_far_below_the_data_size(tmp_path: Path) 
     assert figures["streamed"]["records"] == 2 * records_mb * 2**20
     assert figures["streamed"]["text"] >= 2 * tokens_mb * 2**20 * 0.99
     assert figures["growth"] < cap, figures
+
+
+PACK_MEMORY_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+
+    import numpy as np
+
+    import gpuflow.workloads.mnist_idx  # imported before the baseline, as packing imports it
+    from gpuflow.data.idx import write_idx
+    from gpuflow.data.pack import pack
+
+    def peak_rss():
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+
+    def growth(run):
+        # Linux: writing 5 to clear_refs resets the peak to the current RSS.
+        Path("/proc/self/clear_refs").write_text("5")
+        baseline = peak_rss()
+        result = run()
+        return result, peak_rss() - baseline
+
+    root, text_mb, images = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    rng = np.random.default_rng(0)
+    (root / "text").mkdir()
+    with open(root / "text" / "corpus.txt", "wb") as handle:  # one document, as a user has
+        for _ in range(text_mb):
+            handle.write(rng.integers(97, 123, 2**20, dtype=np.uint8).tobytes())
+    (root / "idx").mkdir()
+    for prefix, count in (("train", images), ("t10k", images // 8)):
+        write_idx(root / "idx" / f"{prefix}-images-idx3-ubyte",
+                  rng.integers(0, 256, (count, 28, 28), dtype=np.uint8))
+        write_idx(root / "idx" / f"{prefix}-labels-idx1-ubyte",
+                  rng.integers(0, 10, count, dtype=np.uint8))
+    del rng
+    text, text_growth = growth(lambda: pack("textlm", root / "text", root / "text-packed",
+                                            shard_mb=8, progress=False))
+    records, idx_growth = growth(lambda: pack("mnist-idx", root / "idx", root / "idx-packed",
+                                              shard_mb=8, progress=False))
+    print(json.dumps({"text_growth": text_growth, "idx_growth": idx_growth,
+                      "tokens": text.count("train") + text.count("val"),
+                      "records": records.count("train"), "shards": len(records.splits["train"])}))
+""")
+
+
+def test_packing_memory_stays_bounded_far_below_the_corpus(tmp_path: Path) -> None:
+    """A 160 MiB one-file text corpus and 48,000 IDX images (150 MiB of float32 records)
+    are packed in 8 MiB shards; the process's peak RSS may grow by at most 48 MiB for
+    each, where holding the corpus (as packing once did, twice over) would take 160-320."""
+    text_mb, images, cap = 160, 48_000, 48 * 2**20
+    script = tmp_path / "pack_memory.py"
+    script.write_text(PACK_MEMORY_SCRIPT)
+    result = subprocess.run([sys.executable, str(script), str(tmp_path), str(text_mb),
+                             str(images)], capture_output=True, text=True, timeout=300,
+                            env=cli_env(), cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["tokens"] == text_mb * 2**20
+    assert figures["records"] == images and figures["shards"] >= 18
+    assert figures["text_growth"] < cap and figures["idx_growth"] < cap, figures
+
+
+def test_text_pack_streams_the_split_resumes_and_reports_progress(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Packed text is byte for byte the split the raw reader makes; a pack interrupted
+    after two shards keeps them and finishes as an uninterrupted pack does; a pack that
+    is not on a terminal reports each shard: bytes read, shards written, rate and ETA."""
+    from gpuflow.data.text import load_split
+
+    src = tmp_path / "docs"
+    src.mkdir()
+    rng = np.random.default_rng(1)
+    for number in range(12):
+        (src / f"doc{number:02d}.txt").write_bytes(
+            rng.integers(32, 127, int(rng.integers(2_000, 40_000)), dtype=np.uint8).tobytes())
+    (src / "blank.md").write_bytes(b" \n\t\n")  # whitespace only: left out, as raw reading does
+    whole = tmp_path / "whole"
+    assert main(["data", "pack", str(src), "--out", str(whole), "--workload", "textlm",
+                 "--shard-size-mb", "0.03"]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("pack ")]
+    manifest = load_manifest(whole)
+    assert len(lines) == sum(len(shards) for shards in manifest.splits.values())
+    assert re.fullmatch(r"pack train: [\d.,]+ MiB read, 1 shards written, [\d.,]+ MiB/s, "
+                        r"\d+% of [\d.,]+ MiB, ETA \d+ s", lines[0]), lines[0]
+    split = load_split(src)
+    for name in ("train", "val"):
+        packed = b"".join(np.load(whole / s.file).tobytes() for s in manifest.splits[name])
+        assert packed == getattr(split, name)
+
+    class InterruptThird(pack_module.TokenShardWriter):
+        closed = 0
+
+        def close(self):  # type: ignore[no-untyped-def]
+            if InterruptThird.closed == 2:
+                raise KeyboardInterrupt
+            InterruptThird.closed += 1
+            return super().close()
+
+    out = tmp_path / "resumed"
+    monkeypatch.setattr(pack_module, "TokenShardWriter", InterruptThird)
+    with pytest.raises(KeyboardInterrupt):
+        pack("textlm", src, out, shard_mb=0.03, progress=False)
+    monkeypatch.undo()
+    kept = {p.name: p.stat().st_mtime_ns for p in out.glob("train-*.npy")}
+    assert sorted(kept) == ["train-00000.npy", "train-00001.npy"]
+    pack("textlm", src, out, shard_mb=0.03, progress=False)
+    assert {name: (out / name).stat().st_mtime_ns for name in kept} == kept
+    assert load_manifest(out).splits == manifest.splits

@@ -60,6 +60,9 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
     add("--max-steps", type=int, help="optimizer steps to run")
     add("--epochs", type=float, help="passes over the training set (default 10 if no --max-steps)")
     add("--eval-every", type=int, help="evaluate every N steps, 0 = only at the end (default 100)")
+    add("--eval-batches", type=int,
+        help="validation batches per evaluation: a fixed subset spread over the set, the "
+             "same each time (default 20; a smaller set is evaluated whole; 0: always whole)")
     add("--log-every", type=int, help="write a metrics record every N steps (default 10)")
     add("--compile", action="store_true", default=argparse.SUPPRESS, help="torch.compile")
     add("--activation-checkpointing", action="store_true", default=argparse.SUPPRESS,

@@ -23,6 +23,7 @@ PipelineSplit = Literal["auto", "trace", "manual"]
 FsdpWrap = Literal["block", "model"]
 DataSource = Literal["real", "synthetic"]
 DEFAULT_BATCH_SIZE = 64
+DEFAULT_EVAL_BATCHES = 20  # see gpuflow.data.eval_set
 
 
 def stages_per_rank(schedule: str) -> int:
@@ -53,6 +54,7 @@ class TrainConfig:
     max_steps: int | None = None
     epochs: float | None = None
     eval_every: int = 100
+    eval_batches: int = DEFAULT_EVAL_BATCHES
     log_every: int = 10
     compile: bool = False
     activation_checkpointing: bool = False
@@ -104,8 +106,8 @@ class TrainConfig:
                      "max_nonfinite_steps", "nproc", "nnodes", "tp", "pp"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{_flag(name)} must be at least 1 (got {getattr(self, name)}).")
-        for name in ("eval_every", "checkpoint_every", "num_workers", "warmup_steps",
-                     "max_restarts", "node_rank"):
+        for name in ("eval_every", "eval_batches", "checkpoint_every", "num_workers",
+                     "warmup_steps", "max_restarts", "node_rank"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{_flag(name)} must be 0 or more (got {getattr(self, name)}).")
         if self.lr <= 0:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
+from gpuflow.data.iterable import is_sized, is_stream, peek
 from gpuflow.errors import UserError
 from gpuflow.serving import ServingSpec
 from gpuflow.workloads import hf
@@ -148,6 +149,8 @@ class Workload:
         """A small real batch, for shape checks and FLOP counting."""
         if self.example_batch is not None:
             return self.example_batch
+        if is_stream(self.train_dataset):
+            return self.collate(peek(self.train_dataset, size))
         count = min(size, len(self.train_dataset))  # type: ignore[arg-type]
         return self.collate([self.train_dataset[i] for i in range(count)])
 
@@ -220,10 +223,13 @@ def check_workload(workload: Workload) -> None:
     for label, dataset in (("train", workload.train_dataset), ("val", workload.val_dataset)):
         if dataset is None:
             continue
+        if is_stream(dataset):
+            _check_stream(workload, label, dataset)
+            continue
         if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
             raise UserError(
                 f"Workload {workload.name!r}: the {label} dataset must be a map-style "
-                "dataset (with __len__ and __getitem__)."
+                "dataset (with __len__ and __getitem__) or a torch.utils.data.IterableDataset."
             )
         if len(dataset) == 0:
             raise UserError(f"Workload {workload.name!r}: the {label} dataset is empty.")
@@ -235,3 +241,18 @@ def check_workload(workload: Workload) -> None:
                 + (f" of length {len(sample)}" if isinstance(sample, tuple | list) else "")
                 + "."
             )
+
+
+def _check_stream(workload: Workload, label: str, dataset: Any) -> None:
+    """A stream's first samples must collate into an ``(inputs, target)`` batch (its
+    samples themselves may be anything the workload's ``collate_fn`` turns into one)."""
+    samples = peek(dataset, 2) if not is_sized(dataset) or len(dataset) else []
+    if not samples:
+        raise UserError(f"Workload {workload.name!r}: the {label} stream yields no samples.")
+    batch = workload.collate(samples)
+    if not isinstance(batch, tuple | list) or len(batch) != 2:
+        raise UserError(
+            f"Workload {workload.name!r}: the {label} stream's samples must collate into an "
+            f"(inputs, target) batch; its collate_fn gave a {type(batch).__name__}. Yield "
+            "(inputs, target) pairs, or give the Workload a collate_fn that builds them."
+        )

@@ -1,13 +1,14 @@
-"""DataLoaders for training (endless, resumable, seeded) and evaluation (one ordered pass)."""
+"""DataLoaders for training: endless, resumable, seeded (evaluation: ``gpuflow.data.eval_set``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, TensorDataset
 
+from gpuflow.data.iterable import StreamBatches, StreamPosition, is_stream
 from gpuflow.data.sampler import ResumableSampler
 from gpuflow.data.streaming import StreamingDataset
 from gpuflow.errors import UserError
@@ -26,7 +27,8 @@ def batches_per_epoch(dataset: Dataset, batch_size: int, world_size: int = 1) ->
 
 def train_batches(dataset: Dataset, batch_size: int, collate: Any, seed: int,
                   start_batch: int, num_workers: int, pin_memory: bool, rank: int = 0,
-                  world_size: int = 1, batched_indexing: bool = False) -> Iterator[Any]:
+                  world_size: int = 1, batched_indexing: bool = False,
+                  stream_start: StreamPosition | None = None) -> Iterable[Any]:
     """Endless stream of batches across epochs, starting after ``start_batch`` batches.
 
     The last partial batch of each epoch is dropped, so every step sees a full batch and
@@ -37,8 +39,9 @@ def train_batches(dataset: Dataset, batch_size: int, collate: Any, seed: int,
     ``batched_indexing`` fetches a whole batch at once: one ``dataset[indices]`` call, which
     in-memory tensor datasets answer with a single gather instead of one item at a time
     and a stack, or one decoding pass over a packed batch; the batches are identical.
+    A workload's own stream (an ``IterableDataset``) is split, batched and resumed as
+    ``gpuflow.data.iterable`` describes, from ``stream_start`` when one was saved.
     """
-    per_epoch = batches_per_epoch(dataset, batch_size, world_size)
     workers: dict[str, Any] = {
         "num_workers": num_workers,
         "pin_memory": pin_memory,
@@ -46,6 +49,10 @@ def train_batches(dataset: Dataset, batch_size: int, collate: Any, seed: int,
         # The loader's own seed draw must not consume the global RNG that a resume restores.
         "generator": torch.Generator().manual_seed(seed),
     }
+    if is_stream(dataset):
+        return StreamBatches(dataset, batch_size, collate, rank, world_size, workers,
+                             start_batch, stream_start)
+    per_epoch = batches_per_epoch(dataset, batch_size, world_size)
     if isinstance(dataset, StreamingDataset):
         stream = dataset.batches(seed, batch_size, per_epoch, start_batch, collate, rank,
                                  world_size, batched=batched_indexing)
@@ -81,9 +88,3 @@ def supports_batched_indexing(dataset: Dataset, collate_fn: Any) -> bool:
     """Whether a batch can be fetched whole and still equal the default collate's: one
     gather from in-memory tensors, or one decoding pass over a packed set's records."""
     return isinstance(dataset, TensorDataset | StreamingDataset) and collate_fn is None
-
-
-def eval_loader(dataset: Dataset, batch_size: int, collate: Any, num_workers: int,
-                pin_memory: bool) -> DataLoader:
-    return DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=collate,
-                      num_workers=num_workers, pin_memory=pin_memory)

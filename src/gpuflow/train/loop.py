@@ -26,12 +26,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from gpuflow import checkpoint as ckpt
 from gpuflow.config import TrainConfig, stages_per_rank
-from gpuflow.data.loader import (
-    batches_per_epoch,
-    eval_loader,
-    supports_batched_indexing,
-    train_batches,
-)
+from gpuflow.data.eval_set import eval_set
+from gpuflow.data.iterable import StreamBatches, StreamPosition, is_sized, is_stream, resume_note
+from gpuflow.data.loader import batches_per_epoch, supports_batched_indexing, train_batches
 from gpuflow.data.prefetch import DevicePrefetcher, move_to_device, resize_rows
 from gpuflow.errors import NonFiniteLossError, UserError
 from gpuflow.hardware import (
@@ -134,6 +131,11 @@ class Trainer:
     def __init__(self, workload: Workload, config: TrainConfig,
                  progress: ProgressDisplay | None = None) -> None:
         config.validate()
+        if config.max_steps is None and not is_sized(workload.train_dataset):
+            raise UserError(
+                f"Workload {workload.name!r}: the train dataset is a stream without a length "
+                "(an endless or unsized IterableDataset), so a run has no epochs to count: "
+                "give --max-steps N.")
         self.workload, self.config = workload, config
         seed_everything(config.seed)
         device = resolve_device(config.device)
@@ -187,14 +189,20 @@ class Trainer:
         self.microbatches = self._pipeline_microbatches()
 
         self.micro_batch = config.batch_size
-        self.per_epoch_batches = batches_per_epoch(workload.train_dataset, config.batch_size,
-                                                   self.dp)
-        self.steps_per_epoch = max(1, self.per_epoch_batches // config.grad_accum)
+        # None for a stream without a length: it has no epochs.
+        self.per_epoch_batches = (batches_per_epoch(workload.train_dataset, config.batch_size,
+                                                    self.dp)
+                                  if is_sized(workload.train_dataset) else None)
+        self.eval_set = (eval_set(workload.val_dataset, config.batch_size, config.eval_batches)
+                         if workload.val_dataset is not None else None)
+        self.eval_time_s = 0.0
         if config.max_steps is not None:
             self.total_steps = config.max_steps
         else:
+            assert self.per_epoch_batches is not None
             epochs = config.epochs if config.epochs is not None else DEFAULT_EPOCHS
-            self.total_steps = max(1, math.ceil(epochs * self.steps_per_epoch))
+            steps_per_epoch = max(1, self.per_epoch_batches // config.grad_accum)
+            self.total_steps = max(1, math.ceil(epochs * steps_per_epoch))
 
         self.flops_per_step = self._count_step_flops(example) * self.dp
         # Converted after counting: the model's FLOPs are the same in fp8.
@@ -225,6 +233,8 @@ class Trainer:
         self.nonfinite_streak = 0
         self.samples_seen = 0
         self.last_checkpoint: ckpt.Checkpoint | None = None
+        self._stream: StreamBatches | None = None
+        self._stream_start: StreamPosition | None = None  # a stream's saved position
         resumed = self._maybe_resume()
 
         if self.is_main:
@@ -467,6 +477,9 @@ class Trainer:
         ckpt.restore_rng_state(state["rng"])
         self.step = state["step"]
         self.batches_consumed = state["batches_consumed"]
+        positions = state.get("data_stream")
+        if positions is not None and len(positions) == self.world:
+            self._stream_start = StreamPosition(**positions[self.dist.rank])
         self.skipped_steps = state["skipped_steps"]
         self.samples_seen = state["samples_seen"]
         self.last_checkpoint = checkpoint
@@ -483,11 +496,13 @@ class Trainer:
             source = train_batches(
                 self.workload.train_dataset, config.batch_size, self.workload.collate,
                 seed=config.seed, start_batch=self.batches_consumed,
+                stream_start=self._stream_start,
                 num_workers=config.num_workers, pin_memory=self.device.type == "cuda",
                 rank=self.dp_rank, world_size=self.dp,
                 batched_indexing=supports_batched_indexing(self.workload.train_dataset,
                                                            self.workload.collate_fn),
             )
+            self._stream = source if isinstance(source, StreamBatches) else None
             self._batches = DevicePrefetcher(source, self.device,
                                              background=config.num_workers == 0)
         return self._batches
@@ -633,6 +648,8 @@ class Trainer:
     def _banner(self) -> str:
         config = self.config
         resumed = f", resumed at step {self.step}" if self.step else ""
+        if self.step and is_stream(self.workload.train_dataset):
+            resumed += f" ({self._resume_note()})"
         compiled = f", compiled ({self.compile_scope})" if self.compiled else ""
         pipeline = (f" x pp {self.pp} ({config.pp_schedule}, {self.microbatches} "
                     f"micro-batches{', manual stages' if self.pipeline.manual else ''})"
@@ -658,9 +675,16 @@ class Trainer:
             f"{self.policy.describe()}, global batch {global_batch} = micro-batch "
             f"{self.micro_batch} x accum {config.grad_accum} x data-parallel {self.dp}, "
             f"{self.fp8.describe() + '; ' if self.fp8 else ''}"
-            f"{self.total_steps} steps{resumed}{compiled}; "
+            f"{self.total_steps} steps{resumed}{compiled}; {self._eval_plan()}; "
             f"run dir {self.run_dir}{chosen}"
         )
+
+    def _eval_plan(self) -> str:
+        if self.eval_set is None:
+            return "no validation set"
+        every = self.config.eval_every
+        when = f"every {every} steps and at the end" if every else "at the end"
+        return f"evaluates {self.eval_set.describe()} {when}"
 
     def _log_window(self) -> None:
         window = self.timer.close_window()
@@ -669,7 +693,8 @@ class Trainer:
         tokens = self.workload.tokens_per_sample
         record = {
             "step": self.step,
-            "epoch": self.batches_consumed / self.per_epoch_batches,
+            "epoch": (self.batches_consumed / self.per_epoch_batches
+                      if self.per_epoch_batches else None),
             "loss": window["loss"],
             "lr": self.optimizer.param_groups[0]["lr"],
             "samples_per_s": window["samples_per_s"],
@@ -737,12 +762,12 @@ class Trainer:
         Every rank evaluates the whole set (FSDP needs all ranks in each forward), so each
         holds the same result; under pipelining the last stage computes it and hands it on.
         """
-        dataset = self.workload.val_dataset
-        if dataset is None:
+        if self.eval_set is None:
             return {}
+        started = time.perf_counter()
         self.model.eval()
-        loader = eval_loader(dataset, self.config.batch_size, self.workload.collate,
-                             self.config.num_workers, self.device.type == "cuda")
+        loader = self.eval_set.loader(self.workload.collate, self.config.num_workers,
+                                      self.device.type == "cuda")
         totals: dict[str, float] = {}
         count = 0
         for batch in loader:
@@ -762,7 +787,9 @@ class Trainer:
         result = {f"val_{name}": total / count for name, total in totals.items()}
         if self.pipeline is not None:
             result = self.pipeline.broadcast_from_last(result)
-        self.metrics.write({"event": "eval", "step": self.step, **result})
+        seconds = time.perf_counter() - started
+        self.eval_time_s += seconds
+        self.metrics.write({"event": "eval", "step": self.step, "eval_s": seconds, **result})
         self.progress.message(
             f"eval @ step {self.step}: "
             + ", ".join(f"{name} {value:.4f}" for name, value in result.items())
@@ -792,7 +819,25 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "rng": ckpt.capture_rng_state(),
+            "data_stream": self._stream_positions(),
         }
+
+    def _stream_positions(self) -> list[dict[str, Any]] | None:
+        """Every rank's position in its train stream after the batches trained on, by
+        global rank (a collective when distributed); None where a stream cannot say."""
+        if not is_stream(self.workload.train_dataset):
+            return None
+        mine = (self._stream.position_after(self.batches_consumed) if self._stream is not None
+                else self._stream_start)
+        positions = [mine.as_dict() if mine is not None else None]
+        if self.world > 1:
+            positions = [None] * self.world
+            dist.all_gather_object(positions, mine.as_dict() if mine is not None else None)
+        return None if any(p is None for p in positions) else positions
+
+    def _resume_note(self) -> str:
+        return resume_note(self.workload.train_dataset, self._stream_start is not None
+                           and self.config.num_workers == 0)
 
     def save_checkpoint(self) -> ckpt.Checkpoint:
         """One process writes the full state; in a distributed job every rank writes its
@@ -845,6 +890,8 @@ class Trainer:
             "samples_seen": self.samples_seen,
             "skipped_steps": self.skipped_steps,
             "wall_time_s": time.perf_counter() - self._started,
+            "eval_time_s": self.eval_time_s,
+            "evaluated": self.eval_set.describe() if self.eval_set is not None else None,
             "final_metrics": final,
             "median": medians(self.metrics.step_records()),
             "precision": self.config.precision,
