@@ -2,7 +2,8 @@
 
 A timing means little without the machine and versions behind it, so every result file
 records both, and is named after the machine so results from several machines can sit
-side by side in ``benchmarks/results/``.
+side by side in ``benchmarks/results/``. Each file is written by its script alone, whole,
+with ``provenance()``: nothing in it is edited by hand afterwards.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -156,7 +158,8 @@ def timestamp() -> str:
 
 
 def command_line() -> str:
-    return " ".join([Path(sys.executable).name, *sys.argv])
+    """The command as run, every argument included (quoted where the shell would need it)."""
+    return shlex.join([Path(sys.executable).name, *sys.argv])
 
 
 def git_commit() -> dict[str, Any]:
@@ -169,6 +172,13 @@ def git_commit() -> dict[str, Any]:
 
     return {"commit": git("rev-parse", "HEAD") or None,
             "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
+def provenance(**extra_versions: str | None) -> dict[str, Any]:
+    """Where a result came from: date, full command line, the commit and whether the working
+    tree differed from it, and the versions (``extra_versions`` adds optional packages)."""
+    return {"created": timestamp(), "command": command_line(), "git": git_commit(),
+            "versions": versions(**extra_versions)}
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:

@@ -339,10 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     shares = [c["foreign_cpu_share"] for c in cases if c["foreign_cpu_share"] is not None]
     result = {
         "benchmark": "compare_trainers",
-        "created": _common.timestamp(),
-        "command": _common.command_line(),
+        **_common.provenance(**{f"{name}_version": v for name, v in found.items()}),
         "machine": _common.machine_info(),
-        "versions": _common.versions(**{f"{name}_version": v for name, v in found.items()}),
         "settings": {"rounds": args.rounds, "warmup_rounds": args.warmup_rounds,
                      "round_seconds": args.round_seconds, "memory_steps": MEMORY_STEPS,
                      "memory_repeats": args.memory_repeats,

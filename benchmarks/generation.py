@@ -37,12 +37,10 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
-    command_line,
     default_result_path,
-    git_commit,
     machine_info,
     package_version,
-    versions,
+    provenance,
     write_json,
 )
 from serving import free_port, untrained_export  # noqa: E402
@@ -245,8 +243,8 @@ def main() -> int:
             for name, by_level in results.items()}
     write_json(args.out, {
         "benchmark": "generation",
-        "command": command_line(),
-        "git": git_commit(),
+        **provenance(transformers=package_version("transformers"),
+                     fastapi=package_version("fastapi"), uvicorn=package_version("uvicorn")),
         "model": "textlm tiny (4 x 128, 128 context), untrained weights",
         "settings": {k: getattr(args, k) for k in (
             "concurrency", "tokens", "prompt_tokens", "max_batch_size", "rounds", "warmup_s",
@@ -254,10 +252,6 @@ def main() -> int:
         "runs": runs,
         "notes": notes,
         "machine": machine_info(),
-        "versions": versions(transformers=package_version("transformers"),
-                             fastapi=package_version("fastapi"),
-                             uvicorn=package_version("uvicorn")),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     })
     for level in map(str, levels):
         line = ", ".join(f"{name} {by_level[level]['tokens_per_s']:.0f}"

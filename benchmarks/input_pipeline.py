@@ -129,10 +129,8 @@ def main() -> None:
     foreign = load.share()
     payload = {
         "benchmark": "input_pipeline",
-        "timestamp": _common.timestamp(),
-        "command": _common.command_line(),
+        **_common.provenance(),
         "machine": _common.machine_info(),
-        "versions": _common.versions(),
         "target_data_wait_frac": TARGET,
         "target_judged_at_workers": DEFAULT_WORKERS,
         "steps_per_run": args.steps,

@@ -121,10 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     result = measure(args.processes, args.batch_size, args.steps, args.rounds)
     payload = {
         "benchmark": "lockstep",
-        "created": _common.timestamp(),
-        "command": _common.command_line(),
+        **_common.provenance(),
         "machine": _common.machine_info(),
-        "versions": _common.versions(),
         "settings": {"processes": args.processes, "batch_size": args.batch_size,
                      "steps": args.steps, "rounds": args.rounds, "torch_threads": 1},
         "wall_s": time.monotonic() - started,

@@ -596,10 +596,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"extra time per step: {implied:.4f}")
     result = {
         "benchmark": "overhead",
-        "created": _common.timestamp(),
-        "command": _common.command_line(),
+        **_common.provenance(lightning_fabric=fabric_version),
         "machine": _common.machine_info(),
-        "versions": _common.versions(lightning_fabric=fabric_version),
         "settings": {
             "rounds": args.rounds, "warmup_rounds": args.warmup_rounds,
             "steps_override": args.steps, "round_seconds": args.round_seconds,

@@ -1,9 +1,10 @@
 """Write docs/benchmarks.md from benchmarks/results/*.json, so the figures in the docs are
 always the latest measured ones, each with its command, machine and date.
 
-Every result file holds ``benchmark``, ``created``, ``command``, ``machine`` and
-``versions`` (benchmarks/_common.py); most hold a printed ``table`` too. A result without
-a table gets its headline figures listed instead.
+Every result file holds ``benchmark``, ``created``, ``command``, ``git``, ``machine`` and
+``versions``, recorded by the script that wrote it (``_common.provenance``); most hold a
+printed ``table`` too. A result without a table gets its headline figures listed instead.
+Files from before the scripts recorded their commit say so.
 
 Run: ``python benchmarks/render_docs.py`` (``make bench`` runs it after the benchmarks).
 """
@@ -29,8 +30,9 @@ ABOUT = {
                 "free-running and with a barrier per block, interleaved.",
     "compare_trainers": "the same training in gpuflow, a plain loop, Lightning Fabric and "
                         "Hugging Face Accelerate: step time, throughput, memory.",
-    "gpu_suite": "matmul peak, textlm 124m/1b bf16 compiled training (tokens/s, MFU) and "
-                 "serving on one GPU.",
+    "gpu_suite": "matmul peak, textlm 124m/1b bf16 and fp8 compiled training (tokens/s, "
+                 "MFU), CUDA graphs, the planner's predictions, FSDP's exposed communication, "
+                 "trainer comparison and serving on one GPU.",
     "serving": "dynamic batching against batch size 1 in `gpuflow serve`.",
     "input_pipeline": "time each training step waits for its batch, raw and packed data, "
                       "and the loader's throughput alone.",
@@ -66,10 +68,11 @@ def _error(pair: dict[str, Any]) -> str:
 def _gpu_suite_lines(result: dict[str, Any]) -> list[str]:
     lines = ["| run | tokens/s | MFU | step | peak memory | planner: step, memory (error) "
              "| target |", "|---|---|---|---|---|---|---|"]
-    for run in result.get("train", []):
+    for run in [*result.get("train", []), *result.get("cuda_graphs", [])]:
         label = run.get("label", run["model_size"])
-        if "error" in run:
-            lines.append(f"| textlm {label} | failed | | | | | |")
+        if not run.get("step_time_s"):
+            why = run.get("refused") or f"failed (exit {run.get('exit_code')})"
+            lines.append(f"| textlm {label} | not measured: {why} | | | | | |")
             continue
         mfu = "n/a" if run["mfu"] is None else f"{100 * run['mfu']:.1f}%"
         target = run.get("target")
@@ -89,6 +92,9 @@ def _gpu_suite_lines(result: dict[str, Any]) -> list[str]:
                        if "peak_flops_source" in run), None)
         if source:
             lines += ["", f"MFU against: {source}."]
+    for name, verdict in result.get("verdicts", {}).items():
+        shown = {k: f"{v:.3f}" if isinstance(v, float) else v for k, v in verdict.items()}
+        lines.append(f"- {name}: " + ", ".join(f"{k} {v}" for k, v in shown.items()))
     matmul = result.get("matmul", {})
     if matmul:
         lines += ["", f"bf16 matmul probe: {matmul['bf16_tflops']:.2f} TFLOP/s on "
@@ -138,12 +144,23 @@ def section(path: Path, result: dict[str, Any]) -> list[str]:
     lines = [f"## {name} ({path.stem.removeprefix(name + '-')})", ""]
     if name in ABOUT:
         lines += [ABOUT[name], ""]
+    date = result.get("created") or result.get("timestamp") or result.get("date", "?")
     lines += [f"- command: `{result.get('command', '?')}`",
               f"- machine: {_machine(result)}",
-              f"- date: {result.get('created', result.get('timestamp', '?'))}",
+              f"- date: {date}",
               f"- versions: {versions or '?'}"]
-    if result.get("git_commit"):
-        lines.append(f"- measured at commit {result['git_commit']}")
+    git = result.get("git")
+    if git and git.get("commit"):
+        lines.append(f"- measured at commit {git['commit'][:12]}"
+                     + (", with uncommitted changes in the tree" if git.get("dirty") else ""))
+    elif result.get("git_commit"):
+        lines.append(f"- commit {result['git_commit']}, added to the file after the run "
+                     "(the script did not record it then)")
+    else:
+        lines.append("- commit not recorded (the script did not record it then)")
+    if result.get("partial"):
+        lines.append(f"- a partial run with chosen settings ({result.get('selection')}), "
+                     "not the full suite")
     load = _foreign_load(result)
     if load is not None:
         lines.append(f"- other processes' CPU share meanwhile: up to {100 * load:.0f}%"

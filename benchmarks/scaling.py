@@ -390,10 +390,8 @@ def main(argv: list[str] | None = None) -> int:
 
     result = {
         "benchmark": "scaling",
-        "created": _common.timestamp(),
-        "command": _common.command_line(),
+        **_common.provenance(),
         "machine": _common.machine_info(),
-        "versions": _common.versions(),
         "settings": {
             "rounds": args.rounds, "nproc": args.nproc, "per_rank_batch_size": args.batch_size,
             "steps": args.steps, "log_every": args.log_every,

@@ -37,12 +37,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
-    command_line,
     default_result_path,
-    git_commit,
     machine_info,
     package_version,
-    versions,
+    provenance,
+    write_json,
 )
 
 CONFIGS = {"dynamic": None, "max_batch_size_1": 1}
@@ -211,8 +210,8 @@ def main() -> int:
                 process.wait(timeout=30)
     result = {
         "benchmark": "serving",
-        "command": command_line(),
-        "git": git_commit(),
+        **provenance(fastapi=package_version("fastapi"), uvicorn=package_version("uvicorn"),
+                     httpx=package_version("httpx")),
         "model": f"{args.workload}, untrained weights",
         "settings": {k: getattr(args, k) for k in ("device", "cuda_graphs", "concurrency",
                                                     "max_batch_size",
@@ -223,13 +222,8 @@ def main() -> int:
         # Other jobs on the machine slow both configurations: the 1-minute load average
         # at the end says how busy it was (compare with usable_cores).
         "load_average_1min": os.getloadavg()[0],
-        "versions": versions(fastapi=package_version("fastapi"),
-                             uvicorn=package_version("uvicorn"),
-                             httpx=package_version("httpx")),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     dynamic, single = result["runs"]["dynamic"], result["runs"]["max_batch_size_1"]
     print(f"dynamic batching: {dynamic['requests_per_s']:.1f} req/s, p50 "
           f"{dynamic['p50_ms']:.2f} ms, p99 {dynamic['p99_ms']:.2f} ms | max-batch-size 1: "

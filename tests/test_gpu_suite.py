@@ -1,0 +1,72 @@
+"""benchmarks/gpu_suite.sh: its dry run walks every stage on the CPU, so the one GPU call
+has no untried path; what a CPU cannot run (fp8, CUDA graphs, plan --measure) is recorded
+as refused, with the reason, and judged not measured."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_suite  # noqa: E402
+import render_docs  # noqa: E402
+
+
+def test_the_dry_run_walks_every_stage_and_records_where_it_came_from(tmp_path: Path) -> None:
+    script = ROOT / "benchmarks" / "gpu_suite.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    out = tmp_path / "suite.json"
+    result = subprocess.run(["bash", str(script), "--dry-run", "--out", str(out), "--workdir",
+                             str(tmp_path / "work"), "--stages", ",".join(gpu_suite.STAGES)],
+                            capture_output=True, text=True, timeout=540, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    suite = json.loads(out.read_text())
+    # Provenance, recorded by the script: the command as run, commit, versions, date.
+    assert suite["dry_run"] is True and suite["partial"] is True
+    assert suite["command"].endswith(f"--stages {','.join(gpu_suite.STAGES)}")
+    assert "--dry-run" in suite["command"]
+    assert re.fullmatch(r"[0-9a-f]{40}", suite["git"]["commit"])
+    assert isinstance(suite["git"]["dirty"], bool)
+    assert suite["versions"]["torch"] == torch.__version__
+    assert suite["created"].startswith("20")
+    assert suite["matmul"]["bf16_tflops"] > 0
+    assert "skipped" not in suite  # nothing cut for the budget
+    runs = {run["label"]: run for run in suite["train"] + suite["cuda_graphs"]}
+    for label in ("dry-bf16", "graphs-off"):
+        assert runs[label]["tokens_per_s"] > 0 and runs[label]["mfu"] is not None, runs[label]
+    # --strategy auto puts the planner's predictions next to the measurements
+    assert runs["dry-bf16"]["planner"]["step_time_s"]["predicted"] > 0
+    assert runs["dry-bf16"]["planner"]["step_time_s"]["measured"] > 0
+    assert runs["dry-fp8"]["refused"].startswith("--precision fp8 needs an NVIDIA GPU")
+    assert runs["graphs-on"]["refused"].startswith("--cuda-graphs records CUDA graphs")
+    verdicts = suite["verdicts"]
+    fp8_verdict = verdicts[f"fp8 vs bf16 {gpu_suite.DRY_MODEL}"]
+    assert fp8_verdict["measured"] is False and "dry-fp8: --precision fp8" in fp8_verdict["why"]
+    assert verdicts["cuda graphs"]["measured"] is False
+    assert verdicts["planner"]["target_max"] == 0.15
+    plan = suite["plan"]
+    assert plan["default"]["efficiency_source"].startswith("default 0.45")
+    assert plan["default"]["step_time_s"] > 0 and "step_error_vs_train" in plan["default"]
+    assert "has no GPU" in plan["measured"]["refused"]
+    assert suite["batch_size_auto"]["probe"]["micro_batch"] >= 1, suite["batch_size_auto"]
+    resumed = suite["fp16_resume"]
+    assert resumed["steps"] == resumed["resumed_to"], resumed
+    assert suite["serving"]["runs"]["dynamic"]["errors"] == 0, suite["serving"]
+    compared = suite["compare_trainers"]
+    assert [(c["model"], c["precision"]) for c in compared["cases"]] == [("linear", "fp32")]
+    assert compared["cases"][0]["vs_plain"]["gpuflow"]["median_ratio"] > 0, compared
+    assert compared["verdicts"][0].startswith("linear fp32: gpuflow/plain "), compared
+    fsdp = suite["fsdp_comm"]
+    assert fsdp["exit_code"] == 0 and fsdp["measured"] and fsdp["parts_add_up"], fsdp
+    # The docs page names the file, the commit, and that this was no full GPU run.
+    page = "\n".join(render_docs.section(out, suite))
+    assert f"measured at commit {suite['git']['commit'][:12]}" in page
+    assert "a partial run with chosen settings" in page and "dry run (CPU" in page
+    assert "| textlm dry-fp8 | not measured: --precision fp8 needs" in page
+    assert f"Source: `benchmarks/results/{out.name}`" in page
