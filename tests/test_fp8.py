@@ -4,15 +4,21 @@ the refusals; the speed needs float8 tensor cores (benchmarks/gpu_suite.py)."""
 from __future__ import annotations
 
 import copy
+import json
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
 
 from gpuflow.cli import main
 from gpuflow.errors import UserError
 from gpuflow.models.gpt import GPT, GPTConfig
+from gpuflow.parallel.env import free_port
 
 fp8 = pytest.importorskip("gpuflow.train.fp8")
 pytest.importorskip("torchao.float8")
@@ -21,13 +27,12 @@ STEPS = 30
 BATCH = 8
 
 
-def _curve(model: nn.Module, data: torch.Tensor) -> list[float]:
-    """Losses of a short bf16-autocast AdamW run on ``data``, the same batches every time."""
-    torch.manual_seed(1)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+def _train(model: nn.Module, batches: list[torch.Tensor],
+           optimizer: torch.optim.Optimizer | None = None) -> list[float]:
+    """Losses of bf16-autocast AdamW steps on ``batches`` of token rows."""
+    optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
-    for step in range(STEPS):
-        rows = data[(step * BATCH) % len(data):][:BATCH]
+    for rows in batches:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = model(rows[:, :-1])
         loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), rows[:, 1:].flatten())
@@ -36,6 +41,48 @@ def _curve(model: nn.Module, data: torch.Tensor) -> list[float]:
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def _curve(model: nn.Module, data: torch.Tensor) -> list[float]:
+    """A short run on ``data``, the same batches every time."""
+    return _train(model, [data[(step * BATCH) % len(data):][:BATCH] for step in range(STEPS)])
+
+
+def _small_gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=256, layers=2, dim=64, heads=2, seq_len=32))
+
+
+def _fsdp_batches() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 256, (2 * BATCH, 33), generator=generator) for _ in range(6)]
+    for rows in batches:
+        rows[:, 1::2] = rows[:, 0:-1:2]  # learnable, as in gpt_and_data
+    return batches
+
+
+def _fsdp_worker(rank: int, port: int, out: str) -> None:
+    """fp8 under FSDP2 on 2 gloo ranks, each on its half of every batch."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = _small_gpt()
+    conversion = fp8.convert(model, list(model.blocks), "tensorwise", emulate=True,
+                             skip_small=False, fsdp_all_gather=True)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    fp8.precompute_scales_after_step(optimizer, model)
+    halves = [rows[rank * BATCH:(rank + 1) * BATCH] for rows in _fsdp_batches()]
+    losses = _train(model, halves, optimizer)
+    weight = type(model.blocks[0].attn.qkv.weight.to_local()).__name__
+    Path(f"{out}.{rank}").write_text(json.dumps(
+        {"losses": losses, "weight": weight, "all_gather": conversion.fsdp_float8_all_gather}))
+    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +96,7 @@ def one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def gpt_and_data(one_thread: None) -> tuple[GPT, torch.Tensor, list[float]]:
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=256, layers=2, dim=64, heads=2, seq_len=32))
+    model = _small_gpt()
     data = torch.randint(0, 256, (64, 33))
     data[:, 1::2] = data[:, 0:-1:2]  # every other byte repeats the one before: learnable
     return model, data, _curve(copy.deepcopy(model), data)
@@ -74,6 +120,24 @@ def test_emulated_fp8_tracks_the_bf16_loss_curve(gpt_and_data: tuple, recipe: st
     assert abs(curve[-1] - bf16[-1]) <= 0.02 * bf16[-1]
     assert max(abs(a - b) / b for a, b in zip(curve, bf16, strict=True)) <= 0.02
     assert curve != bf16  # the float8 casts are really in the path
+
+
+def test_fp8_composes_with_fsdp2_and_gathers_fp8_weights(tmp_path: Path,
+                                                         one_thread: None) -> None:
+    """2 ranks of FSDP2 with fp8 all-gather follow one process on the whole batches (the
+    ranks' mean loss; FSDP averages their gradients). Measured here: within 0.02%."""
+    out = str(tmp_path / "fsdp")
+    mp.spawn(_fsdp_worker, args=(free_port(), out), nprocs=2)
+    ranks = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
+    assert all(r["all_gather"] and r["weight"] == "WeightWithDynamicFloat8CastTensor"
+               for r in ranks)
+    model = _small_gpt()
+    fp8.convert(model, list(model.blocks), "tensorwise", emulate=True, skip_small=False)
+    single = _train(model, _fsdp_batches())
+    sharded = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"], strict=True)]
+    print("single", single, "\nfsdp  ", sharded)
+    assert sharded == pytest.approx(single, rel=0.01)
+    assert sharded[-1] < sharded[0]
 
 
 def test_small_and_misaligned_layers_stay_bf16_and_are_counted() -> None:
