@@ -4,6 +4,8 @@ the refusals; the speed needs float8 tensor cores (benchmarks/gpu_suite.py)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 import json
 import os
 from collections.abc import Iterator
@@ -15,10 +17,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from gpuflow import TrainConfig, Trainer
 from gpuflow.cli import main
 from gpuflow.errors import UserError
 from gpuflow.models.gpt import GPT, GPTConfig
 from gpuflow.parallel.env import free_port
+from gpuflow.workload import resolve_workload
 
 fp8 = pytest.importorskip("gpuflow.train.fp8")
 pytest.importorskip("torchao.float8")
@@ -138,6 +142,33 @@ def test_fp8_composes_with_fsdp2_and_gathers_fp8_weights(tmp_path: Path,
     print("single", single, "\nfsdp  ", sharded)
     assert sharded == pytest.approx(single, rel=0.01)
     assert sharded[-1] < sharded[0]
+
+
+def test_the_trainer_converts_after_counting_and_records_fp8(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, one_thread: None) -> None:
+    """The trainer's fp8 path on the CPU, through torchao's emulation; the device check and
+    the compile it turns on are left out (a cold compile costs a CPU half a minute; the GPU
+    suite compiles)."""
+    monkeypatch.setattr(fp8, "check_device", lambda device: None)
+    monkeypatch.setattr(fp8, "convert",
+                        functools.partial(fp8.convert, emulate=True, skip_small=False))
+    monkeypatch.setattr(Trainer, "_compile", lambda self, example: None)
+    spec = {"data": "synthetic", "model_size": "layers=2,dim=64,heads=2,seq=32"}
+    config = TrainConfig(workload="textlm", device="cpu", precision="fp8", batch_size=8,
+                         max_steps=4, log_every=2, eval_every=0, save_checkpoints=False,
+                         progress=False, run_dir=str(tmp_path / "fp8"))
+    with pytest.warns(UserWarning, match="--precision fp8 turns on --compile, which it needs"):
+        trainer = Trainer(resolve_workload("textlm", spec), config)
+    bf16 = Trainer(resolve_workload("textlm", spec), dataclasses.replace(
+        config, precision="bf16", run_dir=str(tmp_path / "bf16")))
+    assert trainer.config.compile
+    assert trainer.flops_per_step == bf16.flops_per_step  # the model's FLOPs, counted once
+    assert trainer.peak == bf16.peak  # MFU against the bf16 peak
+    summary = trainer.fit().summary
+    assert summary["fp8"]["converted"] == 8 and summary["fp8"]["outside_blocks"] == 1
+    assert "MFU against the bf16 peak" in summary["precision_description"]
+    assert "fp8 tensorwise in 8 of 9 linear layers" in trainer._banner()
+    assert summary["median"]["mfu"] > 0
 
 
 def test_small_and_misaligned_layers_stay_bf16_and_are_counted() -> None:
