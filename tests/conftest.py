@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -33,6 +35,18 @@ def cli_env(**extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PLUGINS), env.get("PYTHONPATH")]))
     env.update(extra)
     return env
+
+
+def sigkill_at_gate(process: subprocess.Popen[str], gate: Path, timeout: float = 120) -> None:
+    """SIGKILL ``process``, as a crash would, once ``gate`` exists: a run whose data blocks
+    once that checkpoint is written is then stopped at a known point after it."""
+    deadline = time.monotonic() + timeout
+    while not gate.exists() and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    assert process.poll() is None, process.stderr.read() if process.stderr else ""
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300,

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, cli_env
+from conftest import ROOT, cli_env, sigkill_at_gate
 from safetensors.torch import load_file
 from user_workloads import gated_digits, mlp
 
@@ -75,13 +72,7 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
         env=cli_env(GATE_CHECKPOINT=str(gate)), cwd=ROOT,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
-    deadline = time.monotonic() + 120
-    while not gate.exists() and time.monotonic() < deadline and process.poll() is None:
-        time.sleep(0.05)
-    time.sleep(0.3)
-    assert process.poll() is None, process.stderr.read() if process.stderr else ""
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait()
+    sigkill_at_gate(process, gate)
     assert [c.step for c in ckpt.list_checkpoints(run_dir / "checkpoints")] == [n]
 
     assert main(["train", "--resume", str(run_dir), "--no-progress"]) == 0
