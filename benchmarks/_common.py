@@ -163,15 +163,30 @@ def command_line() -> str:
 
 
 def git_commit() -> dict[str, Any]:
-    """The commit the benchmark ran at, and whether the working tree differed from it."""
+    """The commit the benchmark ran at, and whether the working tree differed from it.
+
+    A copy of the tree without its git directory (as a lent GPU machine gets) cannot say:
+    there the launcher passes both in ``GPUFLOW_GIT_COMMIT`` and ``GPUFLOW_GIT_DIRTY``
+    (0 or 1), and the result says that is where they came from.
+    """
     root = Path(__file__).resolve().parents[1]
 
     def git(*args: str) -> str:
-        done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+        try:
+            done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+        except OSError:
+            return ""
         return done.stdout.strip() if done.returncode == 0 else ""
 
-    return {"commit": git("rev-parse", "HEAD") or None,
-            "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    commit = git("rev-parse", "HEAD")
+    if commit:
+        return {"commit": commit, "source": "git",
+                "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    given, dirty = os.environ.get("GPUFLOW_GIT_COMMIT"), os.environ.get("GPUFLOW_GIT_DIRTY")
+    if given:
+        return {"commit": given, "dirty": None if dirty is None else dirty == "1",
+                "source": "GPUFLOW_GIT_COMMIT and GPUFLOW_GIT_DIRTY (no git checkout here)"}
+    return {"commit": None, "dirty": None, "source": "unknown (no git checkout here)"}
 
 
 def provenance(**extra_versions: str | None) -> dict[str, Any]:

@@ -151,8 +151,10 @@ def section(path: Path, result: dict[str, Any]) -> list[str]:
               f"- versions: {versions or '?'}"]
     git = result.get("git")
     if git and git.get("commit"):
-        lines.append(f"- measured at commit {git['commit'][:12]}"
-                     + (", with uncommitted changes in the tree" if git.get("dirty") else ""))
+        state = {True: ", with uncommitted changes in the tree", False: "",
+                 None: ", whether the tree had uncommitted changes not known"}[git.get("dirty")]
+        given = "" if git.get("source", "git") == "git" else f" (from {git['source']})"
+        lines.append(f"- measured at commit {git['commit'][:12]}{state}{given}")
     elif result.get("git_commit"):
         lines.append(f"- commit {result['git_commit']}, added to the file after the run "
                      "(the script did not record it then)")

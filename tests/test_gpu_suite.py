@@ -5,6 +5,7 @@ as refused, with the reason, and judged not measured."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -70,3 +71,31 @@ def test_the_dry_run_walks_every_stage_and_records_where_it_came_from(tmp_path: 
     assert "a partial run with chosen settings" in page and "dry run (CPU" in page
     assert "| textlm dry-fp8 | not measured: --precision fp8 needs" in page
     assert f"Source: `benchmarks/results/{out.name}`" in page
+
+
+def test_a_tree_without_git_records_the_commit_it_was_given(tmp_path: Path) -> None:
+    """A lent GPU machine gets a copy of the tree without .git: the launcher passes the
+    commit, and the result says where it came from; without it, the commit is unknown."""
+    copy = tmp_path / "benchmarks"
+    copy.mkdir()
+    (copy / "_common.py").write_text((ROOT / "benchmarks" / "_common.py").read_text())
+    probe = [sys.executable, "-c", "import json, _common; print(json.dumps(_common.git_commit()))"]
+
+    def recorded(**env: str) -> dict:
+        base = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLOW_GIT")}
+        done = subprocess.run(probe, cwd=copy, capture_output=True, text=True, check=True,
+                              env={**base, "GIT_CEILING_DIRECTORIES": str(tmp_path), **env})
+        return json.loads(done.stdout)
+
+    given = recorded(GPUFLOW_GIT_COMMIT="ab" * 20, GPUFLOW_GIT_DIRTY="0")
+    assert given == {"commit": "ab" * 20, "dirty": False, "source":
+                     "GPUFLOW_GIT_COMMIT and GPUFLOW_GIT_DIRTY (no git checkout here)"}
+    assert recorded() == {"commit": None, "dirty": None,
+                          "source": "unknown (no git checkout here)"}
+    page = "\n".join(render_docs.section(tmp_path / "gpu_suite-x.json", {
+        "benchmark": "gpu_suite", "git": given}))
+    assert "measured at commit abababababab (from GPUFLOW_GIT_COMMIT" in page
+
+
+def test_the_wheel_fetcher_parses() -> None:
+    subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_wheels.sh")], check=True)
