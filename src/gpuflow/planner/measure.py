@@ -48,10 +48,10 @@ def check_measurable(gpu_type: str) -> str:
     return name
 
 
-def _allreduce_worker(rank: int, port: int, backend: str, out: str) -> None:
+def _allreduce_worker(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group(backend, rank=rank, world_size=2)
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    dist.init_process_group("nccl", rank=rank, world_size=2)
+    device = torch.device("cuda", rank)
     timings = []
     for size in SIZES:
         tensor = torch.ones(size // 4, device=device)
@@ -59,12 +59,10 @@ def _allreduce_worker(rank: int, port: int, backend: str, out: str) -> None:
         best = float("inf")
         for _ in range(REPEATS):
             dist.barrier()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            torch.cuda.synchronize(device)
             start = time.perf_counter()
             dist.all_reduce(tensor)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            torch.cuda.synchronize(device)
             best = min(best, time.perf_counter() - start)
         timings.append(best)
     if rank == 0:
@@ -73,16 +71,16 @@ def _allreduce_worker(rank: int, port: int, backend: str, out: str) -> None:
 
 
 def measure_link(name: str = "measured") -> Link:
-    """Alpha-beta of a 2-process all-reduce: t = 2 alpha + S / B for 2 ranks."""
-    backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
+    """Alpha-beta of a 2-process all-reduce over nccl between the first two GPUs:
+    t = 2 alpha + S / B for 2 ranks."""
     with tempfile.TemporaryDirectory() as folder:
         out = str(Path(folder) / "timings")
-        mp.spawn(_allreduce_worker, args=(free_port(), backend, out), nprocs=2)
+        mp.spawn(_allreduce_worker, args=(free_port(), out), nprocs=2)
         small, large = map(float, Path(out).read_text().split())
     bandwidth = (SIZES[1] - SIZES[0]) / max(large - small, 1e-9)
     alpha = max(0.0, (small - SIZES[0] / bandwidth) / 2)
     return Link(name, bandwidth, alpha,
-                f"measured: {backend} all-reduce between 2 local processes "
+                "measured: nccl all-reduce between 2 local processes "
                 f"({SIZES[0]} and {SIZES[1]} bytes)")
 
 

@@ -18,6 +18,7 @@ from typing import Any
 from gpuflow.config import TrainConfig
 from gpuflow.errors import UserError
 from gpuflow.hardware import device_name
+from gpuflow.train.loop import Trainer
 from gpuflow.workload import Workload
 
 MEASURE_STEPS = 12
@@ -55,8 +56,6 @@ def measure_efficiency(workload: Workload, precision: str, micro_batch: int, *,
                        device: str = "cuda", compile: bool = False,
                        steps: int = MEASURE_STEPS) -> MeasuredEfficiency:
     """Train ``workload`` for ``steps`` steps on one device; its MFU is the efficiency."""
-    from gpuflow.train.loop import Trainer  # the whole trainer: imported only to measure
-
     with tempfile.TemporaryDirectory(prefix="gpuflow-measure-") as run_dir:
         config = TrainConfig(workload=workload.name, device=device, precision=precision,
                              batch_size=micro_batch, max_steps=steps, log_every=LOG_EVERY,
