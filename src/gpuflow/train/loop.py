@@ -403,12 +403,14 @@ class Trainer:
         return self.workload.loss_fn(outputs, target)
 
     def _compile(self, example: Batch) -> None:
-        """Compile each repeated block in place where the model has them, else the model.
+        """Compile each repeated block in place where the model has them, else the model;
+        under --cuda-graphs the whole model, into one graph per step direction.
 
         Identical blocks share one compiled graph (PyTorch's regional compilation), so cold
         compile time does not grow with depth and parameter names stay unchanged. A trial
         step at the micro-batch's shape surfaces compiler failures here (the run then continues
-        in eager mode) and compiles the graph the steps will use.
+        in eager mode, or stops under --cuda-graphs, which asked for graphs) and compiles the
+        graph the steps will use.
         """
         blocks = [] if self.config.cuda_graphs else self.workload.blocks()
         inputs, target = resize_rows(example, self.micro_batch)
