@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import ROOT
 
@@ -99,3 +100,30 @@ def test_a_tree_without_git_records_the_commit_it_was_given(tmp_path: Path) -> N
 
 def test_the_wheel_fetcher_parses() -> None:
     subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_wheels.sh")], check=True)
+
+
+def test_the_targets_are_judged_from_the_measured_runs() -> None:
+    """judge() on runs shaped as the GPU writes them (the dry run measures no fp8 or graphs)."""
+    def run(label: str, size: str, precision: str, tokens: float, step: float,
+            loss: float, mfu: float, planner_error: float) -> dict:
+        return {"label": label, "model_size": size, "precision": precision,
+                "tokens_per_s": tokens, "step_time_s": step, "mfu": mfu, "global_batch": 16,
+                "final_metrics": {"val_loss": loss},
+                "planner": {"step_time_s": {"error": planner_error}}}
+
+    verdicts = gpu_suite.judge({
+        "train": [run("1b-bf16", "1b", "bf16", 70e3, 0.47, 1.50, 0.63, 0.10),
+                  run("1b-fp8", "1b", "fp8", 91e3, 0.36, 1.52, 0.82, -0.20)],
+        "cuda_graphs": [run("graphs-off", "tiny", "bf16", 1e6, 0.010, 2.0, 0.05, 0.0),
+                        {"label": "graphs-on", "model_size": "tiny", "precision": "bf16",
+                         "exit_code": 2, "refused": "--cuda-graphs records CUDA graphs"}]})
+    assert verdicts["mfu 1b-bf16"] == {"measured": 0.63, "target_min": 0.62, "met": True}
+    fp8 = verdicts["fp8 vs bf16 1b"]
+    assert fp8["tokens_per_s_ratio"] == pytest.approx(1.3)
+    assert fp8["val_loss_rel_diff"] == pytest.approx(0.02 / 1.5) and fp8["met"] is True
+    assert verdicts["cuda graphs"] == {"measured": False,
+                                       "why": "graphs-on: --cuda-graphs records CUDA graphs"}
+    # The planner plans fp8 as bf16: its error there is shown beside the judged ones.
+    assert verdicts["planner"] == {"errors": {"1b-bf16 step_time_s": 0.10},
+                                   "target_max": 0.15, "met": True}
+    assert verdicts["planner, fp8 planned as bf16"] == {"errors": {"1b-fp8 step_time_s": -0.20}}
