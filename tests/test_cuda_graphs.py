@@ -21,6 +21,8 @@ from gpuflow.train import cuda_graphs
     (("--workload", "textlm", "--nproc", "2"), "with --strategy ddp, DDP all-reduces"),
     (("--workload", "textlm", "--strategy", "fsdp"), "with --strategy fsdp, FSDP2 gathers"),
     (("--workload", "textlm", "--strategy", "pp", "--nproc", "2"), "the pipeline schedule"),
+    (("--workload", "textlm", "--grad-accum", "2"), "with --grad-accum 2: the captured"),
+    (("--workload", "textlm", "--batch-size", "auto"), "auto, which may accumulate"),
 ])
 def test_cuda_graphs_are_refused_where_they_cannot_run(
         flags: tuple[str, ...], message: str, capsys: pytest.CaptureFixture[str],

@@ -151,6 +151,13 @@ class TrainConfig:
                 f"gpuflow does not apply (this run: --strategy {strategy}"
                 f"{f' --tp {tp}' if tp > 1 else ''}{f' --pp {pp}' if pp > 1 else ''}). Use "
                 "--precision bf16 with them.")
+        if self.cuda_graphs and (self.grad_accum > 1 or self.batch_size == "auto"):
+            asked = ("--batch-size auto, which may accumulate micro-batches" if
+                     self.batch_size == "auto" else f"--grad-accum {self.grad_accum}")
+            raise UserError(
+                f"--cuda-graphs with {asked}: the captured backward writes each micro-step's "
+                "gradients into memory that the next replay reuses (torch's cudagraph trees), "
+                "so they cannot accumulate. Use --grad-accum 1 and a --batch-size N.")
         if self.cuda_graphs and strategy != "single":
             raise UserError(
                 f"--cuda-graphs runs with --strategy single only: with --strategy {strategy}, "
