@@ -62,6 +62,8 @@ class PackProgress:
         self.shards += 1
         if self.mode == "lines":
             print(f"pack {self.split}: {self.describe()}", file=self._stream, flush=True)
+        elif self._bar is not None and self._task is not None:
+            self._bar.update(self._task, status=self.describe())
 
     def describe(self) -> str:
         """E.g. '1,536.0 MiB read, 24 shards written, 85.2 MiB/s, 40% of 3.8 GiB, ETA 12 s'."""
