@@ -33,6 +33,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
+from gpuflow.data.streaming import StreamingDataset
 from gpuflow.errors import UserError
 
 _RECORDED = 64  # positions kept: more than the batches any prefetcher holds ahead
@@ -41,8 +42,6 @@ _RECORDED = 64  # positions kept: more than the batches any prefetcher holds ahe
 def is_stream(dataset: Any) -> bool:
     """An iterable dataset that is not one of gpuflow's packed sets (those index their
     samples and resume by position; see ``gpuflow.data.streaming``)."""
-    from gpuflow.data.streaming import StreamingDataset
-
     return isinstance(dataset, IterableDataset) and not isinstance(dataset, StreamingDataset)
 
 
