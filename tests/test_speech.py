@@ -1,23 +1,30 @@
-"""The built-in `speech` workload: WAV reading, the FSDD split, masking, and a run that learns.
+"""The built-in `speech` workload: WAV reading, the speaker split, augmentation, masking, and
+a run that learns.
 
-The end-to-end run uses the real recordings in `../shared/data/fsdd/recordings` when that
-folder exists (CI), and otherwise WAV files synthesised here in the same layout, so the
-suite passes in any clone.
+The accuracy test reads the real recordings in `../shared/data/fsdd/recordings` (beside the
+project, also in CI) and fails when they are missing; the other tests synthesise WAV files
+in the same layout.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 import wave
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import cli_env, run_cli
+from conftest import ROOT, cli_env, run_cli, sigkill_at_gate
+from safetensors.torch import load_file
 
+from gpuflow import checkpoint as ckpt
 from gpuflow.data.audio import find_clips, parse_clip_name, read_wav
+from gpuflow.data.augment import AugmentedDataset
+from gpuflow.data.loader import train_batches
 from gpuflow.errors import UserError
 from gpuflow.models.speech import LogMel, mel_filterbank
 from gpuflow.workload import check_workload
@@ -147,7 +154,7 @@ def test_takes_0_to_4_are_the_test_set_and_strays_are_counted(tmp_path: Path) ->
     assert unmatched == ["stray.wav"]
 
     with pytest.warns(UserWarning, match=r"ignored 1 \.wav file\(s\).*stray\.wav"):
-        train, test = speech.load_recordings(folder)
+        train, test = speech.load_recordings(folder, val_speakers="none")
     assert sorted(test.labels) == [3, 3, 8] and sorted(train.labels) == [3, 8, 8]
     assert sorted(test.lengths()) == [100, 120, 140]
     assert sorted(train.lengths()) == [150, 200, 590]
@@ -155,6 +162,32 @@ def test_takes_0_to_4_are_the_test_set_and_strays_are_counted(tmp_path: Path) ->
     assert wave_.dtype == torch.float32 and length.dtype == torch.int64
     assert int(length) == wave_.shape[0] and label in (3, 8)
     assert torch.allclose(wave_, torch.full_like(wave_, 0.1 * label), atol=1e-4)
+
+
+def test_whole_speakers_are_held_out_and_never_trained_on(small_fsdd: Path) -> None:
+    clips, _ = find_clips(small_fsdd)
+    for choice, held in ((None, {"spk1"}), ("spk0", {"spk0"}), (" spk1, spk0 ", None)):
+        if held is None:
+            with pytest.raises(UserError, match="every speaker"):
+                speech.split_clips(clips, choice, small_fsdd)
+            continue
+        train, val = speech.split_clips(clips, choice, small_fsdd)
+        assert {c.speaker for c in val} == held
+        assert not {c.speaker for c in train} & held and len(train) + len(val) == len(clips)
+    train_set, val_set = speech.load_recordings(small_fsdd)
+    assert set(val_set.speakers) == {"spk1"} and set(train_set.speakers) == {"spk0"}
+    same_train, same_val = speech.split_clips(clips, "none", small_fsdd)
+    assert {c.take for c in same_val} == set(range(5)) and min(c.take for c in same_train) == 5
+
+
+def test_unknown_val_speakers_exit_2_naming_those_present(small_fsdd: Path,
+                                                          tmp_path: Path) -> None:
+    result = run_cli("train", "--workload", "speech", "--data-dir", str(small_fsdd),
+                     "--val-speakers", "spk0,bob", "--max-steps", "1",
+                     "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 2, result.stderr
+    assert "bob is not among the speakers" in result.stderr
+    assert "spk0, spk1" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_no_data_dir_says_where_to_get_the_dataset() -> None:
@@ -174,13 +207,15 @@ def test_bad_inputs_are_user_errors(tmp_path: Path) -> None:
     only_train.mkdir()
     write_wav(only_train / "1_amy_7.wav", np.zeros(300, dtype=np.float32))
     with pytest.raises(UserError, match=r"no test \(takes 0-4\) recordings"):
+        speech.build(data_dir=str(only_train), val_speakers="none")
+    with pytest.raises(UserError, match=r"holds out every speaker .*\(amy\).*none"):
         speech.build(data_dir=str(only_train))
     with pytest.raises(UserError, match="tiny, small, base"):
         speech.build(data="synthetic", model_size="huge")
 
 
 def test_cli_reports_a_bad_wav_by_name_without_traceback(tmp_path: Path) -> None:
-    folder = synthesise_fsdd(tmp_path / "rec", speakers=1, takes=6)
+    folder = synthesise_fsdd(tmp_path / "rec", speakers=2, takes=6)
     write_wav(folder / "4_spk0_2.wav", np.zeros(400, dtype=np.float32), rate=44100)
     result = run_cli("train", "--workload", "speech", "--data-dir", str(folder),
                      "--max-steps", "1", "--run-dir", str(tmp_path / "run"))
@@ -268,6 +303,78 @@ def test_example_batch_depends_on_lengths_not_file_order(small_fsdd: Path) -> No
     assert waves.shape[0] == 8 and lengths.tolist() == sorted(lengths.tolist())
     assert waves.shape[1] >= float(np.median(train.lengths()))
     assert torch.equal(again[0][1], lengths) and torch.equal(again[0][0], waves)
+
+
+# --- augmentation -------------------------------------------------------------------------
+
+def test_augmentation_is_a_function_of_seed_epoch_and_index(small_fsdd: Path) -> None:
+    train, _ = speech.load_recordings(small_fsdd)
+    augmented = AugmentedDataset(train, speech.WaveAugment(), seed=3)
+    (wave_, length), label = augmented[(1, 4)]
+    (again, again_length), again_label = augmented[(1, 4)]
+    assert torch.equal(wave_, again) and int(length) == int(again_length) == wave_.shape[0]
+    assert label == again_label == train.labels[4]
+    (raw, raw_length), _ = train[4]
+    assert wave_.shape != raw.shape or not torch.equal(wave_, raw)
+    others = [augmented[(2, 4)][0][0], AugmentedDataset(train, speech.WaveAugment(),
+                                                        seed=4)[(1, 4)][0][0]]
+    for other in others:
+        assert other.shape != wave_.shape or not torch.equal(other, wave_)
+    assert int(length) != int(raw_length)  # the speed and the delay change its length
+
+
+def test_speed_perturbation_resamples_and_noise_has_the_asked_snr() -> None:
+    signal = np.sin(np.arange(800) / 5.0)
+    faster = speech.WaveAugment.perturb_speed(signal, 1.25)
+    assert faster.shape == (640,)
+    np.testing.assert_allclose(faster[::4], signal[::5], atol=1e-12)
+    noise = speech.WaveAugment.noise(signal, 20.0, np.random.default_rng(0))
+    assert math.isclose(np.mean(signal**2) / np.mean(noise**2), 100.0, rel_tol=0.15)
+
+
+def test_augmented_batches_do_not_depend_on_workers_and_resume_in_place(
+        small_fsdd: Path) -> None:
+    train, _ = speech.load_recordings(small_fsdd)
+    augment = speech.WaveAugment()
+
+    def batches(start: int, workers: int, count: int) -> list:
+        stream = train_batches(train, 8, speech.collate_waveforms, seed=1, start_batch=start,
+                               num_workers=workers, pin_memory=False, augment=augment)
+        return [next(stream) for _ in range(count)]
+
+    whole = batches(0, 0, 5)
+    for got, want in zip(batches(0, 2, 5) + batches(3, 0, 2), whole + whole[3:], strict=True):
+        assert torch.equal(got[0][0], want[0][0]) and torch.equal(got[1], want[1])
+    plain = next(train_batches(train, 8, speech.collate_waveforms, seed=1, start_batch=0,
+                               num_workers=0, pin_memory=False))
+    assert torch.equal(plain[1], whole[0][1])  # the same samples, in the same order
+    assert not torch.equal(plain[0][1], whole[0][0][1])  # but augmented
+
+
+def test_killed_augmented_run_resumes_to_the_same_weights(small_fsdd: Path,
+                                                          tmp_path: Path) -> None:
+    n = 6
+    common = ["train", "--workload", "user_workloads:gated_speech", "--data-dir",
+              str(small_fsdd), "--max-steps", str(2 * n), "--checkpoint-every", str(n),
+              "--eval-every", "0", "--batch-size", "16", "--no-progress"]
+    env = cli_env(OMP_NUM_THREADS="1")
+    reference = tmp_path / "reference"
+    assert run_cli(*common, "--run-dir", str(reference), env=env).returncode == 0
+    run_dir = tmp_path / "killed"
+    gate = run_dir / "checkpoints" / f"step-{n:08d}"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gpuflow.cli", *common, "--run-dir", str(run_dir)],
+        env={**env, "GATE_CHECKPOINT": str(gate)}, cwd=ROOT,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    sigkill_at_gate(process, gate)
+    result = run_cli("train", "--resume", str(run_dir), "--no-progress", env=env)
+    assert result.returncode == 0, result.stderr
+    final = [load_file(ckpt.list_checkpoints(d / "checkpoints")[0].path / ckpt.MODEL_FILE)
+             for d in (reference, run_dir)]
+    assert final[0].keys() == final[1].keys()
+    for name, tensor in final[0].items():
+        assert torch.equal(tensor, final[1][name]), name
 
 
 # --- synthetic data and end-to-end runs ---------------------------------------------------

@@ -36,6 +36,9 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
     add("--data", choices=["real", "synthetic"],
         help="synthetic: random data of the workload's shapes, for throughput runs")
     add("--model-size", help="the workload's model size preset (e.g. textlm: tiny|small|124m)")
+    add("--val-speakers", metavar="NAMES",
+        help="speech: speakers held out for validation, comma-separated (default: the last "
+             "by name); none: takes 0-4 of every speaker")
     add("--device", help="auto | cpu | cuda | cuda:N (default auto)")
     add("--precision", choices=["fp32", "tf32", "bf16", "fp16", "fp8"],
         help="default fp32; fp8: torchao float8 matmuls in the linear layers that gain, bf16 "

@@ -39,6 +39,7 @@ class TrainConfig:
     data_dir: str | None = None
     data: DataSource = "real"
     model_size: str | None = None
+    val_speakers: str | None = None
     device: str = "auto"
     precision: Precision = "fp32"
     batch_size: int | Literal["auto"] = DEFAULT_BATCH_SIZE
@@ -220,6 +221,8 @@ class TrainConfig:
             options["data"] = self.data
         if self.model_size is not None:
             options["model_size"] = self.model_size
+        if self.val_speakers is not None:
+            options["val_speakers"] = self.val_speakers
         return options
 
     def to_dict(self) -> dict[str, Any]:
@@ -289,7 +292,8 @@ def _check_types(config: TrainConfig) -> None:
         expected = type(default) if default is not None else None
         if f.name in ("max_steps",):
             expected = int
-        elif f.name in ("strategy", "rdzv_endpoint", "data_dir", "model_size"):
+        elif f.name in ("strategy", "rdzv_endpoint", "data_dir", "model_size",
+                        "val_speakers"):
             expected = str
         elif f.name in ("dp", "microbatches", "global_batch", "fsdp_prefetch"):
             expected = int

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
@@ -95,7 +96,9 @@ class Workload:
     ``export_hf`` writes the trained model in the Hugging Face format for ``gpuflow export
     --format hf`` (a Hugging Face model needs none: it saves itself). ``serving`` declares
     how requests become inputs and outputs answers (``gpuflow.serving``); without it any
-    model is served from tensors shaped like its example batch.
+    model is served from tensors shaped like its example batch. ``augment(item, rng)``
+    transforms a training item with a numpy generator seeded by (seed, epoch, index), so
+    augmented runs resume exactly (``gpuflow.data.augment``); evaluation is never augmented.
     """
 
     name: str
@@ -111,6 +114,7 @@ class Workload:
     tensor_parallel_plan: Mapping[str, Any] | None = None
     export_hf: Callable[[nn.Module, Path], None] | None = None
     serving: ServingSpec | None = None
+    augment: Callable[[Any, np.random.Generator], Any] | None = None
 
     def blocks(self) -> list[nn.Module]:
         """The modules that repeat in the model, e.g. transformer layers: ``repeated_blocks``,

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, TensorDataset
 
+from gpuflow.data.augment import Augment, AugmentedDataset, EpochKeys
 from gpuflow.data.iterable import StreamBatches, StreamPosition, is_stream
 from gpuflow.data.sampler import ResumableSampler
 from gpuflow.data.streaming import StreamingDataset
@@ -28,6 +29,7 @@ def batches_per_epoch(dataset: Dataset, batch_size: int, world_size: int = 1) ->
 def train_batches(dataset: Dataset, batch_size: int, collate: Any, seed: int,
                   start_batch: int, num_workers: int, pin_memory: bool, rank: int = 0,
                   world_size: int = 1, batched_indexing: bool = False,
+                  augment: Augment | None = None,
                   stream_start: StreamPosition | None = None) -> Iterable[Any]:
     """Endless stream of batches across epochs, starting after ``start_batch`` batches.
 
@@ -39,6 +41,8 @@ def train_batches(dataset: Dataset, batch_size: int, collate: Any, seed: int,
     ``batched_indexing`` fetches a whole batch at once: one ``dataset[indices]`` call, which
     in-memory tensor datasets answer with a single gather instead of one item at a time
     and a stack, or one decoding pass over a packed batch; the batches are identical.
+    ``augment`` transforms each item with a generator of (seed, epoch, index) (see
+    ``gpuflow.data.augment``), so augmented batches resume exactly too.
     A workload's own stream (an ``IterableDataset``) is split, batched and resumed as
     ``gpuflow.data.iterable`` describes, from ``stream_start`` when one was saved.
     """
@@ -50,22 +54,28 @@ def train_batches(dataset: Dataset, batch_size: int, collate: Any, seed: int,
         "generator": torch.Generator().manual_seed(seed),
     }
     if is_stream(dataset):
+        if augment is not None:
+            raise UserError("Workload augment needs indexed samples (a seed per sample "
+                            "index); augment a stream's samples in the stream itself.")
         return StreamBatches(dataset, batch_size, collate, rank, world_size, workers,
                              start_batch, stream_start)
     per_epoch = batches_per_epoch(dataset, batch_size, world_size)
     if isinstance(dataset, StreamingDataset):
         stream = dataset.batches(seed, batch_size, per_epoch, start_batch, collate, rank,
-                                 world_size, batched=batched_indexing)
+                                 world_size, batched=batched_indexing, augment=augment)
         return iter(DataLoader(stream, batch_size=None, **workers))
     return _indexed_batches(dataset, batch_size, collate, seed, start_batch, per_epoch,
-                            rank, world_size, batched_indexing, workers)
+                            rank, world_size, batched_indexing, workers, augment)
 
 
 def _indexed_batches(dataset: Dataset, batch_size: int, collate: Any, seed: int,
                      start_batch: int, per_epoch: int, rank: int, world_size: int,
-                     batched_indexing: bool, workers: dict[str, Any]) -> Iterator[Any]:
-    sampler = ResumableSampler(len(dataset), seed, rank=rank,  # type: ignore[arg-type]
-                               world_size=world_size)
+                     batched_indexing: bool, workers: dict[str, Any],
+                     augment: Augment | None) -> Iterator[Any]:
+    sampler = (EpochKeys if augment else ResumableSampler)(
+        len(dataset), seed, rank=rank, world_size=world_size)  # type: ignore[arg-type]
+    if augment is not None:
+        dataset = AugmentedDataset(dataset, augment, seed)
     batching: dict[str, Any] = (
         {"batch_size": None, "sampler": BatchSampler(sampler, batch_size, drop_last=True)}
         if batched_indexing else
@@ -84,7 +94,10 @@ def _indexed_batches(dataset: Dataset, batch_size: int, collate: Any, seed: int,
         epoch, offset = epoch + 1, 0
 
 
-def supports_batched_indexing(dataset: Dataset, collate_fn: Any) -> bool:
+def supports_batched_indexing(dataset: Dataset, collate_fn: Any,
+                              augment: Augment | None = None) -> bool:
     """Whether a batch can be fetched whole and still equal the default collate's: one
-    gather from in-memory tensors, or one decoding pass over a packed set's records."""
-    return isinstance(dataset, TensorDataset | StreamingDataset) and collate_fn is None
+    gather from in-memory tensors, or one decoding pass over a packed set's records,
+    neither of them augmented item by item."""
+    return (isinstance(dataset, TensorDataset | StreamingDataset) and collate_fn is None
+            and augment is None)

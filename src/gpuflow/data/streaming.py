@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
+from gpuflow.data.augment import Augment, sample_rng
 from gpuflow.data.shards import PACK_STATE, SplitReader, is_packed, load_manifest, read_example
 from gpuflow.errors import UserError
 
@@ -84,11 +85,13 @@ class StreamingDataset(IterableDataset):
 
     def batches(self, seed: int, batch_size: int, per_epoch: int, start_batch: int,
                 collate: Callable[[list[Any]], Any], rank: int = 0,
-                world_size: int = 1, batched: bool = False) -> BatchStream:
+                world_size: int = 1, batched: bool = False,
+                augment: Augment | None = None) -> BatchStream:
         """The endless batch stream of one data-parallel rank, from ``start_batch`` on.
-        ``batched`` (for the default collate only) decodes each batch in one pass."""
+        ``batched`` (for the default collate only) decodes each batch in one pass;
+        ``augment`` transforms each sample with the generator of (seed, epoch, id)."""
         return BatchStream(self, seed, batch_size, per_epoch, start_batch, collate, rank,
-                           world_size, batched)
+                           world_size, batched, augment)
 
 
 @dataclass
@@ -108,6 +111,7 @@ class BatchStream(IterableDataset):
     rank: int = 0
     world_size: int = 1
     batched: bool = False
+    augment: Augment | None = None
 
     def rank_batches(self, epoch: int) -> Iterator[list[int]]:
         """The sample ids of each of this rank's batches in ``epoch``."""
@@ -126,9 +130,15 @@ class BatchStream(IterableDataset):
                 if produced % workers == worker:
                     reader = self.dataset.reader
                     yield (reader.collated(ids) if self.batched
-                           else self.collate([reader[i] for i in ids]))
+                           else self.collate([self.sample(epoch, i) for i in ids]))
                 produced += 1
             epoch, skip = epoch + 1, 0
+
+    def sample(self, epoch: int, sample: int) -> Any:
+        """One sample as training sees it in ``epoch``: read, then augmented if asked."""
+        item = self.dataset.reader[sample]
+        return item if self.augment is None else self.augment(
+            item, sample_rng(self.seed, epoch, sample))
 
 
 @dataclass(frozen=True)

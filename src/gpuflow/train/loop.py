@@ -502,7 +502,9 @@ class Trainer:
                 num_workers=config.num_workers, pin_memory=self.device.type == "cuda",
                 rank=self.dp_rank, world_size=self.dp,
                 batched_indexing=supports_batched_indexing(self.workload.train_dataset,
-                                                           self.workload.collate_fn),
+                                                           self.workload.collate_fn,
+                                                           self.workload.augment),
+                augment=self.workload.augment,
             )
             self._stream = source if isinstance(source, StreamBatches) else None
             self._batches = DevicePrefetcher(source, self.device,

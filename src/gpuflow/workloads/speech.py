@@ -1,8 +1,9 @@
 """Spoken digits: raw 8 kHz WAV clips in the Free Spoken Digit Dataset layout, 10 classes.
 
-``--data-dir`` holds ``{digit}_{speaker}_{take}.wav`` files. Takes 0-4 of each speaker and
-digit are the test set (the dataset's customary split), the rest train. Clips are read once
-into memory; features are computed by the model, on the device.
+``--data-dir`` holds ``{digit}_{speaker}_{take}.wav`` files. Whole speakers are held out for
+validation (``--val-speakers``; by default the last by name), because a recogniser is judged
+on voices it has not heard. Clips are read once into memory; features are computed by the
+model, on the device.
 """
 
 from __future__ import annotations
@@ -15,16 +16,18 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from gpuflow.data.audio import find_clips, read_wav
+from gpuflow.data.audio import Clip, find_clips, read_wav
 from gpuflow.data.streaming import open_packed
 from gpuflow.errors import UserError
 from gpuflow.models.speech import SpeechClassifier
 from gpuflow.workload import Workload
+from gpuflow.workloads.speech_augment import WaveAugment
 from gpuflow.workloads.speech_codec import speech_serving
 
 SAMPLE_RATE = 8000
 NUM_CLASSES = 10
-TEST_TAKES = range(5)
+TEST_TAKES = range(5)  # the validation takes of the same-speaker split
+SAME_SPEAKERS = "none"  # --val-speakers value for that split
 DATASET_URL = "https://github.com/Jakobovski/free-spoken-digit-dataset"
 
 MODEL_SIZES: dict[str, dict[str, int]] = {
@@ -43,11 +46,14 @@ Batch = tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class WaveformDataset(Dataset):
-    """In-memory clips: item ``i`` is ``((waveform float32 [T], length int64), label)``."""
+    """In-memory clips: item ``i`` is ``((waveform float32 [T], length int64), label)``;
+    ``speakers[i]`` says who spoke it."""
 
-    def __init__(self, waves: Sequence[np.ndarray], labels: Sequence[int]) -> None:
+    def __init__(self, waves: Sequence[np.ndarray], labels: Sequence[int],
+                 speakers: Sequence[str] | None = None) -> None:
         self.waves = list(waves)
         self.labels = list(labels)
+        self.speakers = list(speakers) if speakers is not None else [""] * len(self.labels)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -113,8 +119,55 @@ def example_batch(dataset: WaveformDataset | SyntheticWaveforms, size: int = 8,
     return collate_waveforms([dataset[i] for i in picks])
 
 
-def load_recordings(data_dir: str | Path) -> tuple[WaveformDataset, WaveformDataset]:
-    """Train (takes 5+) and test (takes 0-4) sets from a folder of FSDD-named WAV files."""
+def split_clips(clips: Sequence[Clip], val_speakers: str | None,
+                data_dir: str | Path) -> tuple[list[Clip], list[Clip]]:
+    """Training and validation clips: whole speakers held out, or the same-speaker split.
+
+    ``val_speakers`` is a comma-separated list of speaker names; by default the last
+    speaker by name is held out, so validation measures speakers the model never heard.
+    ``none`` keeps every speaker in training and validates on takes 0-4 of each (the
+    dataset's customary split, which measures only speakers it trained on).
+    """
+    present = sorted({clip.speaker for clip in clips})
+    if val_speakers is not None and val_speakers.strip().lower() == SAME_SPEAKERS:
+        return ([c for c in clips if c.take not in TEST_TAKES],
+                [c for c in clips if c.take in TEST_TAKES])
+    held = ([name.strip() for name in val_speakers.split(",") if name.strip()]
+            if val_speakers is not None else present[-1:])
+    unknown = sorted(set(held) - set(present))
+    if unknown or not held:
+        raise UserError(
+            f"--val-speakers {val_speakers!r}: {', '.join(unknown) or 'no name given'} "
+            f"{'is' if len(unknown) == 1 else 'are'} not among the speakers in --data-dir "
+            f"{data_dir}: {', '.join(present)}. Name one or more of them, comma-separated, "
+            f"or `{SAME_SPEAKERS}` to validate on takes 0-4 of every speaker."
+        )
+    if set(held) == set(present):
+        given = (f"--val-speakers {val_speakers}" if val_speakers is not None else
+                 "By default the last speaker is held out for validation, which")
+        raise UserError(
+            f"{given} holds out every speaker in --data-dir {data_dir} "
+            f"({', '.join(present)}), leaving none to train on: hold out fewer, or use "
+            f"--val-speakers {SAME_SPEAKERS} to validate on takes 0-4 of every speaker."
+        )
+    return ([c for c in clips if c.speaker not in held], [c for c in clips if c.speaker in held])
+
+
+def read_clips(clips: Sequence[Clip]) -> WaveformDataset:
+    """The clips' samples, in memory."""
+    waves = []
+    for clip in clips:
+        wave, _ = read_wav(clip.path, sample_rate=SAMPLE_RATE, channels=1)
+        if wave.shape[0] == 0:
+            raise UserError(f"{clip.path} holds no samples; remove it or re-record it.")
+        waves.append(wave)
+    return WaveformDataset(waves, [clip.digit for clip in clips],
+                           [clip.speaker for clip in clips])
+
+
+def load_recordings(data_dir: str | Path,
+                    val_speakers: str | None = None) -> tuple[WaveformDataset, WaveformDataset]:
+    """Train and validation sets from a folder of FSDD-named WAV files (see ``split_clips``)."""
     clips, unmatched = find_clips(data_dir)
     if unmatched:
         shown = ", ".join(unmatched[:3]) + (", ..." if len(unmatched) > 3 else "")
@@ -128,24 +181,20 @@ def load_recordings(data_dir: str | Path) -> tuple[WaveformDataset, WaveformData
             f"(e.g. 7_jackson_32.wav). Point it at the `recordings` folder of the Free Spoken "
             f"Digit Dataset ({DATASET_URL})."
         )
-    splits: dict[bool, tuple[list[np.ndarray], list[int]]] = {True: ([], []), False: ([], [])}
-    for clip in clips:
-        wave, _ = read_wav(clip.path, sample_rate=SAMPLE_RATE, channels=1)
-        if wave.shape[0] == 0:
-            raise UserError(f"{clip.path} holds no samples; remove it or re-record it.")
-        waves, labels = splits[clip.take in TEST_TAKES]
-        waves.append(wave)
-        labels.append(clip.digit)
-    for is_test, name in ((False, "training (takes 5 and up)"), (True, "test (takes 0-4)")):
-        if not splits[is_test][1]:
-            raise UserError(
-                f"--data-dir {data_dir} has no {name} recordings; the test set is takes 0-4 "
-                "of each speaker and digit and the rest train, so both are needed."
-            )
-    return WaveformDataset(*splits[False]), WaveformDataset(*splits[True])
+    train, val = split_clips(clips, val_speakers, data_dir)
+    if val_speakers is not None and val_speakers.strip().lower() == SAME_SPEAKERS:
+        for part, name in ((train, "training (takes 5 and up)"), (val, "test (takes 0-4)")):
+            if not part:
+                raise UserError(
+                    f"--data-dir {data_dir} has no {name} recordings; with --val-speakers "
+                    f"{SAME_SPEAKERS} takes 0-4 of each speaker and digit validate and the "
+                    "rest train, so both are needed."
+                )
+    return read_clips(train), read_clips(val)
 
 
-def raw_splits(data: str, data_dir: str | None) -> tuple[WaveformDataset | SyntheticWaveforms,
+def raw_splits(data: str, data_dir: str | None,
+               val_speakers: str | None = None) -> tuple[WaveformDataset | SyntheticWaveforms,
                                                          WaveformDataset | SyntheticWaveforms]:
     """Train and test clips: random (``synthetic``) or read from WAV files (``real``)."""
     if data == "synthetic":
@@ -161,11 +210,11 @@ def raw_splits(data: str, data_dir: str | None) -> tuple[WaveformDataset | Synth
             "recordings folder: --data-dir free-spoken-digit-dataset/recordings. "
             "Or use --data synthetic for a throughput run on random clips."
         )
-    return load_recordings(data_dir)
+    return load_recordings(data_dir, val_speakers)
 
 
-def build(data_dir: str | None = None, data: str = "real",
-          model_size: str | None = None) -> Workload:
+def build(data_dir: str | None = None, data: str = "real", model_size: str | None = None,
+          val_speakers: str | None = None) -> Workload:
     """The `speech` workload: a log-mel transformer classifier on spoken-digit WAV files."""
     size = model_size or DEFAULT_MODEL_SIZE
     if size not in MODEL_SIZES:
@@ -177,7 +226,7 @@ def build(data_dir: str | None = None, data: str = "real",
     if packed is not None:
         train, test, example = packed.train, packed.val, packed.example
     else:
-        raw_train, test = raw_splits(data, data_dir)
+        raw_train, test = raw_splits(data, data_dir, val_speakers)
         train, example = raw_train, example_batch(raw_train)
     return Workload(
         name="speech",
@@ -188,4 +237,5 @@ def build(data_dir: str | None = None, data: str = "real",
         collate_fn=collate_waveforms,
         example_batch=example,
         serving=speech_serving(NUM_CLASSES, SAMPLE_RATE),
+        augment=WaveAugment(sample_rate=SAMPLE_RATE),
     )

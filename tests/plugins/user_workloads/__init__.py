@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 import gpuflow
-from gpuflow.workloads import digits
+from gpuflow.workloads import digits, speech
 
 
 class TinyMLP(nn.Module):
@@ -101,6 +101,13 @@ class GatedDataset(Dataset):
 def gated_digits() -> gpuflow.Workload:
     workload = digits.build(width=16, depth=2)
     workload.example_batch = workload.collate([workload.train_dataset[i] for i in range(8)])
+    workload.train_dataset = GatedDataset(workload.train_dataset)
+    return workload
+
+
+def gated_speech(data_dir: str) -> gpuflow.Workload:
+    """The tiny speech model on ``data_dir``, augmented, with the gate of ``GatedDataset``."""
+    workload = speech.build(data_dir=data_dir, model_size="tiny")
     workload.train_dataset = GatedDataset(workload.train_dataset)
     return workload
 
