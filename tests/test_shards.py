@@ -373,12 +373,13 @@ def test_streaming_memory_stays_bounded_far_below_the_data_size(tmp_path: Path) 
 
 
 PACK_MEMORY_SCRIPT = textwrap.dedent("""
-    import json, sys
+    import json, sys, wave
     from pathlib import Path
 
     import numpy as np
 
-    import gpuflow.workloads.mnist_idx  # imported before the baseline, as packing imports it
+    import gpuflow.workloads.mnist_idx  # imported before the baseline, as packing imports them
+    import gpuflow.workloads.speech
     from gpuflow.data.idx import write_idx
     from gpuflow.data.pack import pack
 
@@ -394,7 +395,8 @@ PACK_MEMORY_SCRIPT = textwrap.dedent("""
         result = run()
         return result, peak_rss() - baseline
 
-    root, text_mb, images = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    root, text_mb, images, clips = (Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]),
+                                    int(sys.argv[4]))
     rng = np.random.default_rng(0)
     (root / "text").mkdir()
     with open(root / "text" / "corpus.txt", "wb") as handle:  # one document, as a user has
@@ -406,32 +408,48 @@ PACK_MEMORY_SCRIPT = textwrap.dedent("""
                   rng.integers(0, 256, (count, 28, 28), dtype=np.uint8))
         write_idx(root / "idx" / f"{prefix}-labels-idx1-ubyte",
                   rng.integers(0, 10, count, dtype=np.uint8))
+    (root / "wav").mkdir()
+    second = (rng.standard_normal(8000) * 3000).astype("<i2").tobytes()  # 1 s at 8 kHz
+    for number in range(clips):  # two speakers: the second is held out for validation
+        name = f"{number % 10}_{'ab'[number % 2]}_{number // 10}.wav"
+        with wave.open(str(root / "wav" / name), "wb") as writer:
+            writer.setnchannels(1)
+            writer.setsampwidth(2)
+            writer.setframerate(8000)
+            writer.writeframes(second)
     del rng
     text, text_growth = growth(lambda: pack("textlm", root / "text", root / "text-packed",
                                             shard_mb=8, progress=False))
     records, idx_growth = growth(lambda: pack("mnist-idx", root / "idx", root / "idx-packed",
                                               shard_mb=8, progress=False))
+    audio, audio_growth = growth(lambda: pack("speech", root / "wav", root / "wav-packed",
+                                              shard_mb=8, progress=False))
     print(json.dumps({"text_growth": text_growth, "idx_growth": idx_growth,
+                      "audio_growth": audio_growth,
+                      "clips": audio.count("train") + audio.count("val"),
                       "tokens": text.count("train") + text.count("val"),
                       "records": records.count("train"), "shards": len(records.splits["train"])}))
 """)
 
 
 def test_packing_memory_stays_bounded_far_below_the_corpus(tmp_path: Path) -> None:
-    """A 160 MiB one-file text corpus and 48,000 IDX images (150 MiB of float32 records)
-    are packed in 8 MiB shards; the process's peak RSS may grow by at most 48 MiB for
-    each, where holding the corpus (as packing once did, twice over) would take 160-320."""
-    text_mb, images, cap = 160, 48_000, 48 * 2**20
+    """A 160 MiB one-file text corpus, 48,000 IDX images (150 MiB of float32 records) and
+    3,000 one-second WAV clips (92 MiB as float32) are packed in 8 MiB shards; the
+    process's peak RSS may grow by at most 48 MiB for each, where holding the data (as
+    packing once did; text twice over) would take 92-320 MiB."""
+    text_mb, images, clips, cap = 160, 48_000, 3_000, 48 * 2**20
     script = tmp_path / "pack_memory.py"
     script.write_text(PACK_MEMORY_SCRIPT)
     result = subprocess.run([sys.executable, str(script), str(tmp_path), str(text_mb),
-                             str(images)], capture_output=True, text=True, timeout=300,
+                             str(images), str(clips)], capture_output=True, text=True, timeout=300,
                             env=cli_env(), cwd=ROOT)
     assert result.returncode == 0, result.stderr
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert figures["tokens"] == text_mb * 2**20
     assert figures["records"] == images and figures["shards"] >= 18
-    assert figures["text_growth"] < cap and figures["idx_growth"] < cap, figures
+    assert figures["clips"] == clips
+    assert max(figures["text_growth"], figures["idx_growth"], figures["audio_growth"]) < cap, \
+        figures
 
 
 def test_text_pack_streams_the_split_resumes_and_reports_progress(

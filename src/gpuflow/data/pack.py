@@ -3,7 +3,7 @@
 Text becomes token shards; every other workload's items, as its own readers produce them,
 become tensor records. Memory stays bounded whatever the corpus: text is read from its
 files a chunk at a time straight into the shard being written, and records one at a time
-from lazy splits (the built-in image and text readers' own, or a user workload's datasets
+from lazy splits (the built-in image and audio readers' own, or a user workload's datasets
 as given). Packing is resumable: each finished shard is recorded in a hidden state file as
 soon as it is renamed into place, and a rerun with the same settings keeps the shards that
 still match their checksums and continues after them. The manifest is written last, so a
@@ -46,7 +46,8 @@ DEFAULT_SHARD_MB = 64
 TOKEN_WORKLOADS = ("textlm",)
 # Built-in workloads whose raw readers hold the whole set in memory for training read it
 # lazily for packing instead: "module:function" taking the raw --data-dir.
-LAZY_SOURCES: dict[str, str] = {"mnist-idx": "gpuflow.workloads.mnist_idx:pack_source"}
+LAZY_SOURCES: dict[str, str] = {"mnist-idx": "gpuflow.workloads.mnist_idx:pack_source",
+                                "speech": "gpuflow.workloads.speech:pack_source"}
 
 
 @dataclass(frozen=True)

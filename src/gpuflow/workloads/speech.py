@@ -9,8 +9,10 @@ model, on the device.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+from wave import open as open_wav
 
 import numpy as np
 import torch
@@ -23,6 +25,9 @@ from gpuflow.models.speech import SpeechClassifier
 from gpuflow.workload import Workload
 from gpuflow.workloads.speech_augment import WaveAugment
 from gpuflow.workloads.speech_codec import speech_serving
+
+if TYPE_CHECKING:
+    from gpuflow.data.pack import RecordSource
 
 SAMPLE_RATE = 8000
 NUM_CLASSES = 10
@@ -153,21 +158,51 @@ def split_clips(clips: Sequence[Clip], val_speakers: str | None,
     return ([c for c in clips if c.speaker not in held], [c for c in clips if c.speaker in held])
 
 
+def _read_clip(clip: Clip) -> np.ndarray:
+    samples, _ = read_wav(clip.path, sample_rate=SAMPLE_RATE, channels=1)
+    if samples.shape[0] == 0:
+        raise UserError(f"{clip.path} holds no samples; remove it or re-record it.")
+    return samples
+
+
 def read_clips(clips: Sequence[Clip]) -> WaveformDataset:
     """The clips' samples, in memory."""
-    waves = []
-    for clip in clips:
-        wave, _ = read_wav(clip.path, sample_rate=SAMPLE_RATE, channels=1)
-        if wave.shape[0] == 0:
-            raise UserError(f"{clip.path} holds no samples; remove it or re-record it.")
-        waves.append(wave)
-    return WaveformDataset(waves, [clip.digit for clip in clips],
+    return WaveformDataset([_read_clip(clip) for clip in clips], [clip.digit for clip in clips],
                            [clip.speaker for clip in clips])
 
 
-def load_recordings(data_dir: str | Path,
-                    val_speakers: str | None = None) -> tuple[WaveformDataset, WaveformDataset]:
-    """Train and validation sets from a folder of FSDD-named WAV files (see ``split_clips``)."""
+class ClipFiles(Dataset):
+    """The clips read from their files on access, items as ``WaveformDataset`` gives them:
+    how ``gpuflow data pack`` reads a set that need not fit in memory."""
+
+    def __init__(self, clips: Sequence[Clip]) -> None:
+        self.clips = list(clips)
+
+    def __len__(self) -> int:
+        return len(self.clips)
+
+    def __getitem__(self, index: int) -> Item:
+        samples = torch.from_numpy(_read_clip(self.clips[index]))
+        return (samples, torch.tensor(samples.shape[0], dtype=torch.int64)), \
+            self.clips[index].digit
+
+    def lengths(self) -> list[int]:
+        """Samples per clip, from the WAV headers (mono: one sample a frame)."""
+        lengths = []
+        for clip in self.clips:
+            with open_wav(str(clip.path), "rb") as reader:
+                lengths.append(reader.getnframes())
+        return lengths
+
+
+Clips = TypeVar("Clips", WaveformDataset, ClipFiles)
+
+
+def load_recordings(data_dir: str | Path, val_speakers: str | None = None,
+                    read: Callable[[Sequence[Clip]], Clips] = read_clips,  # type: ignore[assignment]
+                    ) -> tuple[Clips, Clips]:
+    """Train and validation sets from a folder of FSDD-named WAV files (see ``split_clips``),
+    read into memory (``read_clips``) or on access (``ClipFiles``)."""
     clips, unmatched = find_clips(data_dir)
     if unmatched:
         shown = ", ".join(unmatched[:3]) + (", ..." if len(unmatched) > 3 else "")
@@ -190,7 +225,7 @@ def load_recordings(data_dir: str | Path,
                     f"{SAME_SPEAKERS} takes 0-4 of each speaker and digit validate and the "
                     "rest train, so both are needed."
                 )
-    return read_clips(train), read_clips(val)
+    return read(train), read(val)
 
 
 def raw_splits(data: str, data_dir: str | None,
@@ -203,14 +238,29 @@ def raw_splits(data: str, data_dir: str | None,
     if data != "real":
         raise UserError(f"speech: --data must be real or synthetic (got {data!r}).")
     if data_dir is None:
-        raise UserError(
-            "The speech workload reads the Free Spoken Digit Dataset: 8 kHz mono WAV files "
-            "named {digit}_{speaker}_{take}.wav. Get it with `git clone "
-            f"{DATASET_URL}` (Jakobovski/free-spoken-digit-dataset) and pass its "
-            "recordings folder: --data-dir free-spoken-digit-dataset/recordings. "
-            "Or use --data synthetic for a throughput run on random clips."
-        )
+        raise _no_data_dir()
     return load_recordings(data_dir, val_speakers)
+
+
+def _no_data_dir() -> UserError:
+    return UserError(
+        "The speech workload reads the Free Spoken Digit Dataset: 8 kHz mono WAV files "
+        "named {digit}_{speaker}_{take}.wav. Get it with `git clone "
+        f"{DATASET_URL}` (Jakobovski/free-spoken-digit-dataset) and pass its "
+        "recordings folder: --data-dir free-spoken-digit-dataset/recordings. "
+        "Or use --data synthetic for a throughput run on random clips."
+    )
+
+
+def pack_source(data_dir: str | None) -> RecordSource:
+    """The default split's clips read one at a time, for ``gpuflow data pack``: the items,
+    order and example batch that training from the raw folder uses, in bounded memory."""
+    from gpuflow.data.pack import RecordSource
+
+    if data_dir is None:
+        raise _no_data_dir()
+    train, val = load_recordings(data_dir, read=ClipFiles)
+    return RecordSource("speech", {"train": train, "val": val}, example_batch(train))
 
 
 def build(data_dir: str | None = None, data: str = "real", model_size: str | None = None,
