@@ -405,24 +405,24 @@ def test_cli_synthetic_run_with_activation_checkpointing(tmp_path: Path) -> None
 
 
 @pytest.mark.slow
-def test_cli_run_learns_spoken_digits(tmp_path: Path) -> None:
-    """80 steps of the tiny model: >= 70% test accuracy (chance is 10%).
-
-    On the real recordings this setting measured 91-93% over seeds 0-2; the full >= 90% run
-    is in docs/workloads/speech.md. One thread: on a loaded 2-core machine two OpenMP
-    threads ran this ~14x slower, and the test checks learning, not speed.
+def test_cli_run_learns_to_hear_a_speaker_it_never_heard(tmp_path: Path) -> None:
+    """150 steps of the default model on four real speakers: >= 45% on the fifth (chance
+    is 10%); it measured 55-67% over seeds 0-2. The full runs and their leave-one-speaker-out
+    figures are in docs/workloads/speech.md. One thread: the test checks learning, not
+    speed, and must not fight the other tests for cores.
     """
-    data_dir = (SHARED_RECORDINGS if SHARED_RECORDINGS.is_dir()
-                else synthesise_fsdd(tmp_path / "recordings"))
+    assert SHARED_RECORDINGS.is_dir(), (
+        f"{SHARED_RECORDINGS} is missing: this test needs the shared FSDD recordings "
+        "(../shared/data/fsdd/recordings beside the project)")
     run_dir = tmp_path / "run"
-    result = run_cli("train", "--workload", "speech", "--data-dir", str(data_dir),
-                     "--model-size", "tiny", "--batch-size", "32", "--max-steps", "80",
-                     "--eval-every", "0", "--no-progress", "--run-dir", str(run_dir),
+    result = run_cli("train", "--workload", "speech", "--data-dir", str(SHARED_RECORDINGS),
+                     "--max-steps", "150", "--eval-every", "0", "--no-progress",
+                     "--no-checkpoints", "--run-dir", str(run_dir),
                      env=cli_env(OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 80
-    assert summary["final_metrics"]["val_accuracy"] >= 0.70, summary["final_metrics"]
+    assert summary["steps"] == 150
+    assert summary["final_metrics"]["val_accuracy"] >= 0.45, summary["final_metrics"]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "event" not in r]
     assert losses[-1] < 0.5 * losses[0]
