@@ -144,10 +144,7 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     result = {
         "benchmark": "data_scale",
-        "created": _common.timestamp(),
-        "command": _common.command_line(),
-        "git": _common.git_commit(),
-        "versions": _common.versions(),
+        **_common.provenance(),
         "machine": _common.machine_info(),
         "foreign_cpu_share": load.share(),
         "settings": {"size_gb": args.size_gb, "steps": args.steps, "shard_mb": 64,
