@@ -165,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from gpuflow.config import build_config, load_toml
-    from gpuflow.parallel.env import context_from_env, shutdown
+    from gpuflow.parallel.env import context_from_env, set_cpu_threads, shutdown
     from gpuflow.train.loop import seed_everything, train
     from gpuflow.train.progress import print_summary
     from gpuflow.workload import resolve_workload
@@ -186,6 +186,10 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return _launch(config, argv)
     if _restarted_by_elastic_agent(config):
         config.resume = True
+    if context_from_env() is None and "OMP_NUM_THREADS" not in os.environ:
+        crowded = set_cpu_threads()  # torchrun's workers get theirs in init_distributed
+        if crowded:
+            print(f"gpuflow: {crowded}", file=sys.stderr)
     seed_everything(config.seed)
     workload = resolve_workload(config.workload, config.workload_options())
     try:

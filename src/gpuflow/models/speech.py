@@ -89,32 +89,25 @@ class LogMel(nn.Module):
 
 
 class ConvSubsample(nn.Module):
-    """Two stride-2 3x3 convolutions over (time, mel): 4x fewer frames for attention.
+    """Two stride-2 1-D convolutions over time: 4x fewer frames for attention to handle.
 
-    Convolving along the mel axis too makes the front end see a formant pattern the same
-    wherever it sits: another speaker's voice moves formants up or down the mel scale, and
-    a speaker-independent recogniser must not care (one mel band per channel, as a 1-D
-    convolution over time has it, learns each speaker's bands instead). Padded frames are
-    zeroed before each convolution, so a clip's valid outputs see exactly what its own
-    zero padding would give.
+    Padded frames are zeroed before each convolution, so a clip's valid outputs see exactly
+    what its own zero padding would give.
     """
 
-    def __init__(self, n_mels: int, dim: int, channels: int = 32) -> None:
+    def __init__(self, n_mels: int, dim: int) -> None:
         super().__init__()
-        self.conv1 = nn.Conv2d(1, channels, 3, stride=2, padding=1)
-        self.conv2 = nn.Conv2d(channels, channels, 3, stride=2, padding=1)
-        bands = (n_mels + 3) // 4
-        self.out = nn.Linear(channels * bands, dim)
+        self.conv1 = nn.Conv1d(n_mels, dim, 3, stride=2, padding=1)
+        self.conv2 = nn.Conv1d(dim, dim, 3, stride=2, padding=1)
 
     def forward(self, x: torch.Tensor,
                 counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = x.unsqueeze(1)
+        x = x.transpose(1, 2)
         for conv in (self.conv1, self.conv2):
-            x = x * frame_mask(counts, x.shape[2])[:, None, :, None].to(x.dtype)
+            x = x * frame_mask(counts, x.shape[2]).unsqueeze(1).to(x.dtype)
             x = F.gelu(conv(x))
             counts = (counts + 1) // 2
-        batch, channels, frames, bands = x.shape
-        return self.out(x.permute(0, 2, 1, 3).reshape(batch, frames, channels * bands)), counts
+        return x.transpose(1, 2), counts
 
 
 def sinusoids(frames: int, dim: int, device: torch.device) -> torch.Tensor:

@@ -8,7 +8,6 @@ import datetime as dt
 import functools
 import json
 import math
-import os
 import platform
 import random
 import time
@@ -41,7 +40,7 @@ from gpuflow.hardware import (
 )
 from gpuflow.parallel import timed_waits
 from gpuflow.parallel.data_parallel import apply_ddp, apply_fsdp, set_gradient_sync
-from gpuflow.parallel.env import context_from_env, init_distributed, set_cpu_threads
+from gpuflow.parallel.env import init_distributed
 from gpuflow.precision import make_policy
 from gpuflow.train import cuda_graphs, fp8
 from gpuflow.train.flops import count_flops, count_training_flops
@@ -140,11 +139,6 @@ class Trainer:
         self.workload, self.config = workload, config
         seed_everything(config.seed)
         device = resolve_device(config.device)
-        if (device.type == "cpu" and context_from_env() is None
-                and "OMP_NUM_THREADS" not in os.environ):
-            crowded = set_cpu_threads()
-            if crowded:
-                warnings.warn(crowded, stacklevel=2)
         self.dist = init_distributed(device.type == "cuda",
                                      force=config.strategy in ("ddp", "fsdp", "tp", "pp"))
         if device.type == "cuda" and self.dist.world_size > 1:
