@@ -406,8 +406,8 @@ def test_cli_synthetic_run_with_activation_checkpointing(tmp_path: Path) -> None
 
 @pytest.mark.slow
 def test_cli_run_learns_to_hear_a_speaker_it_never_heard(tmp_path: Path) -> None:
-    """150 steps of the default model on four real speakers: >= 45% on the fifth (chance
-    is 10%); it measured 55-67% over seeds 0-2. The full runs and their leave-one-speaker-out
+    """150 steps of the default model on four real speakers: >= 55% on the fifth (chance
+    is 10%); it measured 65-81% over seeds 0-2. The full runs and their leave-one-speaker-out
     figures are in docs/workloads/speech.md. One thread: the test checks learning, not
     speed, and must not fight the other tests for cores.
     """
@@ -422,7 +422,7 @@ def test_cli_run_learns_to_hear_a_speaker_it_never_heard(tmp_path: Path) -> None
     assert result.returncode == 0, result.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 150
-    assert summary["final_metrics"]["val_accuracy"] >= 0.45, summary["final_metrics"]
+    assert summary["final_metrics"]["val_accuracy"] >= 0.55, summary["final_metrics"]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "event" not in r]
     assert losses[-1] < 0.5 * losses[0]

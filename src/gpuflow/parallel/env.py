@@ -122,7 +122,7 @@ def set_cpu_threads(processes_on_node: int = 1) -> str | None:
     On a CPU the OpenMP threads of one op wait for each other at every barrier: a thread
     whose core another process holds stalls them all, so one more thread than there are
     free cores makes each step slower than one thread would (measured on 2 cores with one
-    busy: 190 ms against 146 ms per step of the speech workload).
+    busy: 131-149 ms against 118-139 ms per step of the speech workload).
     """
     cores = usable_cores()
     # Sibling ranks starting up would read as busy: a job's own processes share by count.
