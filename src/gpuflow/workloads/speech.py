@@ -135,8 +135,7 @@ def split_clips(clips: Sequence[Clip], val_speakers: str | None,
     """
     present = sorted({clip.speaker for clip in clips})
     if val_speakers is not None and val_speakers.strip().lower() == SAME_SPEAKERS:
-        return ([c for c in clips if c.take not in TEST_TAKES],
-                [c for c in clips if c.take in TEST_TAKES])
+        return _same_speaker_split(clips, data_dir)
     held = ([name.strip() for name in val_speakers.split(",") if name.strip()]
             if val_speakers is not None else present[-1:])
     unknown = sorted(set(held) - set(present))
@@ -156,6 +155,21 @@ def split_clips(clips: Sequence[Clip], val_speakers: str | None,
             f"--val-speakers {SAME_SPEAKERS} to validate on takes 0-4 of every speaker."
         )
     return ([c for c in clips if c.speaker not in held], [c for c in clips if c.speaker in held])
+
+
+def _same_speaker_split(clips: Sequence[Clip],
+                        data_dir: str | Path) -> tuple[list[Clip], list[Clip]]:
+    """Takes 5 and up of every speaker train, takes 0-4 validate; both must be there."""
+    train = [c for c in clips if c.take not in TEST_TAKES]
+    val = [c for c in clips if c.take in TEST_TAKES]
+    for part, name in ((train, "training (takes 5 and up)"), (val, "test (takes 0-4)")):
+        if not part:
+            raise UserError(
+                f"--data-dir {data_dir} has no {name} recordings; with --val-speakers "
+                f"{SAME_SPEAKERS} takes 0-4 of each speaker and digit validate and the "
+                "rest train, so both are needed."
+            )
+    return train, val
 
 
 def _read_clip(clip: Clip) -> np.ndarray:
@@ -217,14 +231,6 @@ def load_recordings(data_dir: str | Path, val_speakers: str | None = None,
             f"Digit Dataset ({DATASET_URL})."
         )
     train, val = split_clips(clips, val_speakers, data_dir)
-    if val_speakers is not None and val_speakers.strip().lower() == SAME_SPEAKERS:
-        for part, name in ((train, "training (takes 5 and up)"), (val, "test (takes 0-4)")):
-            if not part:
-                raise UserError(
-                    f"--data-dir {data_dir} has no {name} recordings; with --val-speakers "
-                    f"{SAME_SPEAKERS} takes 0-4 of each speaker and digit validate and the "
-                    "rest train, so both are needed."
-                )
     return read(train), read(val)
 
 
