@@ -317,7 +317,7 @@ def judge(result: dict[str, Any]) -> dict[str, Any]:
 def plan_stage(suite: Suite, device: str) -> None:
     """The planner's prediction for the 124m bf16 run, by the default and by a measured
     efficiency, next to the train stage's measured step."""
-    from gpuflow.planner.hardware import gpu_type_of
+    from gpuflow.planner.machine import gpu_type_of
 
     size, batch = (DRY_MODEL, 4) if suite.dry_run else ("124m", 64)
     # The dry run plans for an H200 by name, so that --measure's refusal on a CPU is exercised.

@@ -222,7 +222,7 @@ import contextlib, json, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from gpuflow.models.gpt import GPT, GPTConfig
 from gpuflow.parallel.tensor import apply_tensor_parallel, transformer_plan
-from gpuflow.parallel.timed_waits import TimedWaits, functional_collective_waits
+from gpuflow.telemetry.waits import TimedWaits, functional_collective_waits
 
 dist.init_process_group("gloo")
 torch.manual_seed(0)

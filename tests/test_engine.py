@@ -140,7 +140,7 @@ def test_grad_accum_matches_a_larger_batch(tmp_path: Path) -> None:
 
 
 def test_blocking_collectives_count_as_comm_only_inside_a_timed_step() -> None:
-    from gpuflow.train.telemetry import StepTimer
+    from gpuflow.telemetry.steps import StepTimer
 
     timer = StepTimer(torch.device("cpu"))
     with timer.exposed_comm():  # e.g. an evaluation forward's all-gather: not a step's
@@ -168,8 +168,8 @@ def test_fsdp_waits_are_timed_each_once_during_a_step_then_restored() -> None:
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
     from gpuflow.parallel.data_parallel import apply_fsdp
-    from gpuflow.parallel.timed_waits import TimedWaits, fsdp_waits, timeable
-    from gpuflow.train.telemetry import StepTimer
+    from gpuflow.telemetry.steps import StepTimer
+    from gpuflow.telemetry.waits import TimedWaits, fsdp_waits, timeable
 
     assert timeable(fsdp_waits())
 
@@ -306,7 +306,7 @@ def test_optimizer_is_fused_on_cpu_where_dtensor_allows() -> None:
 
 
 def test_saved_optimizer_settings_follow_group_names_across_strategies() -> None:
-    from gpuflow.train.optim import with_saved_settings
+    from gpuflow.checkpoint import with_saved_settings
 
     # Saved by one process (two groups), resumed under TP (each split into two kinds).
     saved = [{"name": "decay", "weight_decay": 0.1, "lr": 0.5, "params": ["a", "b"]},

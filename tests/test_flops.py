@@ -8,7 +8,7 @@ from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 from gpuflow import TrainConfig, Trainer, Workload
-from gpuflow.train.flops import count_flops, count_training_flops
+from gpuflow.telemetry.flops import count_flops, count_training_flops
 from gpuflow.workload import call_model, resolve_workload
 
 

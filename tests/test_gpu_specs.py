@@ -173,9 +173,9 @@ def test_cpu_half_precision_peak_is_never_below_fp32_and_old_probes_are_not_reus
     2 GFLOP/s against ~60 on an AVX2 EPYC), yet a bf16 step's small matmuls can beat the
     probe's: against that probe MFU read 138%. A cache written by an older probe must not
     bring such a figure back."""
-    from gpuflow import hardware
+    from gpuflow import devices
 
-    assert hardware.cpu_peak("bf16").flops >= hardware.cpu_peak("fp32").flops
-    current = hardware._cache_file("bf16", 1)
-    monkeypatch.setattr(hardware, "PROBE_REVISION", hardware.PROBE_REVISION + 1)
-    assert hardware._cache_file("bf16", 1) != current
+    assert devices.cpu_peak("bf16").flops >= devices.cpu_peak("fp32").flops
+    current = devices._cache_file("bf16", 1)
+    monkeypatch.setattr(devices, "PROBE_REVISION", devices.PROBE_REVISION + 1)
+    assert devices._cache_file("bf16", 1) != current

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from gpuflow.cli import main
+from gpuflow.devices import cpu_peak, total_memory
 from gpuflow.errors import UserError
-from gpuflow.hardware import cpu_peak, total_memory
 from gpuflow.planner import measure
 from gpuflow.planner.cost import predict_step_time
-from gpuflow.planner.hardware import DEFAULT_EFFICIENCY, cpu_hardware, gpu_hardware
 from gpuflow.planner.layout import Layout
+from gpuflow.planner.machine import DEFAULT_EFFICIENCY, cpu_hardware, gpu_hardware
 from gpuflow.planner.profile import profile_workload
 from gpuflow.train.calibrate import measure_efficiency
 from gpuflow.workload import resolve_workload

@@ -28,8 +28,8 @@ from gpuflow.parallel.env import free_port
 from gpuflow.planner import choose_plan, find_max_batch_size
 from gpuflow.planner.batch_size import accumulation_for
 from gpuflow.planner.cost import predict_step_time
-from gpuflow.planner.hardware import cpu_hardware, gpu_hardware
 from gpuflow.planner.layout import Layout
+from gpuflow.planner.machine import cpu_hardware, gpu_hardware
 from gpuflow.planner.memory import model_state_bytes, predict_memory
 from gpuflow.planner.profile import TransformerDims, profile_workload
 from gpuflow.planner.search import search
@@ -374,7 +374,7 @@ def _compute_bound_worker(rank: int, port: int, out: str) -> None:
 def test_pipeline_is_ranked_where_compute_dominates(tmp_path: Path) -> None:
     """textlm 4x256 at global batch 8 on 2 gloo ranks: ddp, fsdp and a 2-stage pipeline with
     one micro-batch, ranked as measured wherever two differ by over 25%."""
-    from gpuflow.hardware import cpu_peak
+    from gpuflow.devices import cpu_peak
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the rate of one rank's single thread
@@ -402,7 +402,7 @@ def test_pipeline_is_ranked_where_compute_dominates(tmp_path: Path) -> None:
 def test_predicted_step_times_order_like_the_measured_ones() -> None:
     """bf16 on a CPU with AMX runs matmuls several times faster than fp32; checkpointing adds
     a forward. The planner, given this CPU's measured peaks, must agree on both orders."""
-    from gpuflow.hardware import cpu_peak
+    from gpuflow.devices import cpu_peak
 
     # Large enough for the matmuls to decide the order: at dim 256 and 64 tokens bf16 and
     # fp32 steps took the same 21 ms here (autocast's casts cost what AMX saves); at this

@@ -19,7 +19,7 @@ from gpuflow.errors import UserError
 from gpuflow.report import diagnose as dx
 from gpuflow.report.html import render_report
 from gpuflow.report.runs import load_run
-from gpuflow.train.telemetry import medians
+from gpuflow.telemetry.steps import medians
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",

@@ -21,7 +21,6 @@ from gpuflow import checkpoint as ckpt
 from gpuflow.cli import main
 from gpuflow.data import pack as pack_module
 from gpuflow.data.loader import batches_per_epoch, train_batches
-from gpuflow.data.pack import pack
 from gpuflow.data.shards import (
     Manifest,
     RecordShard,
@@ -37,6 +36,7 @@ from gpuflow.data.shards import (
 from gpuflow.data.streaming import epoch_order, open_packed
 from gpuflow.errors import UserError
 from gpuflow.workloads import digits
+from gpuflow.workloads.packing import pack
 
 SMALL_SHARDS_MB = 0.05  # digits: 9 train shards of ~178 samples
 
@@ -308,7 +308,7 @@ MEMORY_SCRIPT = textwrap.dedent("""
 
     import gpuflow
     from gpuflow.data.loader import batches_per_epoch, train_batches
-    from gpuflow.data.pack import pack
+    from gpuflow.workloads.packing import pack
     from gpuflow.data.shards import Manifest, write_manifest, write_token_shard
     from gpuflow.data.streaming import open_packed
 
@@ -381,7 +381,7 @@ PACK_MEMORY_SCRIPT = textwrap.dedent("""
     import gpuflow.workloads.mnist_idx  # imported before the baseline, as packing imports them
     import gpuflow.workloads.speech
     from gpuflow.data.idx import write_idx
-    from gpuflow.data.pack import pack
+    from gpuflow.workloads.packing import pack
 
     def peak_rss():
         for line in Path("/proc/self/status").read_text().splitlines():

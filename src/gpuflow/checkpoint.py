@@ -244,6 +244,19 @@ def load_checkpoint(checkpoint: Checkpoint) -> tuple[dict[str, torch.Tensor], di
     return full["model"], trainer_state
 
 
+def with_saved_settings(saved: list[dict[str, Any]], current: list[dict[str, Any]]
+                        ) -> list[dict[str, Any]]:
+    """The current param groups' parameters with a checkpoint's settings (learning rate,
+    weight decay and the like), matched by group name: how a group splits into DTensor and
+    plain parts differs between strategies. Checkpoints without names match by position."""
+    named = {group.get("name"): group for group in saved}
+    if None in named:
+        pairs = list(zip(saved, current, strict=True))
+    else:
+        pairs = [(named[group["name"]], group) for group in current]
+    return [{**settings, "params": group["params"]} for settings, group in pairs]
+
+
 def latest_verified(directory: Path) -> Checkpoint | None:
     """Newest checkpoint whose files match their checksums; a corrupt one is reported and
     skipped."""

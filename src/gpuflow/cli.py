@@ -247,7 +247,7 @@ def _export(args: argparse.Namespace, argv: Sequence[str]) -> int:
 def _env(args: argparse.Namespace, argv: Sequence[str]) -> int:
     import torch
 
-    from gpuflow.hardware import environment_report, peak_flops, resolve_device
+    from gpuflow.devices import environment_report, peak_flops, resolve_device
 
     report = environment_report()
     device = resolve_device("auto")

@@ -14,10 +14,10 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
+from gpuflow import hf
 from gpuflow.data.iterable import is_sized, is_stream, peek
 from gpuflow.errors import UserError
 from gpuflow.serving import ServingSpec
-from gpuflow.workloads import hf
 
 Batch = tuple[Any, torch.Tensor]
 MetricFn = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -92,7 +92,7 @@ class Workload:
     ``repeated_blocks`` names the modules activation checkpointing wraps and FSDP shards;
     ``tensor_parallel_plan`` maps module names relative to each block to DTensor parallel
     styles (``ColwiseParallel``/``RowwiseParallel``) for ``--strategy tp``. A Hugging Face
-    model needs neither: its layers and its own plan are found (``gpuflow.workloads.hf``).
+    model needs neither: its layers and its own plan are found (``gpuflow.hf``).
     ``export_hf`` writes the trained model in the Hugging Face format for ``gpuflow export
     --format hf`` (a Hugging Face model needs none: it saves itself). ``serving`` declares
     how requests become inputs and outputs answers (``gpuflow.serving``); without it any

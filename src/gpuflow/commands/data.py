@@ -33,8 +33,9 @@ def register(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from gpuflow.data.pack import DEFAULT_SHARD_MB, pack
+    from gpuflow.data.pack import DEFAULT_SHARD_MB
     from gpuflow.errors import UserError
+    from gpuflow.workloads.packing import pack
 
     shard_mb = DEFAULT_SHARD_MB if args.shard_size_mb is None else args.shard_size_mb
     if shard_mb <= 0:

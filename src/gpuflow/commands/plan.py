@@ -104,8 +104,8 @@ def _build_workload(args: argparse.Namespace, meta: bool = True) -> Any:
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from gpuflow.planner.hardware import gpu_hardware
     from gpuflow.planner.layout import RunSettings
+    from gpuflow.planner.machine import gpu_hardware
     from gpuflow.planner.search import recommendation, search
 
     precisions = _precisions(args.precision)

@@ -12,10 +12,9 @@ folder with a manifest is a finished set.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -44,12 +43,6 @@ from gpuflow.errors import UserError
 
 DEFAULT_SHARD_MB = 64
 TOKEN_WORKLOADS = ("textlm",)
-# Built-in workloads whose raw readers hold the whole set in memory for training read it
-# lazily for packing instead: "module:function" taking the raw --data-dir.
-LAZY_SOURCES: dict[str, str] = {"mnist-idx": "gpuflow.workloads.mnist_idx:pack_source",
-                                "speech": "gpuflow.workloads.speech:pack_source"}
-
-
 @dataclass(frozen=True)
 class RecordSource:
     """What a record set is made of: indexable splits of items and an example batch."""
@@ -59,19 +52,8 @@ class RecordSource:
     example: Any
 
 
-def workload_records(workload: str, src: str | None) -> RecordSource:
-    """A workload's train/val items from ``src``: its lazy reader where it has one, else
-    the datasets its factory builds (lazy or not, as the workload wrote them)."""
-    if workload in LAZY_SOURCES:
-        module, _, name = LAZY_SOURCES[workload].partition(":")
-        return getattr(importlib.import_module(module), name)(src)
-    from gpuflow.workload import resolve_workload
-
-    built = resolve_workload(workload, {} if src is None else {"data_dir": src})
-    splits: dict[str, Sequence[Any]] = {"train": built.train_dataset}  # type: ignore[dict-item]
-    if built.val_dataset is not None:
-        splits["val"] = built.val_dataset  # type: ignore[assignment]
-    return RecordSource(built.name, splits, built.get_example_batch())
+# A workload's train/val items from its raw --data-dir (None: its default).
+RecordsOf = Callable[[str, str | None], RecordSource]
 
 
 @dataclass
@@ -205,12 +187,14 @@ def _prepare_out(out: Path, force: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
-def pack(workload: str, src: str | Path | None, out: str | Path,
-         shard_mb: float = DEFAULT_SHARD_MB, force: bool = False,
-         progress: bool | Mode = True) -> Manifest:
+def write_pack(workload: str, src: str | Path | None, out: str | Path, records_of: RecordsOf,
+               shard_mb: float = DEFAULT_SHARD_MB, force: bool = False,
+               progress: bool | Mode = True) -> Manifest:
     """Pack ``workload``'s data from ``src`` (its raw --data-dir; None: its default) into
-    ``out``, continuing an interrupted pack of the same settings. ``progress``: a live bar
-    (True or "bar"), a line per shard ("lines"), or nothing (False or "off")."""
+    ``out``, continuing an interrupted pack of the same settings. Text is read here; any
+    other workload's items come from ``records_of`` (``gpuflow.workloads.packing`` finds
+    them by the workload's name). ``progress``: a live bar (True or "bar"), a line per
+    shard ("lines"), or nothing (False or "off")."""
     out = Path(out)
     source = None if src is None else str(Path(src).resolve())
     if source is not None and is_packed(source):
@@ -229,7 +213,7 @@ def pack(workload: str, src: str | Path | None, out: str | Path,
             for split, spans in split_spans(source).items():
                 _write_tokens(out, split, spans, state, shard_bytes, report)
         else:
-            records = workload_records(workload, source)
+            records = records_of(workload, source)
             for split, items in records.splits.items():
                 _write_records(out, split, items, state, shard_bytes, report)
             manifest.workload = records.workload

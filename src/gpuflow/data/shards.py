@@ -57,12 +57,12 @@ _DTYPES: tuple[torch.dtype, ...] = (
 )
 _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 
-Layout = Any  # "t" (tensor), "i" (int), "f" (float), or a list of layouts
+RecordLayout = Any  # "t" (tensor), "i" (int), "f" (float), or a list of layouts
 
 
 # --- records ----------------------------------------------------------------------------
 
-def layout_of(item: Any) -> Layout:
+def layout_of(item: Any) -> RecordLayout:
     """The nesting of an item: tuples/lists of tensors and Python numbers."""
     if isinstance(item, torch.Tensor):
         return "t"
@@ -110,11 +110,11 @@ class _Leaf:
     kind: str
 
 
-def _leaf_spans(buffer: bytes, layout: Layout) -> list[_Leaf]:
+def _leaf_spans(buffer: bytes, layout: RecordLayout) -> list[_Leaf]:
     """Every leaf of an encoded record, depth first, as ``layout`` lists them."""
     kinds: list[str] = []
 
-    def flatten(spec: Layout) -> None:
+    def flatten(spec: RecordLayout) -> None:
         if isinstance(spec, list):
             for part in spec:
                 flatten(part)
@@ -136,14 +136,14 @@ def _leaf_spans(buffer: bytes, layout: Layout) -> list[_Leaf]:
     return leaves
 
 
-def _rebuild(layout: Layout, leaves: Iterator[Any], sequence: type) -> Any:
+def _rebuild(layout: RecordLayout, leaves: Iterator[Any], sequence: type) -> Any:
     """``layout``'s nesting around values taken in order from ``leaves``."""
     if isinstance(layout, list):
         return sequence(_rebuild(part, leaves, sequence) for part in layout)
     return next(leaves)
 
 
-def decode_record(buffer: bytes, layout: Layout) -> Any:
+def decode_record(buffer: bytes, layout: RecordLayout) -> Any:
     """The inverse of ``encode_record``, rebuilding tuples as ``layout`` describes."""
 
     def value(leaf: _Leaf) -> Any:
@@ -155,7 +155,7 @@ def decode_record(buffer: bytes, layout: Layout) -> Any:
     return _rebuild(layout, (value(leaf) for leaf in _leaf_spans(buffer, layout)), tuple)
 
 
-def decode_batch(records: list[bytes], layout: Layout) -> Any:
+def decode_batch(records: list[bytes], layout: RecordLayout) -> Any:
     """``default_collate`` of the decoded records, built without per-record tensors.
 
     When every record has the first one's length and headers (the same shapes, as images
@@ -202,9 +202,9 @@ class Manifest:
     workload: str
     kind: str  # "records" or "tokens"
     splits: dict[str, list[ShardInfo]]
-    layout: Layout = None
+    layout: RecordLayout = None
     example: ShardInfo | None = None
-    example_layout: Layout = None
+    example_layout: RecordLayout = None
     meta: dict[str, Any] = field(default_factory=dict)
     source: str | None = None
     shard_bytes: int = 0

@@ -70,7 +70,7 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], param_dtype: torch.dty
     gathers them again in backward (ZeRO-3-like); False keeps them until backward
     (ZeRO-2-like). The root is never resharded after forward: backward needs its parameters
     (the head) first. ``blocking_comm``, for a model on the CPU, times the collectives that
-    hold the host (see ``gpuflow.parallel.host_collectives``). ``prefetch`` blocks ahead are
+    hold the host (see ``gpuflow.telemetry.host_collectives``). ``prefetch`` blocks ahead are
     gathered explicitly (see :func:`prefetch_blocks`).
     """
     if wrap == "block" and not blocks:
@@ -103,7 +103,7 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], param_dtype: torch.dty
     if prefetch is not None:
         prefetch_blocks(blocks, prefetch)  # type: ignore[arg-type]
     if blocking_comm is not None:
-        from gpuflow.parallel.host_collectives import use_host_collectives
+        from gpuflow.telemetry.host_collectives import use_host_collectives
 
         use_host_collectives(units, blocking_comm)  # type: ignore[arg-type]
     return model

@@ -11,7 +11,7 @@ becomes a reduce-scatter plus an all-gather (the same traffic) and that activati
 is divided by the tensor-parallel degree.
 
 DTensor issues its collectives asynchronously (functional collectives) and waits where a
-result is first used; ``gpuflow.parallel.timed_waits`` times those waits.
+result is first used; ``gpuflow.telemetry.waits`` times those waits.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gpuflow.config import DDP_DEFAULT_BUCKET_MIB
-from gpuflow.planner.hardware import Hardware, Link
 from gpuflow.planner.layout import Layout
+from gpuflow.planner.machine import Hardware, Link
 from gpuflow.planner.memory import FP32, local_share
 from gpuflow.planner.profile import ModelProfile
 
@@ -103,7 +103,7 @@ def predict_step_time(profile: ModelProfile, layout: Layout, hardware: Hardware)
         add("param all-gather (FSDP)", "all-gather", gathers, layout.dp, dp_stride,
             params, block_units)
         # On CPU ranks gpuflow reduces FSDP's gradients with gloo's all-reduce, faster there
-        # than its reduce-scatter (gpuflow.parallel.host_collectives).
+        # than its reduce-scatter (gpuflow.telemetry.host_collectives).
         reduction = "reduce-scatter" if hardware.overlaps_communication else "all-reduce"
         add(f"grad {reduction} (FSDP)", reduction, units, layout.dp, dp_stride,
             FP32 * share.params / units, block_units)

@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 
 from gpuflow.errors import UserError
 from gpuflow.parallel.env import free_port
-from gpuflow.planner.hardware import Hardware, Link, gpu_type_of
+from gpuflow.planner.machine import Hardware, Link, gpu_type_of
 
 SIZES = (1 << 16, 1 << 24)
 REPEATS = 5

@@ -31,7 +31,7 @@ from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpuflow.errors import UserError
-from gpuflow.train.flops import CUSTOM_FLOP_FORMULAS, call_with_state
+from gpuflow.telemetry.flops import CUSTOM_FLOP_FORMULAS, call_with_state
 from gpuflow.workload import Workload
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -8,17 +8,17 @@ from typing import Any
 
 import torch
 
+from gpuflow.devices import cpu_peak, total_memory
 from gpuflow.errors import UserError
-from gpuflow.hardware import cpu_peak, total_memory
 from gpuflow.planner.cost import StepTime, predict_step_time
-from gpuflow.planner.hardware import (
+from gpuflow.planner.layout import DEFAULT_SETTINGS, Layout, RunSettings
+from gpuflow.planner.machine import (
     GPU_TYPES,
     Hardware,
     cpu_hardware,
     gpu_hardware,
     gpu_type_of,
 )
-from gpuflow.planner.layout import DEFAULT_SETTINGS, Layout, RunSettings
 from gpuflow.planner.memory import MemoryBreakdown, predict_memory
 from gpuflow.planner.profile import ModelProfile, profile_workload, tensor_parallel_plan
 from gpuflow.workload import Workload

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuflow.errors import UserError
-from gpuflow.train.telemetry import PER_STEP_FIELDS, medians
+from gpuflow.telemetry.steps import PER_STEP_FIELDS, medians
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,8 @@ from torch.utils._pytree import tree_map_only
 
 from gpuflow import checkpoint as ckpt
 from gpuflow.config import TrainConfig
+from gpuflow.devices import resolve_device
 from gpuflow.errors import UserError
-from gpuflow.hardware import resolve_device
 from gpuflow.precision import PrecisionPolicy, make_policy
 from gpuflow.serving import SERVING_FILE
 from gpuflow.workload import BUILTIN_WORKLOADS, Workload, call_model, resolve_workload

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuflow.config import TrainConfig
+from gpuflow.devices import device_name
 from gpuflow.errors import UserError
-from gpuflow.hardware import device_name
 from gpuflow.train.loop import Trainer
 from gpuflow.workload import Workload
 

@@ -30,23 +30,23 @@ from gpuflow.data.eval_set import eval_set
 from gpuflow.data.iterable import StreamBatches, StreamPosition, is_sized, is_stream, resume_note
 from gpuflow.data.loader import batches_per_epoch, supports_batched_indexing, train_batches
 from gpuflow.data.prefetch import DevicePrefetcher, move_to_device, resize_rows
-from gpuflow.errors import NonFiniteLossError, UserError
-from gpuflow.hardware import (
+from gpuflow.devices import (
     device_memory_bytes,
     device_name,
     native_bf16,
     peak_flops,
     resolve_device,
 )
-from gpuflow.parallel import timed_waits
+from gpuflow.errors import NonFiniteLossError, UserError
 from gpuflow.parallel.data_parallel import apply_ddp, apply_fsdp, set_gradient_sync
 from gpuflow.parallel.env import init_distributed
 from gpuflow.precision import make_policy
+from gpuflow.telemetry import waits as timed_waits
+from gpuflow.telemetry.flops import count_flops, count_training_flops
+from gpuflow.telemetry.steps import MetricsLog, StepTimer, medians, peak_memory_bytes
 from gpuflow.train import cuda_graphs, fp8
-from gpuflow.train.flops import count_flops, count_training_flops
 from gpuflow.train.optim import build_optimizer, build_scheduler, restore_schedule
 from gpuflow.train.progress import ProgressDisplay
-from gpuflow.train.telemetry import MetricsLog, StepTimer, medians, peak_memory_bytes
 from gpuflow.workload import Batch, Workload
 
 if TYPE_CHECKING:

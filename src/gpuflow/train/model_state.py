@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from gpuflow.train.optim import with_saved_settings
+from gpuflow.checkpoint import with_saved_settings
 
 if TYPE_CHECKING:
     from gpuflow.parallel.pipeline import Pipeline

@@ -35,19 +35,6 @@ def build_optimizer(model: nn.Module, config: TrainConfig, device: torch.device
     return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), fused=fused or None)
 
 
-def with_saved_settings(saved: list[dict[str, Any]], current: list[dict[str, Any]]
-                        ) -> list[dict[str, Any]]:
-    """The current param groups' parameters with a checkpoint's settings (learning rate,
-    weight decay and the like), matched by group name: how a group splits into DTensor and
-    plain parts differs between strategies. Checkpoints without names match by position."""
-    named = {group.get("name"): group for group in saved}
-    if None in named:
-        pairs = list(zip(saved, current, strict=True))
-    else:
-        pairs = [(named[group["name"]], group) for group in current]
-    return [{**settings, "params": group["params"]} for settings, group in pairs]
-
-
 def _dtensor_type() -> type | None:
     """DTensor's class, if anything imported it (otherwise no parameter can be one)."""
     tensor_module = sys.modules.get("torch.distributed.tensor")

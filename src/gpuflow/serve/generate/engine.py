@@ -22,8 +22,8 @@ from typing import Any, Protocol
 
 import torch
 
+from gpuflow.devices import total_memory
 from gpuflow.errors import UserError
-from gpuflow.hardware import total_memory
 from gpuflow.serve.generate.models import cached_lm
 from gpuflow.serve.generate.sampling import Sampler, SamplingParams
 from gpuflow.serve.generate.text import TextStream

@@ -30,7 +30,7 @@ def fsdp_waits() -> list[Wait]:
     reduce-scatter buffer, and the previous unit's reduce-scatter, whose buffer it reuses)
     and at the end of backward (every reduce-scatter still running). On the CPU its
     collectives run before these waits, so they are timed there instead
-    (``gpuflow.parallel.host_collectives``)."""
+    (``gpuflow.telemetry.host_collectives``)."""
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 

@@ -178,7 +178,7 @@ def cpu_hardware(processes: int, peak_flops: dict[str, float], memory_bytes: int
     return Hardware(
         name="cpu", peak_flops=peak_flops, memory_bytes=memory_bytes // max(1, processes),
         gpus_per_node=processes, nodes=1, intra=link, inter=link, efficiency=efficiency,
-        framework_overhead=0, source="measured torch.mm peak of this CPU (gpuflow.hardware)",
+        framework_overhead=0, source="measured torch.mm peak of this CPU (gpuflow.devices)",
         efficiency_source=f"assumed {efficiency} of this CPU's measured matmul peak",
         overlaps_communication=False,
     )

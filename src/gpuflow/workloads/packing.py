@@ -1,0 +1,45 @@
+"""Pack a workload's data set, found by its name (``gpuflow data pack --workload NAME``).
+
+The shard writing is ``gpuflow.data.pack``'s; this module only knows where a workload's
+items come from, so that ``data`` never imports the workloads it stores.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from gpuflow.data.pack import DEFAULT_SHARD_MB, RecordSource, write_pack
+from gpuflow.data.pack_progress import Mode
+from gpuflow.data.shards import Manifest
+from gpuflow.workload import resolve_workload
+
+# Built-in workloads whose raw readers hold the whole set in memory for training read it
+# lazily for packing instead: "module:function" taking the raw --data-dir.
+LAZY_SOURCES: dict[str, str] = {"mnist-idx": "gpuflow.workloads.mnist_idx:pack_source",
+                                "speech": "gpuflow.workloads.speech:pack_source"}
+
+
+def workload_records(workload: str, src: str | None) -> RecordSource:
+    """A workload's train/val items from ``src``: its lazy reader where it has one, else
+    the datasets its factory builds (lazy or not, as the workload wrote them)."""
+    if workload in LAZY_SOURCES:
+        module, _, name = LAZY_SOURCES[workload].partition(":")
+        return getattr(importlib.import_module(module), name)(src)
+    built = resolve_workload(workload, {} if src is None else {"data_dir": src})
+    splits: dict[str, Sequence[Any]] = {"train": built.train_dataset}  # type: ignore[dict-item]
+    if built.val_dataset is not None:
+        splits["val"] = built.val_dataset  # type: ignore[assignment]
+    return RecordSource(built.name, splits, built.get_example_batch())
+
+
+def pack(workload: str, src: str | Path | None, out: str | Path,
+         shard_mb: float = DEFAULT_SHARD_MB, force: bool = False,
+         progress: bool | Mode = True) -> Manifest:
+    """Pack ``workload``'s data from ``src`` (its raw --data-dir; None: its default) into
+    ``out``, continuing an interrupted pack of the same settings. ``progress``: a live bar
+    (True or "bar"), a line per shard ("lines"), or nothing (False or "off")."""
+    return write_pack(workload, src, out, workload_records, shard_mb=shard_mb, force=force,
+                      progress=progress)
