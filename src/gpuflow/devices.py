@@ -21,14 +21,13 @@ import torch
 
 from gpuflow.errors import UserError
 from gpuflow.gpu_specs import lookup_gpu
+from gpuflow.precision import compute_dtype
 
 PROBE_SIZES = (256, 512, 1024, 2048)
 PROBE_SECONDS_PER_SIZE = 0.4
 # Part of the cache key: bump it when the probe's method changes, so that no machine keeps
 # a peak an older method measured.
 PROBE_REVISION = 2
-_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
-           "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -112,7 +111,7 @@ def cpu_peak(precision_key: str) -> PeakFlops:
         return PeakFlops(float(cached["flops"]), cached["source"])
     except (OSError, ValueError, KeyError):
         pass
-    flops = measure_matmul_flops(_DTYPES[key])
+    flops = measure_matmul_flops(compute_dtype(key))
     source = (f"measured: best torch.mm {key} throughput on this CPU with {threads} thread(s) "
               f"(probe cached in {cache})")
     if key != "fp32":

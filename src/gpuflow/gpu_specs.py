@@ -15,8 +15,10 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from gpuflow.precision import PEAK_KEYS
+
 #: The precisions every entry carries, as ``PrecisionPolicy.peak_key`` names them.
-PRECISIONS: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16")
+PRECISIONS: tuple[str, ...] = PEAK_KEYS
 
 
 @dataclass(frozen=True)

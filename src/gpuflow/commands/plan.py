@@ -7,12 +7,15 @@ import dataclasses
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, get_args
 
-from gpuflow.config import TrainConfig
+from gpuflow.config import OptimizerName, TrainConfig
 from gpuflow.errors import UserError
+from gpuflow.precision import PEAK_KEYS
 
-PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+# The planner models the precisions that have a datasheet peak of their own (fp8 runs are
+# planned as bf16 ones, gpuflow.train.auto).
+PRECISIONS = PEAK_KEYS
 
 
 def register(commands: Any) -> None:
@@ -38,7 +41,7 @@ def register(commands: Any) -> None:
     add("--seq-len", type=int, help="tokens per sample (token models; default the model's)")
     add("--precision", default="bf16",
         help="comma-separated precisions to consider (default bf16)")
-    add("--optimizer", default="adamw", choices=["adamw", "sgd"])
+    add("--optimizer", default=TrainConfig.optimizer, choices=get_args(OptimizerName))
     add("--bucket-mb", type=float, help="ddp's gradient bucket size in MiB, as in train")
     add("--fsdp-prefetch", type=int, metavar="N",
         help="fsdp: blocks gathered ahead, as in train (holds N more gathered)")

@@ -19,6 +19,7 @@ from gpuflow.planner.layout import Layout
 from gpuflow.planner.machine import Hardware, Link
 from gpuflow.planner.memory import FP32, local_share
 from gpuflow.planner.profile import ModelProfile
+from gpuflow.precision import PEAK_KEY
 
 
 @dataclass(frozen=True)
@@ -61,14 +62,10 @@ def _ring(kind: str, group: int, message: float, link: Link) -> float:
     return (group - 1) * link.latency_s + share * message / link.bandwidth
 
 
-def _peak_key(precision: str) -> str:
-    return "fp32" if precision == "fp32" else precision
-
-
 def predict_step_time(profile: ModelProfile, layout: Layout, hardware: Hardware) -> StepTime:
     """Time of one step of ``layout`` on ``hardware``."""
     share = local_share(profile, layout)
-    rate = hardware.peak_flops[_peak_key(layout.precision)] * hardware.efficiency
+    rate = hardware.peak_flops[PEAK_KEY[layout.precision]] * hardware.efficiency
     samples = layout.micro_batch * layout.grad_accum
     compute = profile.flops_per_sample * samples / (layout.tp * layout.pp) / rate
     recompute = compute / 3 if layout.activation_checkpointing else 0.0

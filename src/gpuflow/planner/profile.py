@@ -31,10 +31,9 @@ from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpuflow.errors import UserError
+from gpuflow.precision import autocast_dtype
 from gpuflow.telemetry.flops import CUSTOM_FLOP_FORMULAS, call_with_state
 from gpuflow.workload import Workload
-
-AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def tensor_parallel_plan(workload: Workload) -> Any:
@@ -232,7 +231,7 @@ def _trace_once(workload: Workload, inputs: Any, target: torch.Tensor, precision
     mode = (torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
             if fake else contextlib.nullcontext())
     fp32_params = {id(p) for module in kept_in_fp32(model) for p in module.parameters()}
-    low = AUTOCAST.get(precision) if low_precision_params else None
+    low = autocast_dtype(precision) if low_precision_params else None
     with mode, _train_mode(model):
         state: dict[str, torch.Tensor] = {}
         for name, param in model.named_parameters():
@@ -251,7 +250,7 @@ def _trace_once(workload: Workload, inputs: Any, target: torch.Tensor, precision
         counter = (flop_counter.FlopCounterMode(display=False,
                                                 custom_mapping=CUSTOM_FLOP_FORMULAS)
                    if count_flops else None)
-        dtype = AUTOCAST.get(precision)
+        dtype = autocast_dtype(precision)
         autocast = (torch.autocast("cpu", dtype=dtype) if dtype is not None
                     else contextlib.nullcontext())
         try:
@@ -359,7 +358,8 @@ def profile_workload(workload: Workload, precision: str = "fp32",
         with_low_precision_params=(
             replace(profile_workload(workload, precision, seq_len, low_precision_params=True),
                     flops_per_sample=two.flops / 2)
-            if fsdp and precision in AUTOCAST and not low_precision_params else None),
+            if fsdp and autocast_dtype(precision) is not None and not low_precision_params
+            else None),
     )
 
 
@@ -426,7 +426,7 @@ class TransformerDims:
         compute dtype (autocast), a log-sum-exp per head, int64 tokens and targets, and
         the fp32 log-softmax of the logits."""
         d, f, kv, t = self.dim, self.ffn_dim, self.kv_dim, self.seq
-        a = 2 if precision in AUTOCAST else 4
+        a = 2 if autocast_dtype(precision) is not None else 4
         r = 4
         mlp = (4 if self.gated else 2) * f
         # q, k, v; the attention output (laid out so the output projection reads it in
