@@ -56,3 +56,29 @@ def test_integers_are_accepted_where_floats_belong() -> None:
     config = build_config({"lr": 1, "epochs": 2, "bucket_mb": 4}, {})
     assert isinstance(config.lr, float) and config.epochs == 2.0
     assert isinstance(config.bucket_mb, float) and config.bucket_mb == 4.0
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"grad_accum": True}, "`grad_accum` must be of type int"),
+        ({"compile": 1}, "`compile` must be of type bool"),
+        ({"precision": 5}, "`precision` must be of type str"),
+        ({"epochs": "2"}, "`epochs` must be of type float"),
+        ({"workload": 3}, "`workload` must be of type str"),
+        ({"resume": 1}, "`resume` must be of type str or bool"),
+        ({"extra": []}, "`extra` must be of type dict"),
+        ({"strategy": "zero"}, "--strategy must be one of single, ddp, fsdp, tp, pp, auto"),
+        ({"pp_split": "x"}, "--pp-split must be one of auto, trace, manual"),
+    ],
+)
+def test_types_and_choices_come_from_the_annotations(values: dict, message: str) -> None:
+    with pytest.raises(UserError, match=message):
+        build_config({}, values)
+
+
+def test_values_of_the_annotated_types_pass() -> None:
+    config = build_config({}, {"batch_size": "auto", "resume": "runs/a", "strategy": None,
+                               "extra": {"k": 1}, "clip_grad": None})
+    assert (config.batch_size, config.resume, config.extra) == ("auto", "runs/a", {"k": 1})
+    assert build_config({}, {"resume": True}).resume is True

@@ -19,118 +19,18 @@ EXIT_DIVERGED = 3
 EXIT_WORKER_FAILED = 1
 
 
-def _int_or_auto(text: str) -> int | str:
-    return "auto" if text == "auto" else int(text)
+def add_train_flags(parser: argparse.ArgumentParser) -> None:
+    """`gpuflow train`'s flags: one per TrainConfig field, generated from its declaration
+    (gpuflow.config), after the flags that are not fields."""
+    from gpuflow.config import TrainConfig
+    from gpuflow.options import add_flags
 
-
-def _positive_or_none(text: str) -> float | None:
-    return None if text.lower() in ("none", "off", "0") else float(text)
-
-
-def _add_train_flags(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add("--config", help="TOML file with the same fields as the flags (flags override it)")
-    add("--workload", help="built-in name (digits, mnist-idx, textlm, speech) or "
-                            "pkg.module:factory returning a Workload")
-    add("--data-dir", help="the workload's data (a folder; each workload says what it reads)")
-    add("--data", choices=["real", "synthetic"],
-        help="synthetic: random data of the workload's shapes, for throughput runs")
-    add("--model-size", help="the workload's model size preset (e.g. textlm: tiny|small|124m)")
-    add("--val-speakers", metavar="NAMES",
-        help="speech: speakers held out for validation, comma-separated (default: the last "
-             "by name); none: takes 0-4 of every speaker")
-    add("--device", help="auto | cpu | cuda | cuda:N (default auto)")
-    add("--precision", choices=["fp32", "tf32", "bf16", "fp16", "fp8"],
-        help="default fp32; fp8: torchao float8 matmuls in the linear layers that gain, bf16 "
-             "autocast elsewhere (H100-class GPUs, turns on --compile, needs gpuflow[fp8])")
-    add("--fp8-recipe", choices=["tensorwise", "rowwise"],
-        help="--precision fp8 scaling: one scale per tensor (default; fp8 all-gather under "
-             "fsdp) or per row (more accurate, a little slower)")
-    add("--batch-size", type=_int_or_auto,
-        help="samples per micro-batch (default 64), or auto: the largest that fits, "
-             "accumulating to keep the global batch")
-    add("--global-batch", type=int,
-        help="samples per optimizer step over all ranks (with --batch-size auto)")
-    add("--memory-cap-gib", type=float,
-        help="--batch-size auto: memory the step may use per device (default: the GPU's "
-             "free memory; on a CPU 90%% of RAM)")
-    add("--grad-accum", type=int, help="micro-batches per optimizer step (default 1)")
-    add("--lr", type=float, help="peak learning rate (default 3e-3)")
-    add("--optimizer", choices=["adamw", "sgd"], help="default adamw")
-    add("--weight-decay", type=float, help="on weight matrices only (default 0.01)")
-    add("--schedule", choices=["cosine", "constant"], help="after warmup (default cosine)")
-    add("--warmup-steps", type=int, help="linear warmup steps (default 20)")
-    add("--max-steps", type=int, help="optimizer steps to run")
-    add("--epochs", type=float, help="passes over the training set (default 10 if no --max-steps)")
-    add("--eval-every", type=int, help="evaluate every N steps, 0 = only at the end (default 100)")
-    add("--eval-batches", type=int,
-        help="validation batches per evaluation: a fixed subset spread over the set, the "
-             "same each time (default 20; a smaller set is evaluated whole; 0: always whole)")
-    add("--log-every", type=int, help="write a metrics record every N steps (default 10)")
-    add("--compile", action="store_true", default=argparse.SUPPRESS, help="torch.compile")
-    add("--activation-checkpointing", action="store_true", default=argparse.SUPPRESS,
-        help="recompute the workload's repeated blocks in backward")
-    add("--clip-grad", type=_positive_or_none, help="max gradient norm (default off)")
-    add("--cuda-graphs", action="store_true", default=argparse.SUPPRESS,
-        help="replay each step's forward and backward as CUDA graphs (torch.compile "
-             "reduce-overhead): for launch-bound, static-shape runs on one GPU")
-    add("--seed", type=int, help="default 0")
-    add("--run-dir", help="default runs/<workload>-<timestamp>")
-    add("--checkpoint-every", type=int, help="save every N steps (default 0: at the end only)")
-    add("--keep-checkpoints", type=int, help="newest checkpoints to keep (default 3)")
-    add("--no-checkpoints", dest="save_checkpoints", action="store_false",
-        default=argparse.SUPPRESS,
-        help="write no checkpoint, not even the final one (benchmarks, throwaway runs)")
-    add("--resume", nargs="?", const=True,
-        help="continue from the newest valid checkpoint of --run-dir, or of the given DIR")
-    add("--num-workers", type=int, help="DataLoader worker processes (default 0)")
-    add("--max-nonfinite-steps", type=int,
-        help="stop after this many consecutive NaN/inf losses (default 20)")
-    add("--tensorboard", action="store_true", default=argparse.SUPPRESS,
-        help="also write TensorBoard event files (needs gpuflow[tensorboard])")
-    add("--no-progress", dest="progress", action="store_false", default=argparse.SUPPRESS,
-        help="no live progress output")
-    dist = parser.add_argument_group("distributed (torch.distributed, elastic launcher)")
-    dist.add_argument("--strategy", choices=["single", "ddp", "fsdp", "tp", "pp", "auto"],
-                      help="default: single for one process, ddp for several; auto: the "
-                           "planner's best plan for the devices present")
-    dist.add_argument("--tp", type=int,
-                      help="tensor-parallel degree (tp: all processes; fsdp: FSDP x TP mesh)")
-    dist.add_argument("--pp", type=int,
-                      help="pipeline stages (pp: all processes; fsdp: FSDP x PP mesh)")
-    dist.add_argument("--dp", type=int,
-                      help="data-parallel degree, checked: dp x tp x pp = processes")
-    dist.add_argument("--pp-schedule", choices=["gpipe", "1f1b", "interleaved-1f1b"],
-                      help="pipeline schedule (default 1f1b; interleaved: 2 stages per rank)")
-    dist.add_argument("--pp-split", choices=["auto", "trace", "manual"],
-                      help="how the model is cut into stages: traced with torch.export, or "
-                           "manual: module copies cut at the repeated blocks (auto, the "
-                           "default: traced, manual when tracing fails)")
-    dist.add_argument("--microbatches", type=int,
-                      help="pipeline micro-batches per --batch-size batch (default 2 x pp)")
-    dist.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction,
-                      help="fsdp: free gathered params after forward (ZeRO-3-like, default) "
-                           "or keep them for backward (ZeRO-2-like)")
-    dist.add_argument("--fsdp-wrap", choices=["block", "model"],
-                      help="fsdp's unit of gathering: each repeated block (default), or the "
-                           "whole model at once: two collectives per step instead of three per "
-                           "block, for links or CPUs that cannot overlap them with compute")
-    dist.add_argument("--fsdp-prefetch", type=int, metavar="N",
-                      help="fsdp per block: each block's forward starts the all-gathers of the "
-                           "next N blocks, its backward those of the N before it, whether or "
-                           "not the host runs ahead (default: FSDP's own, one block ahead "
-                           "when the host is ahead); holds N more blocks gathered")
-    dist.add_argument("--bucket-mb", type=float,
-                      help="ddp: gradient bucket size in MiB (default PyTorch's: 1 for the "
-                           "first, 25 after); smaller buckets start all-reducing earlier in "
-                           "backward and leave less to finish after it, larger ones make "
-                           "fewer calls")
-    dist.add_argument("--nproc", type=int, help="worker processes on this node (default 1)")
-    dist.add_argument("--nnodes", type=int, help="nodes in the job (default 1)")
-    dist.add_argument("--node-rank", type=int, help="this node's rank; node 0 hosts rendezvous")
-    dist.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (multi-node)")
-    dist.add_argument("--max-restarts", type=int,
-                      help="restart failed workers this often, resuming from the last checkpoint")
+    parser.add_argument(
+        "--config", metavar="FILE",
+        help="TOML file of these settings, each keyed by its flag's name (batch-size = 32; "
+             "save-checkpoints = false for --no-checkpoints); flags override it; an unknown "
+             "key is an error")
+    add_flags(parser, TrainConfig)
 
 
 # Subcommands that live in their own module under gpuflow.commands: each module has
@@ -143,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train a workload",
                                 argument_default=argparse.SUPPRESS)
-    _add_train_flags(train)
+    add_train_flags(train)
     train.set_defaults(handler=_train)
     export = commands.add_parser(
         "export", help="write a run's weights as one safetensors file or a Hugging Face model")

@@ -1,19 +1,26 @@
-"""Typed training configuration: defaults, then a TOML file, then explicit CLI flags."""
+"""Typed training configuration: defaults, then a TOML file, then explicit CLI flags.
+
+Each field of :class:`TrainConfig` declares its flag once (:func:`gpuflow.options.option`):
+the type and choices are its annotation, the default its default, and the help, metavar and
+any special parsing sit beside them. The `gpuflow train` flags, the type checks of TOML
+values and the flag reference in docs/cli.md are generated from these declarations.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 from gpuflow.errors import UserError
+from gpuflow.options import check_choices, check_types, option
+from gpuflow.precision import Precision
 
 # DistributedDataParallel's gradient bucket size when --bucket-mb is not given.
 DDP_DEFAULT_BUCKET_MIB = 25.0
 
-Precision = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
 Fp8Recipe = Literal["tensorwise", "rowwise"]
 OptimizerName = Literal["adamw", "sgd"]
 Schedule = Literal["cosine", "constant"]
@@ -24,6 +31,15 @@ FsdpWrap = Literal["block", "model"]
 DataSource = Literal["real", "synthetic"]
 DEFAULT_BATCH_SIZE = 64
 DEFAULT_EVAL_BATCHES = 20  # see gpuflow.data.eval_set
+DISTRIBUTED = "distributed (torch.distributed, elastic launcher)"  # the flags' help group
+
+
+def _int_or_auto(text: str) -> int | str:
+    return "auto" if text == "auto" else int(text)
+
+
+def _positive_or_none(text: str) -> float | None:
+    return None if text.lower() in ("none", "off", "0") else float(text)
 
 
 def stages_per_rank(schedule: str) -> int:
@@ -35,72 +51,200 @@ def stages_per_rank(schedule: str) -> int:
 class TrainConfig:
     """Everything a training run needs besides the workload itself."""
 
-    workload: str = "digits"
-    data_dir: str | None = None
-    data: DataSource = "real"
-    model_size: str | None = None
-    val_speakers: str | None = None
-    device: str = "auto"
-    precision: Precision = "fp32"
-    batch_size: int | Literal["auto"] = DEFAULT_BATCH_SIZE
-    fp8_recipe: Fp8Recipe = "tensorwise"
-    global_batch: int | None = None
-    memory_cap_gib: float | None = None
-    grad_accum: int = 1
-    lr: float = 3e-3
-    optimizer: OptimizerName = "adamw"
-    weight_decay: float = 0.01
-    schedule: Schedule = "cosine"
-    warmup_steps: int = 20
-    max_steps: int | None = None
-    epochs: float | None = None
-    eval_every: int = 100
-    eval_batches: int = DEFAULT_EVAL_BATCHES
-    log_every: int = 10
-    compile: bool = False
-    activation_checkpointing: bool = False
-    cuda_graphs: bool = False
-    clip_grad: float | None = None
-    seed: int = 0
-    run_dir: str | None = None
-    checkpoint_every: int = 0
-    keep_checkpoints: int = 3
-    save_checkpoints: bool = True
-    resume: str | bool = False
-    num_workers: int = 0
-    max_nonfinite_steps: int = 20
-    tensorboard: bool = False
-    progress: bool = True
-    strategy: Strategy | None = None
-    reshard_after_forward: bool = True
-    fsdp_wrap: FsdpWrap = "block"
-    bucket_mb: float | None = None
-    fsdp_prefetch: int | None = None
-    tp: int = 1
-    pp: int = 1
-    dp: int | None = None
-    pp_schedule: PipelineSchedule = "1f1b"
-    pp_split: PipelineSplit = "auto"
-    microbatches: int | None = None
-    nproc: int = 1
-    nnodes: int = 1
-    node_rank: int = 0
-    rdzv_endpoint: str | None = None
-    max_restarts: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    workload: str = option(
+        "digits", metavar="NAME|pkg.module:factory",
+        help="a built-in workload (digits, mnist-idx, textlm, speech), or your own: a factory "
+             "returning a Workload",
+        details="see [workloads/README.md](workloads/README.md)")
+    data_dir: str | None = option(
+        None, metavar="DIR",
+        help="the workload's data (a folder; each workload says what it reads)",
+        details="see [workloads/README.md](workloads/README.md)")
+    data: DataSource = option(
+        "real", help="synthetic: random data of the workload's shapes, for throughput runs at "
+                     "any size")
+    model_size: str | None = option(
+        None, metavar="SIZE", unset="per workload",
+        help="the workload's model size: a preset (e.g. textlm tiny|small|124m|350m|1b) or "
+             "explicit dims (`layers=4,dim=256,heads=4,seq=256`)")
+    val_speakers: str | None = option(
+        None, metavar="NAMES", unset="the last speaker by name",
+        help="speech: speakers held out for validation, comma-separated; none: takes 0-4 of "
+             "every speaker",
+        details="see [workloads/speech.md](workloads/speech.md)")
+    device: str = option("auto", metavar="auto|cpu|cuda|cuda:N",
+                         help="auto picks CUDA when present")
+    precision: Precision = option(
+        "fp32",
+        help="fp32, tf32 (CUDA tensor cores), or bf16 or fp16 autocast over fp32 master "
+             "weights; fp8: torchao float8 matmuls in the linear layers that gain, bf16 "
+             "autocast elsewhere (H100-class GPUs, turns on --compile, needs gpuflow[fp8])",
+        details="see [precision.md](precision.md)")
+    batch_size: int | Literal["auto"] = option(
+        DEFAULT_BATCH_SIZE, metavar="N|auto", parse=_int_or_auto,
+        help="samples per micro-batch, or auto: the largest that fits, accumulating to keep "
+             "the global batch",
+        details="see [planner.md](planner.md#in-the-trainer-strategy-auto-and-batch-size-auto)")
+    fp8_recipe: Fp8Recipe = option(
+        "tensorwise",
+        help="--precision fp8's scaling: one scale per tensor (and fp8 all-gathers under "
+             "fsdp), or per row (more accurate, a little slower)")
+    global_batch: int | None = option(
+        None, unset="batch x accum x dp",
+        help="samples per optimizer step over all ranks, kept by --batch-size auto and "
+             "--strategy auto")
+    memory_cap_gib: float | None = option(
+        None, metavar="G", unset="GPU: its free memory; CPU: 90% of RAM",
+        help="memory --batch-size auto may use per device, GiB")
+    grad_accum: int = option(
+        1, help="micro-batches per optimizer step (global batch = batch size x accum x dp)")
+    lr: float = option(3e-3, help="peak learning rate")
+    optimizer: OptimizerName = option(
+        "adamw", help="AdamW (betas 0.9/0.95) or SGD with Nesterov momentum 0.9",
+        details="fused kernels on CUDA and CPU, one call per group of sharded (DTensor) or "
+                "whole parameters (foreach for SGD on sharded ones: DTensor has no rule for "
+                "fused SGD)")
+    weight_decay: float = option(
+        0.01, help="applied to weight matrices only, never to biases and norms")
+    schedule: Schedule = option(
+        "cosine", help="after warmup: cosine decay to 10% of --lr, or constant")
+    warmup_steps: int = option(20, help="linear warmup steps")
+    max_steps: int | None = option(
+        None, help="length of the run in optimizer steps; give it or --epochs (a stream "
+                   "without a length needs --max-steps)")
+    epochs: float | None = option(
+        None, unset="10 without --max-steps",
+        help="length of the run in passes over the training set; give it or --max-steps")
+    eval_every: int = option(
+        100, help="evaluate every N steps (0: only at the end); the run always ends with an "
+                  "evaluation")
+    eval_batches: int = option(
+        DEFAULT_EVAL_BATCHES,
+        help="validation batches each evaluation reads: a fixed subset spread over the set, "
+             "the same every time; a set of at most N batches is evaluated whole (0: always "
+             "whole)",
+        details="the banner says which; see [data.md](data.md#bounded-evaluation)")
+    log_every: int = option(
+        10, help="write one metrics record per N steps (figures are means over those steps)")
+    compile: bool = option(
+        False, help="`torch.compile` each repeated block in place",
+        details="identical blocks share one graph, so compile time does not grow with depth; "
+                "a model without blocks is compiled whole; if compilation fails the run says "
+                "why and continues eagerly")
+    activation_checkpointing: bool = option(
+        False, help="recompute the workload's repeated blocks in backward to save activation "
+                    "memory")
+    cuda_graphs: bool = option(
+        False,
+        help="replay each step's forward and backward as CUDA graphs "
+             "(`torch.compile(mode=\"reduce-overhead\")` of the whole model; turns --compile "
+             "on): for launch-bound, static-shape runs of a small model on one GPU",
+        details="needs `--strategy single`, `--grad-accum 1` (a replay reuses the memory the "
+                "last one wrote its gradients to) and batches of one shape only; anything "
+                "else (a CPU, ddp/fsdp/tp/pp, accumulation or `--batch-size auto`, a workload "
+                "that pads each batch to its longest sample, as speech does) is refused with "
+                "exit 2")
+    clip_grad: float | None = option(
+        None, metavar="X", parse=_positive_or_none, unset="off",
+        help="clip the global gradient norm to X (none, off or 0: no clipping)")
+    seed: int = option(
+        0, help="seeds Python, NumPy and torch; the data order depends only on the seed and "
+                "epoch")
+    run_dir: str | None = option(
+        None, metavar="DIR", unset="`runs/<workload>-<timestamp>`",
+        help="where metrics, summary and checkpoints go")
+    checkpoint_every: int = option(
+        0, help="also save every N steps (0: at the end only; a final checkpoint is always "
+                "saved)")
+    keep_checkpoints: int = option(3, metavar="K", help="newest checkpoints kept")
+    save_checkpoints: bool = option(
+        True, flag="no-checkpoints",
+        help="write no checkpoint at all, not even the final one (benchmarks, throwaway runs)")
+    resume: str | bool = option(
+        False, metavar="DIR",
+        help="continue the run in DIR (or in --run-dir) from its newest valid checkpoint, "
+             "with its saved configuration unless flags override it",
+        details="see [checkpoints.md](checkpoints.md)")
+    num_workers: int = option(
+        0, help="DataLoader worker processes (batches are the same with any number)")
+    max_nonfinite_steps: int = option(
+        20, help="stop after N consecutive NaN/inf losses (exit code 3)")
+    tensorboard: bool = option(
+        False, help="also write the scalars as TensorBoard events in RUN_DIR/tensorboard "
+                    "(needs gpuflow[tensorboard])")
+    progress: bool = option(
+        True, flag="no-progress",
+        help="no live progress output (the summary table still prints)")
+    strategy: Strategy | None = option(
+        None, group=DISTRIBUTED, unset="single for 1 process, ddp for more",
+        help="how the model and the data are spread over the processes; auto: the "
+             "planner's best plan for the devices present",
+        details="see [parallelism.md](parallelism.md)")
+    reshard_after_forward: bool = option(
+        True, group=DISTRIBUTED,
+        help="fsdp: free gathered parameters after forward (ZeRO-3-like) or keep them for "
+             "backward (ZeRO-2-like)")
+    fsdp_wrap: FsdpWrap = option(
+        "block", group=DISTRIBUTED,
+        help="fsdp's unit of gathering: each repeated block, gathered just before it runs; "
+             "or the whole model, gathered in one all-gather and reduced in one collective "
+             "per step (two collectives per step instead of three per block)",
+        details="fewer points where ranks wait for each other, for CPUs and slow links, "
+                "where collectives cannot overlap compute; needs no `blocks`")
+    bucket_mb: float | None = option(
+        None, group=DISTRIBUTED,
+        unset=f"PyTorch's: 1 for the first bucket, {DDP_DEFAULT_BUCKET_MIB:g} after",
+        help="ddp: MiB of gradients per all-reduce bucket; a bucket is all-reduced once "
+             "backward has filled it, so smaller buckets start earlier and leave less to "
+             "finish after backward, larger ones make fewer calls")
+    fsdp_prefetch: int | None = option(
+        None, group=DISTRIBUTED, unset="FSDP's own",
+        help="fsdp per block: each block's forward starts the all-gathers of the next N "
+             "blocks, its backward those of the N before it, whether or not the host runs "
+             "ahead (FSDP alone prefetches one, in forward only while the host is ahead of "
+             "the GPU); holds N more blocks gathered")
+    tp: int = option(
+        1, group=DISTRIBUTED, metavar="M",
+        help="tensor-parallel degree: all processes with --strategy tp, or an FSDP x TP mesh "
+             "(dp = processes / M) with --strategy fsdp")
+    pp: int = option(
+        1, group=DISTRIBUTED, metavar="K",
+        help="pipeline stages: all processes with --strategy pp, or an FSDP x PP mesh with "
+             "--strategy fsdp")
+    dp: int | None = option(
+        None, group=DISTRIBUTED, unset="processes / (tp x pp)",
+        help="data-parallel degree, checked: dp x tp x pp = processes")
+    pp_schedule: PipelineSchedule = option(
+        "1f1b", group=DISTRIBUTED, help="pipeline schedule (interleaved: 2 stages per rank)")
+    pp_split: PipelineSplit = option(
+        "auto", group=DISTRIBUTED,
+        help="how the model is cut into stages: traced with torch.export, or manual: module "
+             "copies cut at the repeated blocks; auto traces and falls back to manual "
+             "stages, saying so, when tracing fails",
+        details="in manual stages the other stages' blocks are stood in for; the layers "
+                "outside the blocks are held on every stage and their gradients summed")
+    microbatches: int | None = option(
+        None, group=DISTRIBUTED, unset="2 x pp",
+        help="pipeline micro-batches per --batch-size batch")
+    nproc: int = option(1, group=DISTRIBUTED,
+                        help="worker processes on this machine (one per GPU)")
+    nnodes: int = option(1, group=DISTRIBUTED, metavar="M",
+                         help="machines in the job (c10d rendezvous)")
+    node_rank: int = option(0, group=DISTRIBUTED, metavar="R",
+                            help="this machine's rank in the job; node 0 hosts the rendezvous")
+    rdzv_endpoint: str | None = option(
+        None, group=DISTRIBUTED, metavar="HOST:PORT",
+        help="the c10d rendezvous of a multi-node job (on node 0)")
+    max_restarts: int = option(
+        0, group=DISTRIBUTED, metavar="K",
+        help="restart the workers after a failure, resuming from the last checkpoint")
+    extra: dict[str, Any] = option(
+        default_factory=dict, cli=False,
+        help="the workload's own settings, given in code (no flag, no TOML key)")
 
     def validate(self) -> None:
         """Reject values that would fail later with an unhelpful traceback."""
-        _check_choice("precision", self.precision, Precision)
-        _check_choice("optimizer", self.optimizer, OptimizerName)
-        _check_choice("fp8_recipe", self.fp8_recipe, Fp8Recipe)
-        _check_choice("schedule", self.schedule, Schedule)
-        _check_choice("data", self.data, DataSource)
-        _check_choice("pp_schedule", self.pp_schedule, PipelineSchedule)
-        _check_choice("pp_split", self.pp_split, PipelineSplit)
-        _check_choice("fsdp_wrap", self.fsdp_wrap, FsdpWrap)
-        if self.strategy is not None:
-            _check_choice("strategy", self.strategy, Strategy)
+        check_choices(self)
         if self.batch_size != "auto" and self.batch_size < 1:
             raise UserError(f"--batch-size must be at least 1 or auto (got {self.batch_size}).")
         for name in ("grad_accum", "log_every", "keep_checkpoints",
@@ -242,12 +386,6 @@ _UNGRAPHABLE = {
 
 
 
-def _check_choice(name: str, value: object, literal: object) -> None:
-    choices = get_args(literal)
-    if value not in choices:
-        raise UserError(f"--{_flag(name)} must be one of {', '.join(choices)} (got {value!r}).")
-
-
 FIELD_NAMES = frozenset(f.name for f in fields(TrainConfig)) - {"extra"}
 
 
@@ -277,37 +415,7 @@ def build_config(file_values: dict[str, Any], flag_values: dict[str, Any]) -> Tr
         config = TrainConfig(**merged)
     except TypeError as exc:
         raise UserError(f"Invalid configuration: {exc}.") from None
-    _check_types(config)
+    check_types(config)
     config.validate()
     return config
 
-
-def _check_types(config: TrainConfig) -> None:
-    """TOML can carry a string where a number belongs; say so plainly."""
-    defaults = TrainConfig()
-    for f in fields(TrainConfig):
-        value, default = getattr(config, f.name), getattr(defaults, f.name)
-        if value is None or f.name in ("resume", "extra"):
-            continue
-        expected = type(default) if default is not None else None
-        if f.name in ("max_steps",):
-            expected = int
-        elif f.name in ("strategy", "rdzv_endpoint", "data_dir", "model_size",
-                        "val_speakers"):
-            expected = str
-        elif f.name in ("dp", "microbatches", "global_batch", "fsdp_prefetch"):
-            expected = int
-        elif f.name in ("memory_cap_gib", "bucket_mb"):
-            expected = float
-        elif f.name == "batch_size" and value == "auto":
-            continue
-        elif f.name in ("epochs", "clip_grad"):
-            expected = float
-        if expected is float and isinstance(value, int) and not isinstance(value, bool):
-            setattr(config, f.name, float(value))
-            continue
-        wrong_bool = isinstance(value, bool) and expected is not bool
-        if expected is not None and (wrong_bool or not isinstance(value, expected)):
-            raise UserError(
-                f"`{f.name}` must be of type {expected.__name__} (got {value!r})."
-            )

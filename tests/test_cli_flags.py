@@ -1,0 +1,83 @@
+"""`gpuflow train`'s flags are generated from the TrainConfig fields; docs/cli.md lists them."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+from conftest import ROOT
+
+from gpuflow.cli import build_parser
+from gpuflow.config import TrainConfig
+from gpuflow.flagdoc import COMMAND, between_markers, reference
+from gpuflow.options import flags
+
+
+def parse(*argv: str) -> dict:
+    args = vars(build_parser().parse_args(["train", *argv]))
+    return {k: v for k, v in args.items() if k not in ("command", "handler")}
+
+
+def test_docs_flag_table_matches_the_fields() -> None:
+    documented = between_markers((ROOT / "docs" / "cli.md").read_text())
+    assert documented == reference(), (
+        f"docs/cli.md's flag tables differ from the TrainConfig fields: run `{COMMAND}`")
+
+
+def test_every_field_but_extra_is_a_flag_with_help() -> None:
+    declared = {flag.name for flag in flags(TrainConfig)}
+    assert declared == {f.name for f in dataclasses.fields(TrainConfig)} - {"extra"}
+    assert all(flag.option.help for flag in flags(TrainConfig))
+
+
+def test_help_shows_the_fields_defaults() -> None:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    helps = {a.dest: a.help for a in sub.choices["train"]._actions}
+    assert helps["batch_size"].endswith("(default: 64)")
+    assert helps["lr"].endswith(f"(default: {TrainConfig.lr:g})")
+    assert helps["pp_schedule"].endswith(f"(default: {TrainConfig.pp_schedule})")
+    assert "(default: off)" in helps["clip_grad"]
+
+
+def test_only_the_flags_given_are_set() -> None:
+    assert parse() == {}
+    assert parse("--lr", "1e-3", "--precision", "bf16") == {"lr": 1e-3, "precision": "bf16"}
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--batch-size", "auto"], {"batch_size": "auto"}),
+        (["--batch-size", "12"], {"batch_size": 12}),
+        (["--resume"], {"resume": True}),
+        (["--resume", "runs/a"], {"resume": "runs/a"}),
+        (["--no-checkpoints", "--no-progress"], {"save_checkpoints": False, "progress": False}),
+        (["--compile", "--cuda-graphs"], {"compile": True, "cuda_graphs": True}),
+        (["--no-reshard-after-forward"], {"reshard_after_forward": False}),
+        (["--reshard-after-forward"], {"reshard_after_forward": True}),
+        (["--clip-grad", "off"], {"clip_grad": None}),
+        (["--clip-grad", "1.5"], {"clip_grad": 1.5}),
+        (["--strategy", "auto", "--tp", "2"], {"strategy": "auto", "tp": 2}),
+        (["--config", "run.toml"], {"config": "run.toml"}),
+    ],
+)
+def test_special_flags_parse_as_before(argv: list[str], expected: dict) -> None:
+    assert parse(*argv) == expected
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--batch-size", "x"], "argument --batch-size: invalid _int_or_auto value: 'x'"),
+        (["--clip-grad", "x"], "argument --clip-grad: invalid _positive_or_none value: 'x'"),
+        (["--tp", "2.5"], "argument --tp: invalid int value: '2.5'"),
+        (["--lr", "x"], "argument --lr: invalid float value: 'x'"),
+        (["--precision", "fp4"], "argument --precision: invalid choice: 'fp4'"),
+    ],
+)
+def test_bad_flag_values_keep_argparse_messages(argv: list[str], message: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse(*argv)
+    assert exited.value.code == 2 and message in capsys.readouterr().err
