@@ -16,7 +16,7 @@ from user_workloads import gated_digits, mlp
 from gpuflow import TrainConfig, Trainer, train
 from gpuflow import checkpoint as ckpt
 from gpuflow.cli import main
-from gpuflow.train.loop import seed_everything
+from gpuflow.train.trainer import seed_everything
 
 
 def config(run_dir: Path, **overrides) -> TrainConfig:

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from gpuflow.config import build_config
 from gpuflow.errors import UserError
+from gpuflow.parallel.dims import ParallelDims
 from gpuflow.parallel.env import free_port
 
 pytestmark = pytest.mark.slow
@@ -364,7 +365,7 @@ def test_fsdp_by_pipeline_on_a_2x2_mesh(gpt_single: list[float], tmp_path: Path)
 )
 def test_bad_meshes_are_explained(values: dict, message: str) -> None:
     with pytest.raises(UserError, match=message):
-        build_config({}, values).mesh_shape(2)
+        ParallelDims.from_config(build_config({}, values), 2)
 
 
 def test_fsdp_with_bf16_parameters_trains_a_batch_norm_model(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import torch
 from user_workloads import mlp
 
 from gpuflow import TrainConfig, Trainer, train
-from gpuflow.train.loop import seed_everything
+from gpuflow.train.trainer import seed_everything
 
 
 def config(run_dir: Path, **overrides) -> TrainConfig:
@@ -167,7 +167,7 @@ def test_fsdp_waits_are_timed_each_once_during_a_step_then_restored() -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-    from gpuflow.parallel.data_parallel import apply_fsdp
+    from gpuflow.parallel.sharded import apply_fsdp
     from gpuflow.telemetry.steps import StepTimer
     from gpuflow.telemetry.waits import TimedWaits, fsdp_waits, timeable
 
@@ -218,7 +218,7 @@ def _gathered_early(prefetch: int | None) -> tuple[set[str], set[str]]:
     import torch.distributed as dist
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-    from gpuflow.parallel.data_parallel import apply_fsdp
+    from gpuflow.parallel.sharded import apply_fsdp
 
     events: list[tuple[str, str]] = []
     unshard, post_backward = FSDPParamGroup.unshard, FSDPParamGroup.post_backward
@@ -262,7 +262,7 @@ def test_fsdp_prefetch_gathers_that_many_blocks_ahead_in_forward_and_backward() 
 
 def test_fsdp_prefetch_needs_blocks_to_prefetch() -> None:
     from gpuflow.errors import UserError
-    from gpuflow.parallel.data_parallel import apply_fsdp
+    from gpuflow.parallel.sharded import apply_fsdp
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
     with pytest.raises(UserError, match="--fsdp-prefetch 2 gathers the next blocks early, "

@@ -22,6 +22,7 @@ from gpuflow.cli import main
 from gpuflow.errors import UserError
 from gpuflow.models.gpt import GPT, GPTConfig
 from gpuflow.parallel.env import free_port
+from gpuflow.train import record
 from gpuflow.workload import resolve_workload
 
 fp8 = pytest.importorskip("gpuflow.train.fp8")
@@ -167,7 +168,7 @@ def test_the_trainer_converts_after_counting_and_records_fp8(
     summary = trainer.fit().summary
     assert summary["fp8"]["converted"] == 8 and summary["fp8"]["outside_blocks"] == 1
     assert "MFU against the bf16 peak" in summary["precision_description"]
-    assert "fp8 tensorwise in 8 of 9 linear layers" in trainer._banner()
+    assert "fp8 tensorwise in 8 of 9 linear layers" in record.banner(trainer)
     assert summary["median"]["mfu"] > 0
 
 

@@ -24,8 +24,8 @@ def test_import_gpuflow_loads_neither_the_trainer_nor_torch_distributed() -> Non
 def test_public_names_resolve() -> None:
     from gpuflow import RunResult, TrainConfig, Trainer, UserError, Workload, train
     from gpuflow.config import TrainConfig as config_class
-    from gpuflow.train.loop import Trainer as trainer_class
-    from gpuflow.train.loop import train as train_function
+    from gpuflow.train.trainer import Trainer as trainer_class
+    from gpuflow.train.trainer import train as train_function
 
     assert Trainer is trainer_class and gpuflow.Trainer is trainer_class
     assert TrainConfig is config_class

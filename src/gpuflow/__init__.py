@@ -15,21 +15,21 @@ if TYPE_CHECKING:
     from gpuflow.config import TrainConfig
     from gpuflow.errors import UserError
     from gpuflow.serving import ServingSpec
-    from gpuflow.train.loop import RunResult, Trainer, train
+    from gpuflow.train.trainer import RunResult, Trainer, train
     from gpuflow.workload import Workload, accuracy, cross_entropy, resolve_workload
 
 # Each public name and the module that defines it.
 _EXPORTS = {
-    "RunResult": "gpuflow.train.loop",
+    "RunResult": "gpuflow.train.trainer",
     "ServingSpec": "gpuflow.serving",
     "TrainConfig": "gpuflow.config",
-    "Trainer": "gpuflow.train.loop",
+    "Trainer": "gpuflow.train.trainer",
     "UserError": "gpuflow.errors",
     "Workload": "gpuflow.workload",
     "accuracy": "gpuflow.workload",
     "cross_entropy": "gpuflow.workload",
     "resolve_workload": "gpuflow.workload",
-    "train": "gpuflow.train.loop",
+    "train": "gpuflow.train.trainer",
 }
 
 __all__ = [

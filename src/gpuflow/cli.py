@@ -66,8 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from gpuflow.config import build_config, load_toml
     from gpuflow.parallel.env import context_from_env, set_cpu_threads, shutdown
-    from gpuflow.train.loop import seed_everything, train
     from gpuflow.train.progress import print_summary
+    from gpuflow.train.trainer import seed_everything, train
     from gpuflow.workload import resolve_workload
 
     flags: dict[str, Any] = {k: v for k, v in vars(args).items()
@@ -105,7 +105,7 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
 def _launch(config: Any, argv: Sequence[str]) -> int:
     """This process becomes the elastic agent; workers rerun the same command line."""
     from gpuflow.parallel.launch import LaunchSpec, launch
-    from gpuflow.train.loop import default_run_dir
+    from gpuflow.train.trainer import default_run_dir
 
     run_dir = config.run_dir or str(default_run_dir(config.workload))
     spec = LaunchSpec(config.nproc, config.nnodes, config.node_rank, config.rdzv_endpoint,

@@ -18,20 +18,25 @@ from gpuflow.errors import UserError
 from gpuflow.options import check_choices, check_types, option
 from gpuflow.precision import Precision
 
-# DistributedDataParallel's gradient bucket size when --bucket-mb is not given.
-DDP_DEFAULT_BUCKET_MIB = 25.0
-
 Fp8Recipe = Literal["tensorwise", "rowwise"]
 OptimizerName = Literal["adamw", "sgd"]
 Schedule = Literal["cosine", "constant"]
-Strategy = Literal["single", "ddp", "fsdp", "tp", "pp", "auto"]
+StrategyName = Literal["single", "ddp", "fsdp", "tp", "pp"]
+Strategy = StrategyName | Literal["auto"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
 PipelineSplit = Literal["auto", "trace", "manual"]
 FsdpWrap = Literal["block", "model"]
+# DistributedDataParallel's gradient bucket size when --bucket-mb is not given.
+DDP_DEFAULT_BUCKET_MIB = 25.0
 DataSource = Literal["real", "synthetic"]
 DEFAULT_BATCH_SIZE = 64
 DEFAULT_EVAL_BATCHES = 20  # see gpuflow.data.eval_set
 DISTRIBUTED = "distributed (torch.distributed, elastic launcher)"  # the flags' help group
+
+
+def default_strategy(world: int) -> StrategyName:
+    """Data-parallel when there is more than one process."""
+    return "ddp" if world > 1 else "single"
 
 
 def _int_or_auto(text: str) -> int | str:
@@ -40,11 +45,6 @@ def _int_or_auto(text: str) -> int | str:
 
 def _positive_or_none(text: str) -> float | None:
     return None if text.lower() in ("none", "off", "0") else float(text)
-
-
-def stages_per_rank(schedule: str) -> int:
-    """Pipeline stages each rank holds: two with the interleaved schedule."""
-    return 2 if schedule == "interleaved-1f1b" else 1
 
 
 @dataclass
@@ -284,7 +284,7 @@ class TrainConfig:
                 raise UserError(f"--{_flag(name)} must be at least 1 (got {value}).")
 
         if (self.precision == "fp8" or self.cuda_graphs) and self.strategy != "auto":
-            self.check_step_modes(self.resolved_strategy(self.nproc * self.nnodes),
+            self.check_step_modes(self.strategy or default_strategy(self.nproc * self.nnodes),
                                   self.tp, self.pp)
 
     def check_step_modes(self, strategy: str, tp: int, pp: int) -> None:
@@ -308,53 +308,6 @@ class TrainConfig:
                 f"--cuda-graphs runs with --strategy single only: with --strategy {strategy}, "
                 f"{_UNGRAPHABLE[strategy]}, which one captured graph cannot replay. Drop "
                 "--cuda-graphs, or train on one GPU.")
-    def mesh_shape(self, world_size: int) -> tuple[int, int, int]:
-        """(data-parallel, tensor-parallel, pipeline-parallel) degrees; their product is the
-        world size. ``tp`` and ``pp`` alone take every process unless given."""
-        strategy = self.resolved_strategy(world_size)
-        tp = world_size if strategy == "tp" and self.tp == 1 else self.tp
-        pp = world_size if strategy == "pp" and self.pp == 1 else self.pp
-        if tp > 1 and pp > 1:
-            raise UserError(
-                f"--tp {tp} with --pp {pp}: tensor parallelism inside pipeline stages is not "
-                "supported; compose pipeline parallelism with fsdp (--strategy fsdp --pp N)."
-            )
-        if world_size % (tp * pp):
-            raise UserError(
-                f"--tp {tp} x --pp {pp} does not divide the {world_size} processes of this job."
-            )
-        dp = world_size // (tp * pp)
-        if self.dp is not None and self.dp != dp:
-            raise UserError(
-                f"--dp {self.dp} x --tp {tp} x --pp {pp} must equal the {world_size} processes "
-                f"of this job (dp would be {dp})."
-            )
-        if strategy in ("tp", "pp") and dp != 1:
-            model_parallel = tp if strategy == "tp" else pp
-            raise UserError(
-                f"--strategy {strategy} with --{strategy} {model_parallel} on {world_size} "
-                f"processes leaves {dp} data-parallel replicas: use --strategy fsdp "
-                f"--{strategy} N to shard data across them."
-            )
-        if (tp > 1 or pp > 1) and strategy in ("ddp", "single"):
-            flag = f"--tp {tp}" if tp > 1 else f"--pp {pp}"
-            raise UserError(
-                f"{flag} with --strategy {strategy}: model parallelism composes with fsdp "
-                f"(--strategy fsdp {flag.split()[0]} N) or runs alone (--strategy "
-                f"{'tp' if tp > 1 else 'pp'})."
-            )
-        return dp, tp, pp
-
-    def resolved_strategy(self, world_size: int) -> str:
-        """Data-parallel by default when there is more than one process."""
-        if self.strategy is not None:
-            if self.strategy == "single" and world_size > 1:
-                raise UserError(
-                    f"--strategy single runs one process, but this job has {world_size}; "
-                    "use --strategy ddp or fsdp, or drop --nproc."
-                )
-            return self.strategy
-        return "ddp" if world_size > 1 else "single"
 
     def workload_options(self) -> dict[str, Any]:
         """What the workload factory is given: only the options the user actually set."""

@@ -42,9 +42,9 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 
 from gpuflow.checkpoint import with_saved_settings
-from gpuflow.config import stages_per_rank
 from gpuflow.errors import UserError
 from gpuflow.parallel import stages as manual
+from gpuflow.parallel.dims import stages_per_rank
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 _PART = "parts."

@@ -32,6 +32,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from gpuflow.errors import UserError
+from gpuflow.parallel.strategy import ModelParts, Strategy
+from gpuflow.telemetry import waits as timed_waits
 
 
 def transformer_plan(attention: str = "attn", mlp: str = "mlp", qkv: str = "qkv",
@@ -110,3 +112,20 @@ def _check_splittable(block: nn.Module, plan: Mapping[str, ParallelStyle], degre
         if isinstance(size, int) and size % degree:
             raise UserError(f"{name!r} has {size} {split.replace('_', ' ')}, which --tp "
                             f"{degree} cannot split evenly; pick a degree that divides it.")
+
+
+class TensorParallel(Strategy):
+    """``--strategy tp``: each block's linear layers split over the ``tp`` ranks by the
+    workload's plan (and the base for FSDP, which runs TP inside when ``tp`` > 1)."""
+
+    def wrap(self, model: nn.Module, parts: ModelParts) -> nn.Module:
+        if self.dims.tp > 1:
+            assert self.mesh is not None
+            apply_tensor_parallel(parts.blocks(), parts.tensor_plan(self.dims.tp),
+                                  self.mesh["tp"])
+        return super().wrap(model, parts)
+
+    def untimed_waits(self) -> list[timed_waits.Wait] | None:
+        if self.dims.tp == 1:
+            return []
+        return None if self.compile_requested else timed_waits.functional_collective_waits()

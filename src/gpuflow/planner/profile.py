@@ -225,7 +225,7 @@ def _trace_once(workload: Workload, inputs: Any, target: torch.Tensor, precision
                 ) -> _Trace:
     """One training forward+backward on copies of the parameters (fake or real), in the
     compute dtype where ``low_precision_params`` (except where FSDP keeps them fp32)."""
-    from gpuflow.parallel.data_parallel import kept_in_fp32
+    from gpuflow.parallel.sharded import kept_in_fp32
 
     model = workload.model
     mode = (torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)

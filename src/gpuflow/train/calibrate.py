@@ -18,7 +18,7 @@ from typing import Any
 from gpuflow.config import TrainConfig
 from gpuflow.devices import device_name
 from gpuflow.errors import UserError
-from gpuflow.train.loop import Trainer
+from gpuflow.train.trainer import Trainer
 from gpuflow.workload import Workload
 
 MEASURE_STEPS = 12
@@ -78,4 +78,4 @@ def measure_efficiency(workload: Workload, precision: str, micro_batch: int, *,
         step_time_s=step_time, flops_per_step=trainer.flops_per_step,
         peak_flops=trainer.peak.flops, peak_source=trainer.peak.source,
         device_name=device_name(trainer.device), workload=workload.name, precision=precision,
-        micro_batch=micro_batch, steps=steps, compiled=trainer.compiled)
+        micro_batch=micro_batch, steps=steps, compiled=trainer.compiled is not None)

@@ -1,9 +1,12 @@
-"""Optimizer and learning-rate schedule: AdamW or SGD, linear warmup then cosine decay."""
+"""Optimizer and learning-rate schedule: AdamW or SGD, linear warmup then cosine decay; and
+the update itself, which fp16's loss scaler may skip."""
 
 from __future__ import annotations
 
 import math
 import sys
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -96,3 +99,33 @@ def restore_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, saved: dict[s
             state[key] = values[:1] * groups
     scheduler.load_state_dict(state)
 
+
+def optimizer_step(optimizer: torch.optim.Optimizer,
+                   scheduler: torch.optim.lr_scheduler.LambdaLR,
+                   scaler: torch.amp.GradScaler | None, clip: Callable[[], None] | None,
+                   finite: bool) -> bool:
+    """Update unless the loss (``finite`` False) or, under fp16, the gradients overflowed;
+    ``clip`` clips the (unscaled) gradients. The schedule advances either way. Returns
+    whether the weights were updated."""
+    stepped = finite
+    if finite and scaler is not None:
+        if clip is not None:
+            scaler.unscale_(optimizer)
+            clip()
+        scale = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        stepped = scaler.get_scale() >= scale
+    elif finite:
+        if clip is not None:
+            clip()
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if stepped:
+        scheduler.step()
+        return True
+    with warnings.catch_warnings():
+        # The schedule still advances on a skipped step; torch warns about that order.
+        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler")
+        scheduler.step()
+    return False

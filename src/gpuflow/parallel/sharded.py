@@ -1,50 +1,53 @@
-"""Data parallelism: replicate with DDP, or shard parameters, gradients and optimizer state
-with FSDP2 (``fully_shard``) per repeated block and at the root."""
+"""Sharded data parallelism (``--strategy fsdp``): FSDP2's ``fully_shard`` per repeated block
+and at the root splits parameters, gradients and optimizer state over the data-parallel
+ranks, with tensor parallelism inside when ``tp`` > 1."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import DeviceMesh
-from torch.nn.parallel import DistributedDataParallel
 
 from gpuflow.errors import UserError
+from gpuflow.parallel.strategy import ModelParts
+from gpuflow.parallel.tensor import TensorParallel
+from gpuflow.telemetry import waits as timed_waits
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
 
 
-def apply_ddp(model: nn.Module, device: torch.device,
-              on_bucket_ready: Callable[[], None] | None = None,
-              bucket_mb: float | None = None) -> DistributedDataParallel:
-    """Gradients are bucketed and all-reduced while backward is still running.
+class Sharded(TensorParallel):
+    """FSDP2 over ``dp``, after TP and activation checkpointing. Gradient reduction is
+    switched off on accumulation steps; on a GPU its waits for gathers and reductions are
+    timed, on the CPU its collectives themselves (they hold the host)."""
 
-    A bucket is all-reduced once backward has filled it. Buckets hold ``bucket_mb`` MiB of
-    gradients; by default PyTorch's 25, except the first (the last parameters' gradients,
-    which backward reaches first) with 1. What is left to reduce when backward ends is
-    exposed: about the last bucket, unless the link falls behind.
+    supports_loss_scaling = False
 
-    ``on_bucket_ready`` is called as each bucket's all-reduce is launched; the last call of a
-    backward marks the end of its gradient compute, so the time from there until backward
-    returns is communication that nothing overlapped.
-    """
-    device_ids = [device.index] if device.type == "cuda" else None
-    # Gradients live in the communication buckets: no copy into them, less memory.
-    ddp = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True,
-                                  bucket_cap_mb=bucket_mb)
-    if on_bucket_ready is not None:
-        # No annotations: DDP compares them to dist.GradBucket, and postponed ones are strings.
-        def timed_allreduce(state, bucket):
-            on_bucket_ready()
-            return default_hooks.allreduce_hook(None, bucket)
+    def wrap(self, model: nn.Module, parts: ModelParts) -> nn.Module:
+        model = super().wrap(model, parts)
+        dims = self.dims
+        apply_fsdp(model, parts.blocks(), self.policy.autocast_dtype,
+                   dims.reshard_after_forward,
+                   mesh=self.mesh["dp"] if self.mesh is not None else None,
+                   blocking_comm=self.host_collective_timer(), wrap=dims.fsdp_wrap,
+                   prefetch=dims.fsdp_prefetch)
+        return model
 
-        ddp.register_comm_hook(None, timed_allreduce)
-    return ddp
+    def no_backward_sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        self.model.set_requires_gradient_sync(last)  # an FSDPModule once wrapped
+        return contextlib.nullcontext()
+
+    def untimed_waits(self) -> list[timed_waits.Wait] | None:
+        waits = super().untimed_waits()
+        if waits is None or self.device.type == "cpu":
+            return waits
+        return waits + timed_waits.fsdp_waits()
 
 
 def kept_in_fp32(model: nn.Module) -> list[nn.Module]:
@@ -121,12 +124,3 @@ def prefetch_blocks(blocks: list[FSDPModule], depth: int) -> None:
     for index, block in enumerate(blocks):
         block.set_modules_to_forward_prefetch(blocks[index + 1:index + 1 + depth])
         block.set_modules_to_backward_prefetch(blocks[max(0, index - depth):index][::-1])
-
-
-def set_gradient_sync(model: nn.Module, enabled: bool) -> bool:
-    """Turn FSDP's per-backward gradient reduction on or off; False if not an FSDP model."""
-    sync = getattr(model, "set_requires_gradient_sync", None)  # FSDPModule's
-    if sync is None:
-        return False
-    sync(enabled)
-    return True

@@ -1,0 +1,69 @@
+"""A model's weights and optimizer state in and out of checkpoints, whatever wraps it.
+
+One process saves the full state. Distributed runs save each rank's local view (DTensor
+shards) with torch.distributed.checkpoint and load by asking for their own local view, which
+torch.distributed.checkpoint fills from whatever layout wrote it. Pipeline stages name their
+parameters differently and translate (``gpuflow.parallel.pipelined``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from gpuflow.checkpoint import with_saved_settings
+
+FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+State = tuple[dict[str, torch.Tensor], dict[str, Any]]
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> State:
+    """Unsharded weights and optimizer state keyed by parameter name."""
+    return (get_model_state_dict(model, options=FULL_STATE),
+            get_optimizer_state_dict(model, optimizer, options=FULL_STATE))
+
+
+def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> State:
+    """This rank's share of the weights and optimizer state, keyed by parameter name."""
+    return get_model_state_dict(model), get_optimizer_state_dict(model, optimizer)
+
+
+def load(model: nn.Module, weights: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
+         optimizer_state: dict[str, Any], full: bool) -> None:
+    """Load a complete state (``full``) into any wrapping, or this rank's own share."""
+    options = FULL_STATE if full else None
+    set_model_state_dict(model, weights, options=options)
+    set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
+
+
+def read_sharded(request: State, path: Path, param_groups: list[dict[str, Any]]) -> State:
+    """Fill ``request`` (a local view's weights and optimizer state) from the
+    torch.distributed.checkpoint folder ``path``; a collective when distributed.
+
+    ``param_groups`` carries the optimizer hyperparameters (learning rate and the like),
+    which live in the trainer state rather than among the shards.
+    """
+    model_request, optimizer_request = request
+    state = {"model": model_request, "optimizer": optimizer_request["state"]}
+    dcp.load(state, checkpoint_id=path)
+    groups = with_saved_settings(param_groups, optimizer_request["param_groups"])
+    return state["model"], {"state": state["optimizer"], "param_groups": groups}
+
+
+def saved_model_keys(path: Path) -> set[str]:
+    """The parameter names a sharded checkpoint holds."""
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    return {key.removeprefix("model.") for key in metadata.state_dict_metadata
+            if key.startswith("model.")}

@@ -1,0 +1,376 @@
+"""The training loop: set-up in a fixed order, the step, evaluation and the run's schedule.
+
+What differs between parallel layouts lives in the run's :class:`~gpuflow.parallel.strategy.
+Strategy`; what a run saves, in :mod:`gpuflow.train.state`; what it reports, in
+:mod:`gpuflow.train.record`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gpuflow.config import TrainConfig
+from gpuflow.data.eval_set import eval_set
+from gpuflow.data.iterable import StreamBatches, is_sized, is_stream
+from gpuflow.data.loader import batches_per_epoch, supports_batched_indexing, train_batches
+from gpuflow.data.prefetch import DevicePrefetcher, move_to_device, resize_rows
+from gpuflow.devices import peak_flops, resolve_device
+from gpuflow.errors import NonFiniteLossError, UserError
+from gpuflow.parallel.dims import ParallelDims
+from gpuflow.parallel.env import init_distributed
+from gpuflow.parallel.strategy import ModelParts, build_strategy
+from gpuflow.precision import make_policy
+from gpuflow.telemetry.steps import MetricsLog, StepTimer
+from gpuflow.train import fp8, record
+from gpuflow.train.compile import Compiled, compile_step, turn_on_compile_for_step_modes
+from gpuflow.train.evaluate import evaluate
+from gpuflow.train.optim import build_optimizer, build_scheduler, optimizer_step
+from gpuflow.train.probe import probe_step, step_flops
+from gpuflow.train.progress import ProgressDisplay
+from gpuflow.train.state import Position, RunState
+from gpuflow.workload import Batch, Workload
+
+if TYPE_CHECKING:
+    from gpuflow.planner.search import Plan
+    from gpuflow.train.auto import BatchProbe
+
+DEFAULT_EPOCHS = 10.0
+
+
+@dataclass
+class RunResult:
+    """What `train()` hands back: where the run lives and how it ended."""
+
+    run_dir: Path
+    steps: int
+    final_metrics: dict[str, float]
+    summary: dict[str, Any]
+    model: nn.Module
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def default_run_dir(workload: str) -> Path:
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    safe = workload.replace(":", "-").replace("/", "-").replace(".", "-")
+    return Path("runs") / f"{safe}-{stamp}"
+
+
+class Trainer:
+    """Owns one run: set-up, the step loop, evaluation, checkpoints and telemetry."""
+
+    def __init__(self, workload: Workload, config: TrainConfig,
+                 progress: ProgressDisplay | None = None) -> None:
+        config.validate()
+        if config.max_steps is None and not is_sized(workload.train_dataset):
+            raise UserError(
+                f"Workload {workload.name!r}: the train dataset is a stream without a length "
+                "(an endless or unsized IterableDataset), so a run has no epochs to count: "
+                "give --max-steps N.")
+        self.workload = workload
+        seed_everything(config.seed)
+        config = self._join_processes(config)
+        self.policy = make_policy(config.precision, self.device)
+        config = turn_on_compile_for_step_modes(config, self.dims, self.device, workload)
+        # The timer before the strategy: DDP's bucket hook reports to it.
+        self.timer = StepTimer(self.device)
+        self.strategy = build_strategy(self.dims, self.device, self.policy, self.timer,
+                                       compile=config.compile)
+        self.run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(workload.name)
+        self.model = workload.model.to(self.device)
+        self.model.train()
+        # Counted whole, before any strategy shards or splits the model.
+        self.trainable_params = sum(p.numel() for p in self.model.parameters()
+                                    if p.requires_grad)
+        example = move_to_device(workload.get_example_batch(), self.device)
+        self.config = config = self._fit_batch(config, example)
+        self._schedule_steps(config)
+        self.flops_per_step = self._step_flops(example)
+        # Converted after counting: the model's FLOPs are the same in fp8.
+        self.fp8 = (fp8.convert(self.model, workload.blocks(), config.fp8_recipe,
+                                fsdp_all_gather=self.dims.sharded)
+                    if config.precision == "fp8" else None)
+        self.strategy.setup(self.model, ModelParts(workload.blocks, workload.loss_fn,
+                                                   workload.parallel_plan,
+                                                   config.activation_checkpointing),
+                            example[0], config.batch_size)
+        self.model = self.strategy.model
+        self.compiled: Compiled | None = self._compile(example) if config.compile else None
+        self.optimizer = build_optimizer(self.model, config, self.device)
+        self.scheduler = build_scheduler(self.optimizer, config, self.total_steps)
+        self.scaler = self.policy.make_scaler()
+        if self.fp8 is not None and self.fp8.fsdp_float8_all_gather:
+            fp8.precompute_scales_after_step(self.optimizer, self.model)
+        self.peak = peak_flops(self.device, self.policy.peak_key)
+        self.state = RunState(self.run_dir / "checkpoints", self.strategy, self.optimizer,
+                              self.scheduler, self.scaler, config.keep_checkpoints)
+        if config.resume:
+            self.state.resume()
+        self._open_records(progress, resumed=bool(config.resume))
+
+    # --- set-up -------------------------------------------------------------------------
+
+    def _join_processes(self, config: TrainConfig) -> TrainConfig:
+        """Join the job, pick this process's device and its parallel layout (the planner's,
+        under --strategy auto)."""
+        device = resolve_device(config.device)
+        self.dist = init_distributed(device.type == "cuda",
+                                     force=config.strategy in ("ddp", "fsdp", "tp", "pp"))
+        if device.type == "cuda" and self.dist.world_size > 1:
+            device = torch.device("cuda", self.dist.local_rank)
+        self.device, self.is_main = device, self.dist.is_main
+        self.plan: Plan | None = None
+        if config.strategy == "auto":
+            from gpuflow.train.auto import plan_strategy
+
+            config, self.plan = plan_strategy(self.workload, config, self.dist.world_size)
+        self.dims = ParallelDims.from_config(config, self.dist.world_size)
+        return config
+
+    def _fit_batch(self, config: TrainConfig, example: Batch) -> TrainConfig:
+        """The micro-batch and accumulation: probed under --batch-size auto, and checked
+        against --global-batch."""
+        self.batch_probe: BatchProbe | None = None
+        dp = self.dims.dp
+        if config.batch_size == "auto":
+            from gpuflow.train.auto import probe_batch_size
+
+            self.batch_probe = probe_batch_size(
+                self.model, example, self._probe_step, config, self.dims.strategy, dp,
+                self.device, agree=self._all_agree if self.dims.world > 1 else None)
+            config = dataclasses.replace(config, batch_size=self.batch_probe.micro_batch,
+                                         grad_accum=self.batch_probe.grad_accum)
+        self.global_batch = self.dims.global_batch(config.batch_size, config.grad_accum)
+        if config.global_batch is not None and config.global_batch != self.global_batch:
+            raise UserError(
+                f"--global-batch {config.global_batch} is not --batch-size {config.batch_size} "
+                f"x --grad-accum {config.grad_accum} x {dp} data-parallel ranks "
+                f"({self.global_batch}); drop one, or use --batch-size auto.")
+        return config
+
+    def _probe_step(self, batch: Batch) -> None:
+        """Forward and backward of one batch, leaving no trace (for --batch-size auto)."""
+        probe_step(self.model, self.model, batch, self.workload.loss_fn, self.policy,
+                   self.device)
+
+    def _all_agree(self, value: int) -> int:
+        """The smallest of every rank's ``value``: all ranks act on the same verdict."""
+        tensor = torch.tensor(value, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+        return int(tensor.item())
+
+    def _schedule_steps(self, config: TrainConfig) -> None:
+        """Steps to run, batches per epoch and the evaluation set."""
+        dataset = self.workload.train_dataset
+        # None for a stream without a length: it has no epochs.
+        self.per_epoch_batches = (batches_per_epoch(dataset, config.batch_size, self.dims.dp)
+                                  if is_sized(dataset) else None)
+        self.eval_set = (eval_set(self.workload.val_dataset, config.batch_size,
+                                  config.eval_batches)
+                         if self.workload.val_dataset is not None else None)
+        self.eval_time_s = 0.0
+        if config.max_steps is not None:
+            self.total_steps = config.max_steps
+            return
+        assert self.per_epoch_batches is not None
+        epochs = config.epochs if config.epochs is not None else DEFAULT_EPOCHS
+        steps_per_epoch = max(1, self.per_epoch_batches // config.grad_accum)
+        self.total_steps = max(1, math.ceil(epochs * steps_per_epoch))
+
+    def _step_flops(self, example: Batch) -> int:
+        """FLOPs of one optimizer step over all data-parallel replicas."""
+        flops = step_flops(self.model, example, self.workload.loss_fn, self.policy,
+                           self.device, self.workload.name)
+        per_sample = flops / int(example[1].shape[0])
+        return round(per_sample * self.config.batch_size * self.config.grad_accum) * self.dims.dp
+
+    def _compile(self, example: Batch) -> Compiled | None:
+        compiled = compile_step(self.strategy.forward_model, self.model,
+                                self.workload.blocks(),
+                                resize_rows(example, self.config.batch_size),
+                                self.workload.loss_fn, self.policy, self.device,
+                                graphs=self.config.cuda_graphs)
+        if compiled is not None:
+            self.strategy.forward_model = compiled.module
+        return compiled
+
+    def _open_records(self, progress: ProgressDisplay | None, resumed: bool) -> None:
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.json").write_text(json.dumps(self.config.to_dict(),
+                                                                 indent=2))
+        self.metrics = MetricsLog(
+            self.run_dir / "metrics.jsonl",
+            self.run_dir / "tensorboard" if self.config.tensorboard else None,
+            enabled=self.is_main)
+        self.metrics.open(keep_until_step=self.position.step if resumed else None)
+        self.progress = progress or ProgressDisplay(
+            self.total_steps, self.position.step,
+            enabled=self.config.progress and self.is_main)
+        self.nonfinite_streak = 0
+        self._batches: DevicePrefetcher | None = None
+        self._stream: StreamBatches | None = None
+        self.started = time.perf_counter()
+        self.timer.start_window()
+
+    @property
+    def position(self) -> Position:
+        return self.state.position
+
+    @property
+    def step(self) -> int:
+        return self.state.position.step
+
+    @property
+    def exact_stream_resume(self) -> bool:
+        """A stream resumes exactly from its saved position when loaded in this process."""
+        return self.state.stream_start is not None and self.config.num_workers == 0
+
+    # --- the loop -----------------------------------------------------------------------
+
+    def _batch_stream(self) -> DevicePrefetcher:
+        if self._batches is None:
+            config, dataset = self.config, self.workload.train_dataset
+            source = train_batches(
+                dataset, config.batch_size, self.workload.collate,
+                seed=config.seed, start_batch=self.position.batches_consumed,
+                stream_start=self.state.stream_start,
+                num_workers=config.num_workers, pin_memory=self.device.type == "cuda",
+                rank=self.strategy.dp_rank, world_size=self.dims.dp,
+                batched_indexing=supports_batched_indexing(dataset, self.workload.collate_fn,
+                                                           self.workload.augment),
+                augment=self.workload.augment,
+            )
+            self._stream = source if isinstance(source, StreamBatches) else None
+            self._batches = DevicePrefetcher(source, self.device,
+                                             background=config.num_workers == 0)
+        return self._batches
+
+    def train_step(self) -> float:
+        """One optimizer step over ``grad_accum`` micro-batches; returns the mean loss."""
+        timer, batches, accum = self.timer, self._batch_stream(), self.config.grad_accum
+        losses = []
+        for micro in range(accum):
+            timer.wait_begin()
+            inputs, target = next(batches)
+            timer.wait_end()
+            timer.compute.begin()
+            losses.append(self.strategy.forward_backward(
+                inputs, target, self.workload.loss_fn, micro, accum, self.scaler))
+            timer.comm.end_if_begun()
+            timer.compute.end()
+        self.position.batches_consumed += accum
+        timer.optimizer.begin()
+        self.strategy.finish_backward()
+        loss = losses[0] if accum == 1 else torch.stack(losses).mean()
+        loss_value = self.strategy.mean_loss(loss).item()
+        self._optimizer_step(math.isfinite(loss_value))
+        timer.optimizer.end()
+        self.position.step += 1
+        self.position.samples_seen += self.global_batch
+        window = timer.window
+        window.steps += 1
+        window.samples += self.global_batch
+        window.loss_sum += loss_value
+        return loss_value
+
+    def _optimizer_step(self, finite: bool) -> None:
+        """Update, or count a skipped step: a non-finite loss or an fp16 overflow."""
+        self.nonfinite_streak = 0 if finite else self.nonfinite_streak + 1
+        clip_at = self.config.clip_grad
+        clip = (lambda: self.strategy.clip_grad_norm(clip_at)) if clip_at else None
+        stepped = optimizer_step(self.optimizer, self.scheduler, self.scaler, clip, finite)
+        self.position.skipped_steps += not stepped
+
+    def run_steps(self, count: int) -> None:
+        """Run up to ``count`` steps with everything a step entails: logging, evaluation
+        and checkpoints on their schedules, and the non-finite-loss stop."""
+        config = self.config
+        for _ in range(min(count, self.total_steps - self.step)):
+            self.train_step()
+            if self.nonfinite_streak >= config.max_nonfinite_steps:
+                self._stop_nonfinite()
+            at_end = self.step == self.total_steps
+            if self.step % config.log_every == 0 or at_end:
+                self._log_window()
+            if config.eval_every and self.step % config.eval_every == 0 and not at_end:
+                self.evaluate()
+            if config.checkpoint_every and self.step % config.checkpoint_every == 0:
+                self.save_checkpoint()
+
+    def fit(self) -> RunResult:
+        """Train to ``total_steps``, evaluate, save the final checkpoint and the summary."""
+        if self.is_main:
+            self.progress.announce(record.banner(self))
+        try:
+            self.run_steps(self.total_steps - self.step)
+            final = self.evaluate()
+            last = self.state.last
+            if self.config.save_checkpoints and (last is None or last.step != self.step):
+                self.save_checkpoint()
+        finally:
+            self.close()
+        summary = record.write_summary(self, final)
+        return RunResult(self.run_dir, self.step, final, summary, self.model)
+
+    def close(self) -> None:
+        if self._batches is not None:
+            self._batches.close()
+            self._batches = None
+        self.progress.close()
+        self.metrics.close()
+
+    def save_checkpoint(self) -> None:
+        self.state.save(self._stream, streaming=is_stream(self.workload.train_dataset))
+
+    def _stop_nonfinite(self) -> None:
+        first = self.step - self.nonfinite_streak + 1
+        last = self.state.last
+        where = (f"the last good checkpoint is {last.path}" if last
+                 else "no checkpoint was saved before it")
+        raise NonFiniteLossError(
+            f"The loss was NaN/inf for {self.nonfinite_streak} consecutive steps "
+            f"({first}-{self.step}); training stopped and {where}. Try a lower --lr, "
+            "--clip-grad 1.0, a longer --warmup-steps, or --precision bf16 instead of fp16.")
+
+    def _log_window(self) -> None:
+        line = record.window_record(self, self.timer.close_window())
+        self.metrics.write(line)
+        self.progress.update(self.step, line)
+
+    def evaluate(self) -> dict[str, float]:
+        """Loss and the workload's metrics over the validation set (see
+        :func:`gpuflow.train.evaluate.evaluate`), logged and shown."""
+        if self.eval_set is None:
+            return {}
+        started = time.perf_counter()
+        result = evaluate(self.strategy, self.eval_set, self.workload, self.policy,
+                          self.device, self.config.num_workers)
+        seconds = time.perf_counter() - started
+        self.eval_time_s += seconds
+        self.metrics.write({"event": "eval", "step": self.step, "eval_s": seconds, **result})
+        self.progress.message(f"eval @ step {self.step}: " + ", ".join(
+            f"{name} {value:.4f}" for name, value in result.items()))
+        return result
+
+def train(workload: Workload, config: TrainConfig | None = None,
+          progress: ProgressDisplay | None = None) -> RunResult:
+    """Train ``workload`` as ``config`` says; the Python API behind `gpuflow train`."""
+    return Trainer(workload, config or TrainConfig(), progress).fit()
