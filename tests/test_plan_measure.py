@@ -63,5 +63,6 @@ def test_a_measured_efficiency_makes_the_planner_predict_the_measured_step() -> 
     with torch.device("meta"):
         workload = resolve_workload("textlm", spec)
     profile = profile_workload(workload, "fp32")
-    predicted = predict_step_time(profile, Layout("single", micro_batch=4), hardware).step_s
+    layout = Layout(strategy="single", micro_batch=4)
+    predicted = predict_step_time(profile, layout, hardware).step_s
     assert predicted == pytest.approx(measured.step_time_s, rel=0.05)

@@ -94,20 +94,20 @@ def test_single_process_peak_memory_is_predicted_within_15_percent(
     options = {"data": "synthetic", **({"model_size": size} if size else {})}
     workload = resolve_workload(name, options)
     profile = profile_workload(workload, precision)
-    predicted = predict_memory(profile, Layout("single", precision=precision,
+    predicted = predict_memory(profile, Layout(strategy="single", precision=precision,
                                                micro_batch=micro_batch)).peak
     measured = measured_peak(workload, precision, micro_batch)
     assert abs(predicted / measured - 1) < TOLERANCE, (predicted, measured)
 
 
 def test_activation_checkpointing_prediction_tracks_the_measurement() -> None:
-    from gpuflow.train.loop import apply_activation_checkpointing
+    from gpuflow.parallel.strategy import apply_activation_checkpointing
 
     workload = resolve_workload("textlm", {"data": "synthetic", "model_size": SMALL_GPT})
     profile = profile_workload(workload, "fp32")
-    plain = predict_memory(profile, Layout("single", micro_batch=8)).peak
+    plain = predict_memory(profile, Layout(strategy="single", micro_batch=8)).peak
     apply_activation_checkpointing(workload.model, workload.blocks())
-    predicted = predict_memory(profile, Layout("single", activation_checkpointing=True,
+    predicted = predict_memory(profile, Layout(strategy="single", activation_checkpointing=True,
                                                micro_batch=8)).peak
     measured = measured_peak(workload, "fp32", 8)
     assert predicted < plain
@@ -135,17 +135,17 @@ def test_analytic_transformer_matches_the_trace_of_the_built_in_gpt() -> None:
 
 
 STRATEGIES = {
-    "ddp": Layout("ddp", dp=2, micro_batch=4),
-    "fsdp": Layout("fsdp", dp=2, micro_batch=4),
-    "fsdp-no-reshard": Layout("fsdp", dp=2, reshard_after_forward=False, micro_batch=4),
-    "fsdp-model": Layout("fsdp", dp=2, reshard_after_forward=False, fsdp_wrap="model",
+    "ddp": Layout(strategy="ddp", dp=2, micro_batch=4),
+    "fsdp": Layout(strategy="fsdp", dp=2, micro_batch=4),
+    "fsdp-no-reshard": Layout(strategy="fsdp", dp=2, reshard_after_forward=False, micro_batch=4),
+    "fsdp-model": Layout(strategy="fsdp", dp=2, reshard_after_forward=False, fsdp_wrap="model",
                          micro_batch=4),
-    "tp": Layout("tp", tp=2, micro_batch=4),
+    "tp": Layout(strategy="tp", tp=2, micro_batch=4),
     # two stages, one micro-batch: MemTracker refuses a module called twice in a step
-    "pp": Layout("single", pp=2, micro_batch=8),
+    "pp": Layout(strategy="pp", pp=2, micro_batch=8),
     # FSDP gathers bf16 parameters, so bf16 flows between the layers (memory only: bf16 is
     # emulated, slowly, on CPUs without native support)
-    "fsdp-bf16": Layout("fsdp", dp=2, micro_batch=4, precision="bf16"),
+    "fsdp-bf16": Layout(strategy="fsdp", dp=2, micro_batch=4, precision="bf16"),
 }
 # The same global batch of 8 for timing: tensor-parallel ranks share one micro-batch. The
 # pipeline is ranked at a larger size (test_pipeline_is_ranked_where_compute_dominates):
@@ -153,7 +153,7 @@ STRATEGIES = {
 # against 4-6 ms of modelled compute, bubble and sends), which the planner does not model.
 TIMED_LAYOUTS = {**{name: layout for name, layout in STRATEGIES.items()
                     if name != "pp" and layout.precision == "fp32"},
-                 "tp": Layout("tp", tp=2, micro_batch=8)}
+                 "tp": Layout(strategy="tp", tp=2, micro_batch=8)}
 
 
 def _strategy_step(workload: Workload, layout: Layout) -> tuple[Any, nn.Module]:
@@ -162,8 +162,9 @@ def _strategy_step(workload: Workload, layout: Layout) -> tuple[Any, nn.Module]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from gpuflow.data.prefetch import resize_rows
-    from gpuflow.parallel.data_parallel import apply_ddp, apply_fsdp
     from gpuflow.parallel.pipeline import Pipeline
+    from gpuflow.parallel.replicated import apply_ddp
+    from gpuflow.parallel.sharded import apply_fsdp
     from gpuflow.parallel.tensor import apply_tensor_parallel
 
     model, cpu = workload.model, torch.device("cpu")
@@ -224,10 +225,11 @@ def _fastest_step_s(steps: dict[str, tuple[Any, Any, Any]], rounds: int, warmup:
 # tensor-parallel plan) and, where batches have one shape (not speech), two pipeline stages,
 # at their single-process cases' micro-batches.
 OTHER_WORKLOAD_CASES = {
-    **{f"{name}/{strategy}": (name, size, Layout(strategy, dp=2, micro_batch=micro_batch))
+    **{f"{name}/{strategy}": (name, size, Layout(strategy=strategy, dp=2,
+                                                 micro_batch=micro_batch))
        for name, size, precision, micro_batch in CASES
        if name != "textlm" and precision == "fp32" for strategy in ("ddp", "fsdp")},
-    **{f"{name}/pp": (name, size, Layout("single", pp=2, micro_batch=micro_batch))
+    **{f"{name}/pp": (name, size, Layout(strategy="pp", pp=2, micro_batch=micro_batch))
        for name, size, precision, micro_batch in CASES
        if name in ("digits", "mnist-idx") and precision == "fp32"},
 }
@@ -242,7 +244,7 @@ def _measure_peak(workload: Workload, layout: Layout) -> tuple[int, Any, Any]:
 
     The strategy is applied inside the tracker (DDP's buckets, FSDP's shards count), except
     a pipeline's, whose traced stage modules MemTracker must meet before it tracks them."""
-    batch = _batch(workload, layout.global_batch // layout.dp)  # data made outside
+    batch = _batch(workload, layout.samples_per_step // layout.dp)  # data made outside
     tracker = MemTracker()
     setup = contextlib.nullcontext() if layout.pp > 1 else tracker
     if layout.pp == 1:
@@ -272,7 +274,7 @@ def _two_rank_worker(rank: int, port: int, out: str) -> None:
             # Timed afterwards, untracked, at the global batch every strategy shares.
             timed = TIMED_LAYOUTS.get(name, layout)
             steps[name] = (forward_backward, optimizer,
-                           _batch(workload, timed.global_batch // timed.dp))
+                           _batch(workload, timed.samples_per_step // timed.dp))
     step_s = _fastest_step_s(steps, rounds=6, warmup=2)
     for key, (name, size, layout) in OTHER_WORKLOAD_CASES.items():
         peaks[key] = _measure_peak(_workload(name, size), layout)[0]
@@ -350,9 +352,9 @@ def test_equally_fast_plans_are_ranked_by_their_collective_calls() -> None:
 # Where compute dominates the frameworks' per-call costs, the pipeline is ranked too: with
 # one micro-batch its bubble makes each rank wait through the other stage's whole share.
 MEDIUM_GPT = "layers=4,dim=256,heads=4,seq=128"
-COMPUTE_BOUND_LAYOUTS = {"ddp": Layout("ddp", dp=2, micro_batch=4),
-                         "fsdp": Layout("fsdp", dp=2, micro_batch=4),
-                         "pp": Layout("single", pp=2, micro_batch=8)}
+COMPUTE_BOUND_LAYOUTS = {"ddp": Layout(strategy="ddp", dp=2, micro_batch=4),
+                         "fsdp": Layout(strategy="fsdp", dp=2, micro_batch=4),
+                         "pp": Layout(strategy="pp", pp=2, micro_batch=8)}
 
 
 def _compute_bound_worker(rank: int, port: int, out: str) -> None:
@@ -365,7 +367,7 @@ def _compute_bound_worker(rank: int, port: int, out: str) -> None:
         forward_backward, local = _strategy_step(workload, layout)
         optimizer = build_optimizer(local, TrainConfig(), torch.device("cpu"))
         steps[name] = (forward_backward, optimizer,
-                       _batch(workload, layout.global_batch // layout.dp))
+                       _batch(workload, layout.samples_per_step // layout.dp))
     Path(f"{out}.{rank}").write_text(json.dumps(_fastest_step_s(steps, rounds=5, warmup=1)))
     dist.destroy_process_group()
 
@@ -414,7 +416,7 @@ def test_predicted_step_times_order_like_the_measured_ones() -> None:
     predicted, measured = {}, {}
     for precision in ("fp32", "bf16"):
         profile = profile_workload(workload, precision)
-        layout = Layout("single", precision=precision, micro_batch=4)
+        layout = Layout(strategy="single", precision=precision, micro_batch=4)
         predicted[precision] = predict_step_time(profile, layout, hardware).step_s
         optimizer = build_optimizer(workload.model, TrainConfig(), torch.device("cpu"))
         tracker = MemTracker()
@@ -425,9 +427,9 @@ def test_predicted_step_times_order_like_the_measured_ones() -> None:
     assert (predicted["bf16"] < predicted["fp32"]) == (measured["bf16"] < measured["fp32"]), (
         predicted, measured)
     profile = profile_workload(workload, "fp32")
-    plain = predict_step_time(profile, Layout("single", micro_batch=4), hardware).step_s
+    plain = predict_step_time(profile, Layout(strategy="single", micro_batch=4), hardware).step_s
     checkpointed = predict_step_time(
-        profile, Layout("single", activation_checkpointing=True, micro_batch=4), hardware)
+        profile, Layout(strategy="single", activation_checkpointing=True, micro_batch=4), hardware)
     assert checkpointed.step_s == pytest.approx(plain * 4 / 3)
 
 
@@ -452,7 +454,7 @@ def test_ddp_bucket_size_sets_its_all_reduce_calls() -> None:
     gradients = 4 * profile.params  # fp32
 
     def ddp(bucket_mb: float | None) -> tuple[Any, Any]:
-        layout = Layout("ddp", dp=8, precision="bf16", micro_batch=4, bucket_mb=bucket_mb)
+        layout = Layout(strategy="ddp", dp=8, precision="bf16", micro_batch=4, bucket_mb=bucket_mb)
         time = predict_step_time(profile, layout, hardware)
         return next(c for c in time.collectives if "DDP" in c.name), time
 
@@ -477,7 +479,7 @@ def test_fsdp_prefetch_holds_more_blocks_gathered_and_keeps_per_block_plans() ->
     profile = profile_workload(workload, "bf16", fsdp=True)
     per_block = profile.block_params / profile.layers
     # A micro-batch of 1: the parameters, not the activations, set the peak.
-    peaks = {depth: predict_memory(profile, Layout("fsdp", dp=8, precision="bf16",
+    peaks = {depth: predict_memory(profile, Layout(strategy="fsdp", dp=8, precision="bf16",
                                                    fsdp_prefetch=depth)).peak
              for depth in (None, 1, 3)}
     assert peaks[1] == peaks[None]
@@ -508,6 +510,39 @@ def test_choose_plan_returns_a_plan_the_trainer_can_apply() -> None:
         choose_plan(workload, TrainConfig(precision="bf16"), tiny_memory)
 
 
+def test_candidates_are_the_layouts_the_trainer_runs_by_its_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On every mesh the planner proposes what ParallelDims.runnable gives, so a pipeline is
+    pp alone or fsdp with pp > 1 (never ddp, tp or single with stages, nor tp with pp), and
+    --strategy auto applies a plan's layout to the config field for field."""
+    from dataclasses import fields
+
+    from gpuflow.parallel.dims import ParallelDims
+    from gpuflow.planner.search import candidate_layouts, evaluate
+    from gpuflow.train import auto
+
+    layouts = list(candidate_layouts(8, 16, ["bf16"], 8, True, True, 8))
+    for dp, tp, pp in {(lay.dp, lay.tp, lay.pp) for lay in layouts}:
+        proposed = {lay.describe() for lay in layouts if (lay.dp, lay.tp, lay.pp) == (dp, tp, pp)}
+        assert proposed == {dims.describe() for dims in ParallelDims.runnable(dp, tp, pp)}
+    pipelines = {lay.describe() for lay in layouts if lay.pp > 1}
+    assert "pp dp1xtp1xpp8" in pipelines and "fsdp dp4xtp1xpp2" in pipelines
+    assert all(lay.strategy in ("pp", "fsdp") and lay.tp == 1 for lay in layouts if lay.pp > 1)
+
+    workload = _workload("textlm", SMALL_GPT)
+    pipelined = next(lay for lay in layouts if lay.describe() == "fsdp(no-reshard) dp4xtp1xpp2")
+    plan = evaluate({"bf16": profile_workload(workload, "bf16")}, pipelined,
+                    gpu_hardware("h100", 8))
+    monkeypatch.setattr(auto, "choose_plan", lambda *_: plan)
+    config, chosen = auto.plan_strategy(workload, TrainConfig(precision="bf16", batch_size=2), 8)
+    assert chosen is plan
+    assert ParallelDims.from_config(config, 8) == ParallelDims(
+        **{f.name: getattr(pipelined, f.name) for f in fields(ParallelDims)})
+    assert (config.batch_size, config.grad_accum) == (pipelined.micro_batch,
+                                                      pipelined.grad_accum)
+
+
 def test_batch_size_auto_finds_the_largest_fitting_micro_batch_and_leaks_nothing() -> None:
     workload = resolve_workload("textlm", {"data": "synthetic", "model_size": SMALL_GPT})
     model = workload.model
@@ -518,7 +553,7 @@ def test_batch_size_auto_finds_the_largest_fitting_micro_batch_and_leaks_nothing
         workload.loss_fn(model(inputs), target).backward()
 
     profile = profile_workload(workload, "fp32")
-    budget = int(predict_memory(profile, Layout("single", micro_batch=12)).peak)
+    budget = int(predict_memory(profile, Layout(strategy="single", micro_batch=12)).peak)
     found = find_max_batch_size(step, tracked=[model, optimizer], memory_cap=budget)
     assert 6 <= found <= 24
     assert all(p.grad is None for p in model.parameters())

@@ -112,9 +112,10 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from gpuflow.planner.search import recommendation, search
 
     precisions = _precisions(args.precision)
-    run_settings = TrainConfig(optimizer=args.optimizer, bucket_mb=args.bucket_mb,
-                               fsdp_prefetch=args.fsdp_prefetch)
-    run_settings.validate()
+    # The run's fixed knobs, checked as `gpuflow train` checks them.
+    fixed = TrainConfig(optimizer=args.optimizer, bucket_mb=args.bucket_mb,
+                        fsdp_prefetch=args.fsdp_prefetch)
+    fixed.validate()
     hardware = gpu_hardware(args.gpu_type, args.gpus, args.nodes, args.gpu_mem_gib,
                             args.intra_bw, args.inter_bw, args.efficiency)
     global_batch = args.global_batch or 8 * hardware.devices
@@ -127,7 +128,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                                                max(1, global_batch // hardware.devices))
     profiles = _profiles(args, precisions, hardware.devices)
     plans = search(profiles, hardware, global_batch, pipeline=args.pipeline,
-                   settings=RunSettings.of(run_settings))
+                   settings=RunSettings.of(fixed))
     if not plans:
         raise UserError(f"No mesh of {hardware.devices} devices divides a global batch of "
                         f"{global_batch}; choose a multiple of the device count.")

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from gpuflow.devices import cpu_peak, total_memory
 from gpuflow.errors import UserError
+from gpuflow.parallel.dims import ParallelDims
 from gpuflow.planner.cost import StepTime, predict_step_time
 from gpuflow.planner.layout import DEFAULT_SETTINGS, Layout, RunSettings
 from gpuflow.planner.machine import (
@@ -48,7 +49,7 @@ class Plan:
 
     @property
     def samples_per_s(self) -> float:
-        return self.layout.global_batch / self.time.step_s
+        return self.layout.samples_per_step / self.time.step_s
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready: the layout, memory in bytes, times in seconds."""
@@ -60,7 +61,7 @@ class Plan:
             "precision": layout.precision,
             "activation_checkpointing": layout.activation_checkpointing,
             "micro_batch": layout.micro_batch, "grad_accum": layout.grad_accum,
-            "global_batch": layout.global_batch, "fits": self.fits,
+            "global_batch": layout.samples_per_step, "fits": self.fits,
             "memory_bytes": self.memory.as_dict(),
             "step_time_s": {
                 "compute": self.time.compute_s, "recompute": self.time.recompute_s,
@@ -83,7 +84,8 @@ def candidate_layouts(world: int, global_batch: int, precisions: Sequence[str],
                       layers: int, tensor_parallel: bool, pipeline: bool,
                       gpus_per_node: int, settings: RunSettings = DEFAULT_SETTINGS
                       ) -> Iterator[Layout]:
-    """Every mesh dp x tp x pp of ``world`` ranks and every way to run it that gpuflow has.
+    """Every mesh dp x tp x pp of ``world`` ranks and every strategy the trainer runs on it
+    (:meth:`ParallelDims.runnable`).
 
     Tensor parallelism stays inside a node; pipeline stages need at least one block each;
     micro-batches are the divisors of the per-replica batch. A run that prefetches FSDP's
@@ -98,19 +100,16 @@ def candidate_layouts(world: int, global_batch: int, precisions: Sequence[str],
             dp = world // (tp * pp)
             if global_batch % dp:
                 continue
-            if dp == 1:
-                kinds = [("tp" if tp > 1 else "single", True, "block")]
-            else:
-                kinds = [("fsdp", True, "block"), ("fsdp", False, "block")]
-                kinds += [("fsdp", False, "model")] if settings.fsdp_prefetch is None else []
-                kinds += [("ddp", True, "block")] if tp == 1 else []
-            for strategy, reshard, wrap in kinds:
+            for dims in ParallelDims.runnable(dp, tp, pp, fsdp_prefetch=settings.fsdp_prefetch,
+                                              bucket_mb=settings.bucket_mb):
                 for precision in precisions:
                     for checkpointing in (False, True):
                         for micro in _divisors(global_batch // dp):
-                            yield Layout(strategy, dp, tp, pp, reshard, wrap, precision,
-                                         checkpointing, micro, global_batch // (dp * micro),
-                                         **asdict(settings))
+                            yield Layout(**dims.as_dict(), optimizer=settings.optimizer,
+                                         precision=precision,
+                                         activation_checkpointing=checkpointing,
+                                         micro_batch=micro,
+                                         grad_accum=global_batch // (dp * micro))
 
 
 def evaluate(profiles: dict[str, ModelProfile], layout: Layout, hardware: Hardware) -> Plan:

@@ -21,14 +21,12 @@ from gpuflow.devices import total_memory
 from gpuflow.errors import UserError
 from gpuflow.planner import choose_plan, find_max_batch_size
 from gpuflow.planner.batch_size import accumulation_for
+from gpuflow.planner.layout import OPTIMIZER_STATE_BYTES
 from gpuflow.planner.search import Plan
 from gpuflow.workload import Batch, Workload
 
 # Strategies whose memory one process can probe for all: the model is whole on each rank.
 _PROBED_STRATEGIES = ("single", "ddp")
-# Optimizer state per parameter byte, held in the probe so the step still fits after the
-# first optimizer step allocates it.
-_OPTIMIZER_STATE = {"adamw": 2, "sgd": 1}
 
 
 def requested_global_batch(config: TrainConfig, world: int) -> int:
@@ -41,7 +39,8 @@ def requested_global_batch(config: TrainConfig, world: int) -> int:
 
 def plan_strategy(workload: Workload, config: TrainConfig, world: int
                   ) -> tuple[TrainConfig, Plan]:
-    """The config with the planner's best layout for ``world`` devices applied."""
+    """The config with the planner's best layout for ``world`` devices applied: the
+    layout's fields are the config's, under the same names."""
     global_batch = requested_global_batch(config, world)
     if global_batch % world:
         raise UserError(f"--global-batch {global_batch} does not divide over {world} "
@@ -52,15 +51,13 @@ def plan_strategy(workload: Workload, config: TrainConfig, world: int
     wanted = dataclasses.replace(config, batch_size=global_batch // world, grad_accum=1,
                                  precision=precision)
     plan = choose_plan(workload, wanted, world)
-    strategy = plan.strategy
-    if plan.pp > 1:
-        strategy = "pp" if plan.dp == 1 else "fsdp"
-    batch_size: int | str = "auto" if config.batch_size == "auto" else plan.micro_batch
+    layout = plan.layout
+    batch_size: int | str = "auto" if config.batch_size == "auto" else layout.micro_batch
     chosen = dataclasses.replace(
-        config, strategy=strategy, tp=plan.tp, pp=plan.pp, dp=None,
-        reshard_after_forward=plan.reshard_after_forward, fsdp_wrap=plan.fsdp_wrap,
-        activation_checkpointing=plan.activation_checkpointing,
-        batch_size=batch_size, grad_accum=plan.grad_accum, global_batch=global_batch)
+        config, strategy=layout.strategy, dp=layout.dp, tp=layout.tp, pp=layout.pp,
+        reshard_after_forward=layout.reshard_after_forward, fsdp_wrap=layout.fsdp_wrap,
+        activation_checkpointing=layout.activation_checkpointing,
+        batch_size=batch_size, grad_accum=layout.grad_accum, global_batch=global_batch)
     return chosen, plan
 
 
@@ -86,7 +83,8 @@ def probe_batch_size(model: nn.Module, example: Batch, loss_step: Callable[[Batc
 
     Runs before the model is wrapped: each rank holds the whole model under single and DDP
     only, so other strategies are refused (their memory depends on shards that do not
-    exist yet). The optimizer state (and DDP's gradient buckets) is reserved up front.
+    exist yet). The optimizer state (and DDP's gradient buckets) is reserved up front:
+    ``OPTIMIZER_STATE_BYTES`` per parameter, as the planner counts it.
     """
     if strategy not in _PROBED_STRATEGIES:
         raise UserError(
@@ -97,8 +95,10 @@ def probe_batch_size(model: nn.Module, example: Batch, loss_step: Callable[[Batc
     if global_batch % dp:
         raise UserError(f"--global-batch {global_batch} does not divide over {dp} "
                         "data-parallel ranks.")
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    reserved = param_bytes * (_OPTIMIZER_STATE[config.optimizer] + (strategy == "ddp"))
+    params = list(model.parameters())
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    reserved = (sum(p.numel() for p in params) * OPTIMIZER_STATE_BYTES[config.optimizer]
+                + (param_bytes if strategy == "ddp" else 0))
     cap = _memory_cap(config, device)
 
     def step(rows: int) -> None:
