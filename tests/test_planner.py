@@ -161,10 +161,10 @@ def _strategy_step(workload: Workload, layout: Layout) -> tuple[Any, nn.Module]:
     forward and backward of a batch, and the module holding this rank's parameters."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from gpuflow.data.prefetch import resize_rows
     from gpuflow.parallel.pipeline import Pipeline
     from gpuflow.parallel.replicated import apply_ddp
     from gpuflow.parallel.sharded import apply_fsdp
+    from gpuflow.parallel.strategy import resize_rows
     from gpuflow.parallel.tensor import apply_tensor_parallel
 
     model, cpu = workload.model, torch.device("cpu")

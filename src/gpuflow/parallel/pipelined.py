@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from gpuflow.data.prefetch import resize_rows
 from gpuflow.errors import UserError
 from gpuflow.parallel.sharded import apply_fsdp
 from gpuflow.parallel.strategy import (
@@ -18,6 +17,7 @@ from gpuflow.parallel.strategy import (
     State,
     Strategy,
     apply_activation_checkpointing,
+    resize_rows,
 )
 from gpuflow.telemetry import waits as timed_waits
 

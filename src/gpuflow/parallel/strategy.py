@@ -44,6 +44,21 @@ def call_model(model: nn.Module, inputs: Any) -> Any:
     return model(inputs)
 
 
+def resize_rows(tree: Any, rows: int) -> Any:
+    """Every tensor in ``tree`` cut or padded (repeating its last row) to ``rows`` rows.
+
+    A traced pipeline runs fixed micro-batch shapes: the trace needs an example of exactly
+    one micro-batch, and a short last evaluation batch is padded up to a full one.
+    """
+    def resize(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.shape[0] >= rows:
+            return tensor[:rows]
+        padding = tensor[-1:].expand(rows - tensor.shape[0], *tensor.shape[1:])
+        return torch.cat([tensor, padding])
+
+    return torch.utils._pytree.tree_map_only(torch.Tensor, resize, tree)
+
+
 @dataclass(frozen=True)
 class ModelParts:
     """What a strategy needs to know of a workload's model, and nothing of its data."""

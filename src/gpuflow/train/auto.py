@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from gpuflow.config import DEFAULT_BATCH_SIZE, TrainConfig
-from gpuflow.data.prefetch import resize_rows
 from gpuflow.devices import total_memory
 from gpuflow.errors import UserError
+from gpuflow.parallel.strategy import resize_rows
 from gpuflow.planner import choose_plan, find_max_batch_size
 from gpuflow.planner.batch_size import accumulation_for
 from gpuflow.planner.layout import OPTIMIZER_STATE_BYTES

@@ -26,12 +26,12 @@ from gpuflow.config import TrainConfig
 from gpuflow.data.eval_set import eval_set
 from gpuflow.data.iterable import StreamBatches, is_sized, is_stream
 from gpuflow.data.loader import batches_per_epoch, supports_batched_indexing, train_batches
-from gpuflow.data.prefetch import DevicePrefetcher, move_to_device, resize_rows
+from gpuflow.data.prefetch import DevicePrefetcher, move_to_device
 from gpuflow.devices import peak_flops, resolve_device
 from gpuflow.errors import NonFiniteLossError, UserError
 from gpuflow.parallel.dims import ParallelDims
 from gpuflow.parallel.env import init_distributed
-from gpuflow.parallel.strategy import ModelParts, build_strategy
+from gpuflow.parallel.strategy import ModelParts, build_strategy, resize_rows
 from gpuflow.precision import make_policy
 from gpuflow.telemetry.steps import MetricsLog, StepTimer
 from gpuflow.train import fp8, record
