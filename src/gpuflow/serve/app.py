@@ -39,6 +39,7 @@ from gpuflow.serve.batcher import Batcher, BatchFailed, DeadlineExceeded, QueueF
 from gpuflow.serve.completions import RequestProblem, add_completion_routes
 from gpuflow.serve.engine import Engine, EngineOptions
 from gpuflow.serve.generate.engine import GenerationEngine, build_generator
+from gpuflow.serve.generate.models import refusal
 from gpuflow.serve.metrics import ServeMetrics
 from gpuflow.serving import InputError, PredictRequest
 
@@ -330,7 +331,8 @@ def create_app(settings: ServeSettings, load: Callable[[], Engine] | None = None
         if state.generator is None:
             raise RequestProblem(404, "not_a_language_model", f"This server's model "
                                  f"({state.engine.loaded.workload.name}) does not generate "
-                                 "text; use /v1/predict.")
+                                 f"text ({refusal(state.engine.loaded.model)}); use "
+                                 "/v1/predict.")
         return state.generator
 
     def model_name() -> str:

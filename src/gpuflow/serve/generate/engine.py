@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -24,13 +25,16 @@ import torch
 
 from gpuflow.devices import total_memory
 from gpuflow.errors import UserError
-from gpuflow.serve.generate.models import cached_lm
+from gpuflow.serve.generate.models import cached_lm, refusal
 from gpuflow.serve.generate.sampling import Sampler, SamplingParams
 from gpuflow.serve.generate.text import TextStream
 
+log = logging.getLogger("gpuflow.serve")
+
 
 class CachedLM(Protocol):
-    """A causal LM that decodes over a cache: what the engine needs of a model."""
+    """A causal LM that decodes over a cache: what the engine needs of a model. The cache
+    (``new_cache``) has ``keys`` (a tensor on the model's device) and ``nbytes()``."""
 
     context: int
     vocab_size: int
@@ -39,7 +43,11 @@ class CachedLM(Protocol):
     def bytes_per_slot(self) -> int: ...
     def tokenize(self, text: str) -> list[int]: ...
     def logits(self, tokens: torch.Tensor, cache: Any, slots: torch.Tensor,
-               starts: torch.Tensor) -> torch.Tensor: ...
+               starts: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, T', V]`` of ``tokens[B, T]`` (the engine reads the last position
+        only, so ``T'`` may be 1), row ``b`` being the sequence in cache slot ``slots[b]``
+        whose tokens so far end at ``starts[b]``; the new tokens' keys and values are
+        written into the cache."""
     def token_bytes(self, token: int) -> bytes: ...
 
 
@@ -277,6 +285,7 @@ def build_generator(model: torch.nn.Module, runner: Any, kv_cache_gib: float | N
     dtype = runner.policy.autocast_dtype or torch.float32
     lm = cached_lm(model, dtype)
     if lm is None:
+        log.info("gpuflow serve: no /v1/completions: %s", refusal(model))
         return None
     budget = (int(kv_cache_gib * 2**30) if kv_cache_gib is not None
               else default_cache_budget(runner.device))

@@ -1,0 +1,253 @@
+"""Hugging Face causal LMs in the generation engine, through transformers' own cache API.
+
+``SlotCache`` is a ``transformers.Cache`` whose layers hold the keys and values of every
+cache slot, allocated once: ``[slots, kv_heads, context, head_dim]`` per layer. Before each
+forward the adapter tells it where each row of the batch writes (its slot and the position
+of its first new token); every attention layer's ``cache.update(...)`` then writes the new
+keys and values there and reads back the rows' prefixes up to the longest one's end. With
+per-row ``position_ids`` and a 4-D attention mask (row ``b``'s token ``t`` sees its own
+slot's positions up to ``starts[b] + t``), one forward decodes every active sequence at its
+own position, as ``GPT.decode`` does for gpuflow's GPT.
+
+Tokens are bytes: ids 0..255 of the model's vocabulary, as gpuflow's text workloads train
+a Hugging Face LM (a larger vocabulary's other ids are never chosen).
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Cache, DynamicCache, PreTrainedModel
+from transformers.cache_utils import CacheLayerMixin, DynamicLayer
+
+BYTES = 256
+ATTENTION = ("sdpa", "eager")  # the implementations that take a 4-D custom mask
+
+
+@dataclass(frozen=True)
+class _Step:
+    """Where one forward reads and writes: each row's cache slot and first new position,
+    its new tokens' count, and the longest prefix after it. ``run`` is the slots as a
+    slice when they are consecutive, so their prefixes are read in place."""
+
+    slots: torch.Tensor
+    starts: torch.Tensor
+    length: int
+    span: int
+    run: slice | None
+
+    def prefix(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor[slots, :, :span]`` of one layer's ``[slots, heads, context, dim]``."""
+        if self.run is not None:
+            return tensor[self.run, :, :self.span]
+        return tensor[:, :, :self.span].index_select(0, self.slots)
+
+
+class SlotLayer(CacheLayerMixin):
+    """One attention layer's keys and values for every slot, written at each row's own
+    positions."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, owner: SlotCache, keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__()
+        self.owner = owner
+        self.keys, self.values = keys, values
+        self.device = keys.device
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass  # allocated once, up front
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``key_states[B, heads, T, dim]`` (and values) at each row's slot and
+        positions; return the rows' keys and values up to the longest row's end."""
+        step = self.owner.step
+        assert step is not None, "SlotCache.at(...) sets each forward's rows first"
+        batch, _, length, _ = key_states.shape
+        offsets = step.starts[:, None] + torch.arange(length, device=key_states.device)
+        rows = step.slots[:, None].expand(batch, length)
+        self.keys[rows, :, offsets] = key_states.transpose(1, 2).to(self.keys.dtype)
+        self.values[rows, :, offsets] = value_states.transpose(1, 2).to(self.values.dtype)
+        return (step.prefix(self.keys).to(key_states.dtype),
+                step.prefix(self.values).to(value_states.dtype))
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        step = self.owner.step
+        return (query_length if step is None else step.span), 0
+
+    def get_seq_length(self) -> int:
+        step = self.owner.step
+        return 0 if step is None else step.span - step.length
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[2]
+
+
+class SlotCache(Cache):
+    """Every layer's keys and values for ``slots`` sequences of up to ``context`` tokens,
+    ``[layers, slots, kv_heads, context, head_dim]`` each, allocated once."""
+
+    def __init__(self, shape: CacheShape, slots: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        dims = (shape.layers, slots, shape.heads, shape.context)
+        self.keys = torch.zeros((*dims, shape.key_dim), device=device, dtype=dtype)
+        self.values = torch.zeros((*dims, shape.value_dim), device=device, dtype=dtype)
+        self.slots = slots
+        self.step: _Step | None = None
+        super().__init__(layers=[SlotLayer(self, k, v)
+                                 for k, v in zip(self.keys, self.values, strict=True)])
+
+    def nbytes(self) -> int:
+        return (self.keys.numel() + self.values.numel()) * self.keys.element_size()
+
+    def at(self, slots: torch.Tensor, starts: torch.Tensor, length: int, span: int) -> None:
+        """The rows of the next forward: slot and first position of each, ``length`` new
+        tokens each, ``span`` the longest prefix after it."""
+        run = None
+        if slots.device.type == "cpu":  # looking costs a device sync elsewhere
+            first = int(slots[0])
+            if torch.equal(slots, torch.arange(first, first + len(slots))):
+                run = slice(first, first + len(slots))
+        self.step = _Step(slots, starts, length, span, run)
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """What one slot holds: layers, key/value heads and dims, and the context length."""
+
+    layers: int
+    heads: int
+    key_dim: int
+    value_dim: int
+    context: int
+
+    def bytes_per_slot(self, dtype: torch.dtype) -> int:
+        return (self.layers * self.heads * self.context * (self.key_dim + self.value_dim)
+                * dtype.itemsize)
+
+
+_shapes: weakref.WeakKeyDictionary[nn.Module, CacheShape | str] = weakref.WeakKeyDictionary()
+
+
+def _parameters(model: nn.Module) -> set[str]:
+    return set(inspect.signature(model.forward).parameters)
+
+
+def _probe(model: PreTrainedModel, context: int) -> CacheShape | str:
+    """The cache a one-token forward fills in transformers' own ``DynamicCache``: its
+    layers, heads and dims; or why it is not one plain attention cache per layer."""
+    cache = DynamicCache(config=model.config)
+    device = next(model.parameters()).device
+    try:
+        with torch.inference_mode():
+            model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
+                  **{_cache_argument(model): cache, "use_cache": True})
+    except Exception as exc:  # a model whose forward takes no cache, or no bare input ids
+        return f"its forward with a cache failed ({type(exc).__name__}: {exc})"
+    kinds = {type(layer).__name__ for layer in cache.layers}
+    if kinds != {DynamicLayer.__name__} or not cache.layers:
+        return (f"its cache has {', '.join(sorted(kinds)) or 'no'} layers (sliding-window, "
+                "linear or shared attention), which the engine does not hold")
+    shapes = {(layer.keys.shape[1], layer.keys.shape[-1], layer.values.shape[-1])
+              for layer in cache.layers}
+    if len(shapes) != 1:
+        return "its layers cache keys and values of different shapes"
+    (heads, key_dim, value_dim), = shapes
+    return CacheShape(len(cache.layers), heads, key_dim, value_dim, context)
+
+
+def _cache_argument(model: nn.Module) -> str:
+    """``cache`` in transformers 5, ``past_key_values`` before."""
+    return "cache" if "cache" in _parameters(model) else "past_key_values"
+
+
+def refusal(model: PreTrainedModel) -> str | None:
+    """Why the engine cannot generate with this Hugging Face model, or None if it can."""
+    config = model.config
+    text = config.get_text_config(decoder=True)
+    if not model.can_generate() or getattr(config, "is_encoder_decoder", False) \
+            or getattr(text, "add_cross_attention", False):
+        return f"{type(model).__name__} is not a decoder-only causal language model"
+    vocab = getattr(text, "vocab_size", None)
+    if not isinstance(vocab, int) or vocab < BYTES:
+        return (f"its vocabulary of {vocab} tokens is not bytes (ids 0..255) and gpuflow has "
+                "no tokenizer for it")
+    attention = getattr(config, "_attn_implementation", None)
+    if attention not in ATTENTION:
+        return (f"it runs {attention!r} attention, which takes no per-sequence mask; build "
+                "it with attn_implementation='sdpa'")
+    context = getattr(text, "max_position_embeddings", None)
+    if not isinstance(context, int) or context < 1:
+        return "its config gives no context length (max_position_embeddings)"
+    if model not in _shapes:
+        _shapes[model] = _probe(model, context)
+    found = _shapes[model]
+    return found if isinstance(found, str) else None
+
+
+class HFCausalLM:
+    """A ``transformers`` causal LM (GPT-2, Llama and their kind) over a ``SlotCache``:
+    byte tokens, per-row positions and a per-row 4-D mask."""
+
+    def __init__(self, model: PreTrainedModel, dtype: torch.dtype) -> None:
+        why = refusal(model)
+        if why is not None:
+            raise ValueError(f"{type(model).__name__} cannot generate here: {why}")
+        shape = _shapes[model]
+        assert isinstance(shape, CacheShape)
+        self.model, self.dtype, self.shape = model, dtype, shape
+        self.context = shape.context
+        self.vocab_size = BYTES
+        parameters = _parameters(model)
+        self._cache_argument = _cache_argument(model)
+        self._keep_last = "logits_to_keep" in parameters
+        self._eager = model.config._attn_implementation == "eager"
+        self._mask_dtype = next(model.parameters()).dtype
+
+    def new_cache(self, slots: int) -> SlotCache:
+        device = next(self.model.parameters()).device
+        return SlotCache(self.shape, slots, device, self.dtype)
+
+    def bytes_per_slot(self) -> int:
+        return self.shape.bytes_per_slot(self.dtype)
+
+    def logits(self, tokens: torch.Tensor, cache: SlotCache, slots: torch.Tensor,
+               starts: torch.Tensor) -> torch.Tensor:
+        """Byte logits ``[B, 1, 256]`` of the last of ``tokens[B, T]``, row ``b`` being the
+        sequence in cache slot ``slots[b]`` whose tokens so far end at ``starts[b]``."""
+        length = tokens.shape[1]
+        span = int(starts.max()) + length
+        if span > self.context:
+            raise ValueError(f"a sequence of {span} tokens is longer than the model's context "
+                             f"({self.context})")
+        positions = starts[:, None] + torch.arange(length, device=tokens.device)  # [B, T]
+        visible = (torch.arange(span, device=tokens.device)[None, None, :]
+                   <= positions[:, :, None])[:, None]  # [B, 1, T, span]
+        mask: torch.Tensor = visible
+        if self._eager:  # eager attention adds its mask to the scores
+            mask = torch.zeros(visible.shape, dtype=self._mask_dtype, device=tokens.device)
+            mask.masked_fill_(~visible, torch.finfo(self._mask_dtype).min)
+        cache.at(slots, starts, length, span)
+        extra: dict[str, Any] = {self._cache_argument: cache, "use_cache": True}
+        if self._keep_last:
+            extra["logits_to_keep"] = 1
+        try:
+            out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions,
+                             **extra)
+        finally:
+            cache.step = None
+        return out.logits[:, -1:, :BYTES]
+
+    def token_bytes(self, token: int) -> bytes:
+        return bytes([token])
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
