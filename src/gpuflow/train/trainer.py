@@ -7,7 +7,6 @@ Strategy`; what a run saves, in :mod:`gpuflow.train.state`; what it reports, in
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import json
 import math
@@ -19,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from gpuflow.config import TrainConfig
@@ -35,17 +33,17 @@ from gpuflow.parallel.strategy import ModelParts, build_strategy, resize_rows
 from gpuflow.precision import make_policy
 from gpuflow.telemetry.steps import MetricsLog, StepTimer
 from gpuflow.train import fp8, record
+from gpuflow.train.batch import fit_batch
 from gpuflow.train.compile import Compiled, compile_step, turn_on_compile_for_step_modes
 from gpuflow.train.evaluate import evaluate
 from gpuflow.train.optim import build_optimizer, build_scheduler, optimizer_step
-from gpuflow.train.probe import probe_step, step_flops
+from gpuflow.train.probe import step_flops
 from gpuflow.train.progress import ProgressDisplay
 from gpuflow.train.state import Position, RunState
 from gpuflow.workload import Batch, Workload
 
 if TYPE_CHECKING:
     from gpuflow.planner.search import Plan
-    from gpuflow.train.auto import BatchProbe
 
 DEFAULT_EPOCHS = 10.0
 
@@ -100,7 +98,10 @@ class Trainer:
         self.trainable_params = sum(p.numel() for p in self.model.parameters()
                                     if p.requires_grad)
         example = move_to_device(workload.get_example_batch(), self.device)
-        self.config = config = self._fit_batch(config, example)
+        config, self.batch_probe = fit_batch(config, self.dims, self.model, example,
+                                             workload.loss_fn, self.policy, self.device)
+        self.config = config
+        self.global_batch = self.dims.global_batch(config.batch_size, config.grad_accum)
         self._schedule_steps(config)
         self.flops_per_step = self._step_flops(example)
         # Converted after counting: the model's FLOPs are the same in fp8.
@@ -143,38 +144,6 @@ class Trainer:
             config, self.plan = plan_strategy(self.workload, config, self.dist.world_size)
         self.dims = ParallelDims.from_config(config, self.dist.world_size)
         return config
-
-    def _fit_batch(self, config: TrainConfig, example: Batch) -> TrainConfig:
-        """The micro-batch and accumulation: probed under --batch-size auto, and checked
-        against --global-batch."""
-        self.batch_probe: BatchProbe | None = None
-        dp = self.dims.dp
-        if config.batch_size == "auto":
-            from gpuflow.train.auto import probe_batch_size
-
-            self.batch_probe = probe_batch_size(
-                self.model, example, self._probe_step, config, self.dims.strategy, dp,
-                self.device, agree=self._all_agree if self.dims.world > 1 else None)
-            config = dataclasses.replace(config, batch_size=self.batch_probe.micro_batch,
-                                         grad_accum=self.batch_probe.grad_accum)
-        self.global_batch = self.dims.global_batch(config.batch_size, config.grad_accum)
-        if config.global_batch is not None and config.global_batch != self.global_batch:
-            raise UserError(
-                f"--global-batch {config.global_batch} is not --batch-size {config.batch_size} "
-                f"x --grad-accum {config.grad_accum} x {dp} data-parallel ranks "
-                f"({self.global_batch}); drop one, or use --batch-size auto.")
-        return config
-
-    def _probe_step(self, batch: Batch) -> None:
-        """Forward and backward of one batch, leaving no trace (for --batch-size auto)."""
-        probe_step(self.model, self.model, batch, self.workload.loss_fn, self.policy,
-                   self.device)
-
-    def _all_agree(self, value: int) -> int:
-        """The smallest of every rank's ``value``: all ranks act on the same verdict."""
-        tensor = torch.tensor(value, device=self.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
-        return int(tensor.item())
 
     def _schedule_steps(self, config: TrainConfig) -> None:
         """Steps to run, batches per epoch and the evaluation set."""
