@@ -15,6 +15,8 @@ and each request's mean inter-token latency, p50 and p99, and errors.
 
     .venv/bin/python benchmarks/generation.py              # a few minutes
     .venv/bin/python benchmarks/generation.py --quick      # seconds
+    python benchmarks/generation.py --device cuda --precision bf16 --cuda-graphs
+        # on a GPU: decode steps replayed as CUDA graphs per batch bucket
 """
 
 from __future__ import annotations
@@ -168,6 +170,15 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--warmup-s", type=float, default=3.0)
     parser.add_argument("--window-s", type=float, default=10.0)
+    parser.add_argument("--device", default="auto",
+                        help="gpuflow serve --device (default auto)")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+                        help="gpuflow serve --precision (default fp32)")
+    parser.add_argument("--compile", action="store_true",
+                        help="gpuflow serve --compile: decode steps compiled per batch bucket")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="gpuflow serve --cuda-graphs: decode steps replayed as CUDA "
+                             "graphs (CUDA only)")
     parser.add_argument("--no-transformers", action="store_true",
                         help="leave `transformers serve` out")
     parser.add_argument("--quick", action="store_true",
@@ -195,7 +206,16 @@ def main() -> int:
                 [sys.executable, "-m", "gpuflow.cli", "serve", str(model_file), "--port",
                  str(port), "--max-batch-size", str(args.max_batch_size), "--max-queue",
                  str(4 * max(levels)), "--threads", "1", "--timeout-ms", "60000",
-                 "--log-level", "warning"], gpuflow_url, "/readyz", env))
+                 "--device", args.device, "--precision", args.precision,
+                 *(["--compile"] if args.compile else []),
+                 *(["--cuda-graphs"] if args.cuda_graphs else []),
+                 "--log-level", "warning"], gpuflow_url, "/readyz", env,
+                timeout=600 if args.compile or args.cuda_graphs else 180))
+            ready = httpx.get(gpuflow_url + "/readyz", timeout=10).json()
+            gpuflow_ready = {"runs_on": ready["runs_on"],
+                             "decode": ready["generation"]["decode"],
+                             "warmup_s": ready["warmup_s"],
+                             "decode_warmup_s": ready["generation"]["warmup_s"]}
             contenders = [
                 Contender("gpuflow", gpuflow_url, "/v1/completions",
                           {**greedy, "stream": True}, True),
@@ -248,7 +268,8 @@ def main() -> int:
         "model": "textlm tiny (4 x 128, 128 context), untrained weights",
         "settings": {k: getattr(args, k) for k in (
             "concurrency", "tokens", "prompt_tokens", "max_batch_size", "rounds", "warmup_s",
-            "window_s", "quick")},
+            "window_s", "quick", "device", "precision", "compile", "cuda_graphs")},
+        "gpuflow_runs_on": gpuflow_ready,
         "runs": runs,
         "notes": notes,
         "machine": machine_info(),

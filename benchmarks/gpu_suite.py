@@ -24,6 +24,10 @@ saves the later ones most of their compile.
    with why). Target: gpuflow/plain within 1% (95% interval).
 7. ``serving``: ``benchmarks/serving.py --device cuda``, dynamic batching against batch size 1,
    also with ``--cuda-graphs``.
+8. ``generation``: ``benchmarks/generation.py --device cuda --precision bf16``, textlm tiny
+   through /v1/completions (the generation engine) and /v1/predict, eager and with
+   ``--cuda-graphs`` (decode steps replayed as a CUDA graph per batch bucket): output
+   tokens/s at 1, 8 and 32 clients.
 Not in the default set: ``batch-auto`` (``--batch-size auto`` running out of memory and
 recovering) and ``fp16-resume`` (fp16 with a GradScaler, then a resume).
 
@@ -59,8 +63,8 @@ sys.path.insert(0, str(HERE))
 import _common  # noqa: E402
 
 STAGES = ("matmul", "train", "cuda-graphs", "plan", "fsdp-comm", "compare", "serving",
-          "batch-auto", "fp16-resume")
-DEFAULT_STAGES = STAGES[:7]
+          "generation", "batch-auto", "fp16-resume")
+DEFAULT_STAGES = STAGES[:8]
 DEFAULT_BUDGET_S = 450
 TARGETS = {"mfu_bf16": {"124m": 0.50, "1b": 0.62}, "fp8_speedup": 1.25, "fp8_loss_rel": 0.02,
            "cuda_graphs_speedup": 1.3, "planner_error": 0.15}
@@ -299,6 +303,13 @@ def judge(result: dict[str, Any]) -> dict[str, Any]:
          "met": off["step_time_s"] / on["step_time_s"] >= TARGETS["cuda_graphs_speedup"]}
         if off and on else {"measured": False,
                             "why": _why_not(graphs, "graphs-off", "graphs-on")})
+    eager, graphs_on = (result.get(name, {}).get("tokens_per_s", {}).get("gpuflow")
+                        for name in ("generation", "generation_cuda_graphs"))
+    if eager and graphs_on:  # no target in the issue: shown, not judged
+        verdicts["generation cuda graphs"] = {
+            "tokens_per_s_ratio": {level: graphs_on[level] / eager[level]
+                                   for level in eager if eager[level] and level in graphs_on},
+            "decode": result["generation_cuda_graphs"]["gpuflow_runs_on"]["decode"]}
     # The planner has no fp8 model (it plans fp8 as bf16): those errors are shown, not judged.
     for name, fp8_runs in (("planner", False), ("planner, fp8 planned as bf16", True)):
         errors = {f"{run['label']} {key}": pair["error"] for run in train
@@ -410,6 +421,29 @@ def serving_stage(suite: Suite, device: str, name: str, *extra: str) -> None:
     suite.save()
 
 
+def generation_stage(suite: Suite, device: str, name: str, *extra: str) -> None:
+    """Output tokens/s of the generation engine (and of /v1/predict's no-cache loop)."""
+    generation_json = suite.work / f"{name}.json"
+    suite.log(f"generation benchmark {' '.join(extra)}")
+    flags = (["--quick"] if suite.dry_run else
+             ["--precision", "bf16", "--no-transformers", "--concurrency", "1,8,32",
+              "--rounds", "1", "--warmup-s", "2", "--window-s", "3"])
+    code, log = suite.run(name, [sys.executable, "benchmarks/generation.py", "--device", device,
+                                 *flags, *extra, "--out", str(generation_json)],
+                          180 if extra else 120)
+    if code != 0:
+        suite.result[name] = failure(code, log)
+    else:
+        result = json.loads(generation_json.read_text())
+        suite.result[name] = {
+            "gpuflow_runs_on": result["gpuflow_runs_on"], "settings": result["settings"],
+            "tokens_per_s": {contender: {level: figures["tokens_per_s"]
+                                         for level, figures in by_level.items()}
+                             for contender, by_level in result["runs"].items()},
+            "runs": result["runs"]}
+    suite.save()
+
+
 def compare_stage(suite: Suite, device: str) -> None:
     compare_json = suite.work / "compare_trainers.json"
     suite.log("compare_trainers")
@@ -497,6 +531,11 @@ def report(result: dict[str, Any]) -> None:
         if runs_of:
             print(f"{name}: " + ", ".join(f"{config} {figures['requests_per_s']:.1f} req/s"
                                           for config, figures in runs_of.items()))
+    for name in ("generation", "generation_cuda_graphs"):
+        figures = result.get(name, {}).get("tokens_per_s", {}).get("gpuflow")
+        if figures:
+            print(f"{name}: /v1/completions output tokens/s " + ", ".join(
+                f"c{level} {value:.0f}" for level, value in figures.items()))
     for verdict in result.get("compare_trainers", {}).get("verdicts", []):
         print(f"compare_trainers {verdict}")
     if result.get("skipped"):
@@ -569,6 +608,10 @@ def main() -> int:
         serving_stage(suite, device, "serving")
         if device == "cuda":
             serving_stage(suite, device, "serving_cuda_graphs", "--cuda-graphs")
+    if "generation" in stages:
+        generation_stage(suite, device, "generation")
+        if device == "cuda":
+            generation_stage(suite, device, "generation_cuda_graphs", "--cuda-graphs")
     if "batch-auto" in stages:
         batch_size_auto_stage(suite, device, DRY_MODEL if args.dry_run else "124m",
                               8 if args.dry_run else 1024)

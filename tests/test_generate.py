@@ -7,6 +7,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,9 +19,17 @@ from conftest import ROOT, eventually, serving
 from fastapi import FastAPI
 
 from gpuflow import TrainConfig, train
+from gpuflow.errors import UserError
 from gpuflow.models.gpt import GPT, GPTConfig
 from gpuflow.serve.app import ServeSettings, create_app
-from gpuflow.serve.generate.engine import Delta, Done, GenerationEngine, WaitingFull
+from gpuflow.serve.engine import Engine
+from gpuflow.serve.generate.engine import (
+    Delta,
+    Done,
+    GenerationEngine,
+    WaitingFull,
+    cache_slots,
+)
 from gpuflow.serve.generate.models import GPTDecoder
 from gpuflow.serve.generate.sampling import SamplingParams, filter_logits
 from gpuflow.serve.generate.text import TextStream
@@ -53,9 +62,10 @@ async def completion(generation) -> tuple[str, Done]:
         parts.append(event.text)
 
 
-def engine_for(model: GPT, slots: int, max_waiting: int = 64) -> GenerationEngine:
+def engine_for(model: GPT, slots: int, max_waiting: int = 64,
+               **decode: bool) -> GenerationEngine:
     return GenerationEngine(GPTDecoder(model, torch.float32), slots, max_waiting,
-                            torch.inference_mode)
+                            torch.inference_mode, **decode)
 
 
 def test_continuous_batching_generates_what_recomputing_every_prefix_does() -> None:
@@ -85,6 +95,84 @@ def test_continuous_batching_generates_what_recomputing_every_prefix_does() -> N
         assert text == expected, prompt
         assert done.finish_reason == "length" and done.completion_tokens == budget
         assert done.prompt_tokens == len(prompt)
+
+
+def greedy_through(engine: GenerationEngine, prompts: list[bytes], budgets: list[int],
+                   first: int) -> list[tuple[str, Done]]:
+    """Greedy completions: ``first`` requests before the engine starts, the rest joining
+    a running batch."""
+    async def scenario() -> list[tuple[str, Done]]:
+        engine.start()
+        try:
+            await asyncio.to_thread(engine.wait_warm, 120)
+            requests = [(list(p), SamplingParams(max_tokens=n, temperature=0.0))
+                        for p, n in zip(prompts, budgets, strict=True)]
+            generations = [engine.submit(*r) for r in requests[:first]]
+            await asyncio.sleep(0.01)
+            generations += [engine.submit(*r) for r in requests[first:]]
+            return await asyncio.gather(*(completion(g) for g in generations))
+        finally:
+            engine.stop()
+
+    return asyncio.run(scenario())
+
+
+def test_decode_steps_padded_to_batch_buckets_equal_recomputing_every_prefix() -> None:
+    """Five slots, buckets 1,2,4,5: as sequences leave and join, the active count crosses
+    the bucket sizes; a step of 3 runs as a bucket of 4 whose padding row writes only the
+    scratch slot (5, which no request holds) and whose logits are dropped. Every completion
+    is the exact greedy one."""
+    model = tiny_gpt()
+    prompts = [b"def f(x):", b"import torch", b"a", b"The quick brown fox jumps",
+               b"class Engine:\n    ", b"0123456789", b"xy"]
+    budgets = [12, 5, 20, 9, 14, 3, 17]
+    engine = engine_for(model, slots=5, bucketed=True)
+    assert engine.buckets == [1, 2, 4, 5] and engine.slots == 5
+    assert engine.cache.keys.shape[1] == 6  # the scratch slot beside the five
+    assert engine.describe() == "decode eager over batch buckets 1,2,4,5"
+    steps: list[list[int]] = []
+    step = engine._decode
+
+    def recorded(tokens, cache, slots, starts):
+        steps.append(slots.tolist())
+        return step(tokens, cache, slots, starts)
+
+    engine._decode = recorded
+    results = greedy_through(engine, prompts, budgets, first=5)
+    for prompt, budget, (text, done) in zip(prompts, budgets, results, strict=True):
+        assert text == greedy_reference(model, prompt, budget).decode("utf-8", "replace")
+        assert done.completion_tokens == budget
+    assert steps[:4] == [[5], [5, 5], [5] * 4, [5] * 5]  # the warm-up: scratch rows only
+    served = steps[4:]
+    assert {len(slots) for slots in served} == {1, 2, 4, 5}
+    assert any(len(slots) == 4 and slots.count(5) == 1 for slots in served)
+    for slots in served:  # padding rows come last, all in the scratch slot
+        real = [slot for slot in slots if slot != 5]
+        assert slots == real + [5] * (len(slots) - len(real))
+
+
+def test_a_decode_compile_that_fails_falls_back_to_eager_saying_so(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    def failing(fn, **options):
+        def compiled(*args):
+            raise RuntimeError("no backend for this model")
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", failing)
+    model = tiny_gpt()
+    engine = engine_for(model, slots=2, compile=True)
+    with caplog.at_level("WARNING", logger="gpuflow.serve"):
+        (text, _), = greedy_through(engine, [b"abc"], [6], first=1)
+    assert text == greedy_reference(model, b"abc", 6).decode("utf-8", "replace")
+    assert "torch.compile of the decode step failed (RuntimeError: no backend" in caplog.text
+    assert engine.describe() == ("decode eager over batch buckets 1,2: torch.compile failed "
+                                 "(RuntimeError: no backend for this model)")
+
+
+def test_the_scratch_slot_comes_out_of_the_cache_budget() -> None:
+    assert cache_slots(100, 550, 8) == 5 and cache_slots(100, 550, 8, spare=1) == 4
+    with pytest.raises(UserError, match="beside the scratch slot"):
+        cache_slots(100, 150, 8, spare=1)
 
 
 def test_sampling_is_repeatable_by_seed_and_stop_strings_end_a_completion() -> None:
@@ -244,6 +332,53 @@ def test_a_model_that_does_not_generate_answers_404_on_completions(tmp_path: Pat
 
     status, body = asyncio.run(scenario())
     assert status == 404 and body["error"]["code"] == "not_a_language_model"
+
+
+def test_compiled_decode_generates_what_eager_does_once_every_bucket_has_run(
+        textlm_run: tuple[Path, GPT], monkeypatch: pytest.MonkeyPatch) -> None:
+    """--compile (and --cuda-graphs, which a CPU runs without, as the predict path says):
+    the decode step is compiled for buckets 1 and 2 in the engine's warm-up, /readyz stays
+    503 until it is done, and completions are the eager greedy ones. The predict path's
+    warm-up (its own compile, tested elsewhere) is left out to keep this to one compile."""
+    run_dir, model = textlm_run
+    prompts = ["def main():", "import os", "x"]
+    expected = [greedy_reference(model, p.encode(), 10).decode("utf-8", "replace")
+                for p in prompts]
+    monkeypatch.setattr(Engine, "warm_up", lambda self: 0.0)
+    release = threading.Event()
+    warm_up = GenerationEngine._warm_up
+
+    def held(self: GenerationEngine) -> None:
+        release.wait(60)
+        warm_up(self)
+
+    monkeypatch.setattr(GenerationEngine, "_warm_up", held)
+
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+
+    async def scenario() -> tuple[httpx.Response, dict, list[str]]:
+        app = served_textlm(run_dir, compile=True, cuda_graphs=True)
+        async with serving(app, ready=False) as client:
+            state = app.state.serve
+            await eventually(lambda: state.generator is not None, 60)
+            warming = await client.get("/readyz")
+            release.set()
+            await asyncio.wait_for(state.ready.wait(), 180)
+            ready = (await client.get("/readyz")).json()
+            replies = await asyncio.gather(*(client.post("/v1/completions", json={
+                "prompt": p, "max_tokens": 10, "temperature": 0}) for p in prompts))
+        return warming, ready, [r.json()["choices"][0]["text"] for r in replies]
+
+    warming, ready, texts = asyncio.run(scenario())
+    assert warming.status_code == 503 and warming.json()["state"] == "warming up"
+    generation = ready["generation"]
+    assert generation["decode"] == "decode compiled for batch buckets 1,2"
+    assert generation["warmup_s"] > 0 and generation["slots"] == 2
+    assert "CUDA graphs need a CUDA device; running without them" in ready["runs_on"]
+    assert texts == expected
+    assert counters["stats"]["unique_graphs"] - graphs == 2  # one graph per bucket, no more
 
 
 def served_textlm(run_dir: Path, **settings) -> FastAPI:

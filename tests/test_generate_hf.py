@@ -75,11 +75,11 @@ async def finished(generation) -> tuple[str, Done]:
 
 
 def generate(lm: HFCausalLM, requests: list[tuple[bytes, SamplingParams]], slots: int,
-             stagger: int = 0) -> list[tuple[list[int], Done]]:
+             stagger: int = 0, bucketed: bool = False) -> list[tuple[list[int], Done]]:
     """Each request's generated tokens; the first ``stagger`` go in before the engine runs,
     the rest once it has started, joining a running batch."""
     async def scenario() -> list[tuple[list[int], Done]]:
-        engine = GenerationEngine(lm, slots, 64, torch.inference_mode)
+        engine = GenerationEngine(lm, slots, 64, torch.inference_mode, bucketed=bucketed)
         engine.start()
         try:
             generations = [engine.submit(list(p), params) for p, params in requests[:stagger]]
@@ -117,6 +117,33 @@ def test_continuous_batching_equals_recomputing_every_prefix(
         assert tokens == greedy_reference(model, prompt, budget), prompt
         assert done.finish_reason == "length" and done.completion_tokens == budget
     assert any(size == 3 and mixed for size, mixed in batches)  # one step, many positions
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_bucketed_decode_steps_equal_recomputing_every_prefix(name: str) -> None:
+    """Decode steps padded to batch buckets 1,2,4,5 (the static-shape step that --compile
+    compiles, over the whole context under a mask): padding rows write only the scratch
+    slot, and every completion is still the exact greedy one."""
+    model = MODELS[name]()
+    lm = cached_lm(model, torch.float32)
+    assert isinstance(lm, HFCausalLM)
+    steps: list[list[int]] = []
+    step = lm.step
+
+    def recorded(tokens, cache, slots, starts):
+        steps.append(slots.tolist())
+        return step(tokens, cache, slots, starts)
+
+    lm.step = recorded  # type: ignore[method-assign]
+    requests = [(p, SamplingParams(max_tokens=n, temperature=0.0))
+                for p, n in zip(PROMPTS, BUDGETS, strict=True)]
+    results = generate(lm, requests, slots=5, stagger=5, bucketed=True)
+    for prompt, budget, (tokens, done) in zip(PROMPTS, BUDGETS, results, strict=True):
+        assert tokens == greedy_reference(model, prompt, budget), prompt
+        assert done.completion_tokens == budget
+    assert {len(slots) for slots in steps} <= {1, 2, 4, 5}
+    # 3 sequences and 1 padding row in the scratch slot (5): the bucket of 4.
+    assert any(len(slots) == 4 and slots.count(5) == 1 for slots in steps)
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch() -> None:

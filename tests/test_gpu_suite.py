@@ -60,6 +60,9 @@ def test_the_dry_run_walks_every_stage_and_records_where_it_came_from(tmp_path: 
     resumed = suite["fp16_resume"]
     assert resumed["steps"] == resumed["resumed_to"], resumed
     assert suite["serving"]["runs"]["dynamic"]["errors"] == 0, suite["serving"]
+    generation = suite["generation"]
+    assert generation["tokens_per_s"]["gpuflow"]["4"] > 0, generation
+    assert generation["gpuflow_runs_on"]["decode"] == "decode eager, one row per active sequence"
     compared = suite["compare_trainers"]
     assert [(c["model"], c["precision"]) for c in compared["cases"]] == [("linear", "fp32")]
     assert compared["cases"][0]["vs_plain"]["gpuflow"]["median_ratio"] > 0, compared

@@ -44,9 +44,12 @@ def register(commands: argparse._SubParsersAction) -> None:
     add("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
     add("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
         help="inference autocast dtype (default fp32)")
-    add("--compile", action="store_true", help="torch.compile the model for each bucket")
+    add("--compile", action="store_true",
+        help="torch.compile the model for each batch bucket, and for language models the "
+             "decode step of /v1/completions for each bucket of active sequences")
     add("--cuda-graphs", action="store_true",
-        help="CUDA only: capture CUDA graphs for the fixed buckets (implies --compile)")
+        help="CUDA only: capture CUDA graphs for the fixed buckets, decode steps included "
+             "(implies --compile)")
     add("--kv-cache-gib", type=float,
         help="language models: memory for the KV cache of /v1/completions, which holds up "
              "to --max-batch-size sequences (default: half the GPU's free memory, a quarter "

@@ -2,9 +2,10 @@
 and for language models the OpenAI-compatible POST /v1/completions and GET /v1/models.
 
 The model loads and warms up in the background after start-up, so /healthz answers at once
-and /readyz turns 200 only when every bucket has run (and compiled). A model that cannot be
-loaded or warmed up stops the server (``ServeSettings.failure_file`` says why): /readyz
-answers 503 only while it is still loading or warming up. Errors are JSON
+and /readyz turns 200 only when every bucket has run (and compiled), the generation
+engine's decode buckets included. A model that cannot be loaded or warmed up stops the
+server (``ServeSettings.failure_file`` says why): /readyz answers 503 only while it is
+still loading or warming up. Errors are JSON
 ``{"error": {"code": ..., "message": ...}}`` with a status that says what happened: 503
 ``queue_full`` with ``Retry-After`` when the bounded queue is full, 504 when a request's
 deadline passes in the queue, 500 for the requests of a batch that raised.
@@ -210,6 +211,9 @@ def create_app(settings: ServeSettings, load: Callable[[], Engine] | None = None
             state.generator = build_generator(
                 engine.loaded.model, engine.runner, settings.kv_cache_gib,
                 settings.max_batch_size, settings.max_queue, metrics)
+            if state.generator is not None:  # its thread runs every decode bucket first
+                state.generator.start()
+                await asyncio.to_thread(state.generator.wait_warm)
         except Exception as exc:
             state.problem = f"{type(exc).__name__}: {exc}"
             if isinstance(exc, UserError):
@@ -220,10 +224,10 @@ def create_app(settings: ServeSettings, load: Callable[[], Engine] | None = None
                 _stop_serving(settings, str(exc) if isinstance(exc, UserError)
                               else state.problem, isinstance(exc, UserError))
             return
-        if state.generator is not None:
-            state.generator.start()
-        log.info("gpuflow serve: ready after %.1f s of warm-up (%s)", state.warmup_s,
-                 state.engine.runner.describe())
+        generation = ("" if state.generator is None else
+                      f"; {state.generator.describe()}, {state.generator.warmup_s:.1f} s")
+        log.info("gpuflow serve: ready after %.1f s of warm-up (%s%s)", state.warmup_s,
+                 state.engine.runner.describe(), generation)
         state.ready.set()
 
     @asynccontextmanager
@@ -257,7 +261,9 @@ def create_app(settings: ServeSettings, load: Callable[[], Engine] | None = None
                                  **state.engine.describe(),
                                  "generation": None if generator is None else {
                                      "slots": generator.slots,
-                                     "kv_cache_bytes": generator.cache.nbytes()}})
+                                     "kv_cache_bytes": generator.cache.nbytes(),
+                                     "decode": generator.describe(),
+                                     "warmup_s": generator.warmup_s}})
         return JSONResponse({"ready": False, "state": state.problem or
                              ("warming up" if state.engine else "loading")}, status_code=503)
 

@@ -8,17 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpuflow.serve.model import LoadedModel, Runner, load_model
+from gpuflow.serve.model import LoadedModel, Runner, batch_buckets, load_model
 from gpuflow.serving import Codec, make_codec
-
-
-def batch_buckets(max_batch_size: int) -> list[int]:
-    """Batch sizes a static-shape model is compiled for: powers of two, then the maximum."""
-    sizes, size = [], 1
-    while size < max_batch_size:
-        sizes.append(size)
-        size *= 2
-    return [*sizes, max_batch_size]
 
 
 @dataclass(frozen=True)

@@ -137,6 +137,16 @@ def load_model(path: str | Path, workload: str | None = None) -> LoadedModel:
                        source, serving)
 
 
+def batch_buckets(max_batch_size: int) -> list[int]:
+    """Batch sizes a static-shape model is compiled for: powers of two, then the maximum
+    (the predict path's batches and the generation engine's decode steps)."""
+    sizes, size = [], 1
+    while size < max_batch_size:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, max_batch_size]
+
+
 class Runner:
     """Calls the model on a device, in a precision, under ``torch.inference_mode``.
 

@@ -7,6 +7,16 @@ joins at the next step after a slot frees; a finished one (its ``max_tokens``, a
 string, the end-of-sequence token, or the context's end) leaves and frees its slot at once,
 and so does one whose client went away. Events (text deltas, then the finish) are handed
 to the request's asyncio queue on the server's event loop.
+
+Decode steps may run over fixed batch buckets (``bucketed``; always so when compiled): the
+active rows are padded up to the next bucket size, the predict path's ``batch_buckets``
+of the slot count, with rows that point at a scratch slot no request ever holds (their
+writes land there, their logits are dropped), and the step is the model's static-shape
+one (``CachedLM.step``: the whole context under a mask). ``compile`` runs that step
+through ``torch.compile(dynamic=False)``, one graph per bucket, and ``cuda_graphs`` (CUDA
+only) with ``mode="reduce-overhead"``, which replays each bucket's step as a CUDA graph.
+The engine thread runs every bucket before it serves (``wait_warm``). Prefill runs
+eagerly, one prompt at a time, as without buckets.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from gpuflow.errors import UserError
 from gpuflow.serve.generate.models import cached_lm, refusal
 from gpuflow.serve.generate.sampling import Sampler, SamplingParams
 from gpuflow.serve.generate.text import TextStream
+from gpuflow.serve.model import batch_buckets
 
 log = logging.getLogger("gpuflow.serve")
 
@@ -48,6 +59,13 @@ class CachedLM(Protocol):
         only, so ``T'`` may be 1), row ``b`` being the sequence in cache slot ``slots[b]``
         whose tokens so far end at ``starts[b]``; the new tokens' keys and values are
         written into the cache."""
+    def step(self, tokens: torch.Tensor, cache: Any, slots: torch.Tensor,
+             starts: torch.Tensor) -> torch.Tensor:
+        """``logits`` of one new token per row (``tokens[B, 1]``), ``[B, V]``, in shapes
+        that depend on ``B`` alone and without waiting for the device: what
+        ``torch.compile(dynamic=False)`` and CUDA graphs need."""
+    def written(self, cache: Any) -> list[torch.Tensor]:
+        """The cache tensors ``step`` writes into."""
     def token_bytes(self, token: int) -> bytes: ...
 
 
@@ -118,11 +136,25 @@ class GenerationEngine:
 
     def __init__(self, lm: CachedLM, slots: int, max_waiting: int,
                  context: Callable[[], contextlib.AbstractContextManager[Any]],
-                 eos_token: int | None = None, observer: EngineObserver | None = None) -> None:
+                 eos_token: int | None = None, observer: EngineObserver | None = None,
+                 bucketed: bool = False, compile: bool = False,
+                 cuda_graphs: bool = False) -> None:
         self.lm, self.slots, self.max_waiting = lm, slots, max_waiting
         self.eos_token, self.observer = eos_token, observer
         self._context = context
-        self.cache = lm.new_cache(slots)
+        self.compiled = compile or cuda_graphs
+        self.buckets = batch_buckets(slots) if bucketed or self.compiled else None
+        # The scratch slot, one past the requests' slots, takes the padding rows' writes.
+        self._scratch = slots
+        self.cache = lm.new_cache(slots + 1 if self.buckets else slots)
+        # As the predict path's Runner: no CUDA graphs off CUDA (its describe() says so).
+        self.cuda_graphs = cuda_graphs and self._device.type == "cuda"
+        self._decode = self._decoder()
+        self.compile_failure: str | None = None
+        self.graphs_skipped = False
+        self.warmup_s: float | None = None
+        self._warm = threading.Event()
+        self._warm_error: BaseException | None = None
         self._free = list(range(slots))
         self._active: list[Generation] = []
         self._waiting: collections.deque[Generation] = collections.deque()
@@ -142,8 +174,39 @@ class GenerationEngine:
         """Requests waiting for a slot."""
         return len(self._waiting)
 
+    def describe(self) -> str:
+        """How decode steps run, e.g. ``decode compiled for batch buckets 1,2,4``."""
+        if self.buckets is None:
+            return "decode eager, one row per active sequence"
+        sizes = ",".join(map(str, self.buckets))
+        if not self.compiled:
+            return f"decode eager over batch buckets {sizes}"
+        if self.compile_failure is not None:
+            return (f"decode eager over batch buckets {sizes}: torch.compile failed "
+                    f"({self.compile_failure})")
+        graphs = ""
+        if self.cuda_graphs:
+            graphs = (" with CUDA graphs" if not self.graphs_skipped else
+                      " with CUDA graphs, some skipped by torch.compile (see the log)")
+        return f"decode compiled for batch buckets {sizes}{graphs}"
+
     def start(self) -> None:
         self._thread.start()
+
+    def wait_warm(self, timeout: float | None = None) -> float:
+        """Wait until the engine thread has run every bucket's decode step once (compiling
+        each, recording its CUDA graph); seconds it took. Raises what the warm-up raised,
+        and returns early on ``stop()`` (a server shutting down does not wait for it)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._warm.wait(0.1):
+            if self._stopped:
+                raise RuntimeError("the generation engine stopped while warming up")
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError("the generation engine is still warming up")
+        if self._warm_error is not None:
+            raise self._warm_error
+        assert self.warmup_s is not None
+        return self.warmup_s
 
     def stop(self) -> None:
         self._stopped = True
@@ -162,8 +225,33 @@ class GenerationEngine:
 
     # --- the engine thread ---------------------------------------------------------------
 
+    def _decoder(self) -> Callable[..., torch.Tensor]:
+        """The decode step over buckets: the model's static-shape step, compiled or not."""
+        if not self.compiled:
+            return self.lm.step
+        # The step writes the new keys and values into the cache, a graph input: held at
+        # a fixed address (allocated once), it may be mutated inside a CUDA graph, which
+        # cudagraph trees otherwise refuse (they would skip the graph).
+        for tensor in self.lm.written(self.cache):
+            torch._dynamo.mark_static_address(tensor)
+        config = torch._dynamo.config
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        assert self.buckets is not None
+        if getattr(config, name) < len(self.buckets):  # one graph per bucket, none eager
+            setattr(config, name, len(self.buckets))
+        mode = "reduce-overhead" if self.cuda_graphs else None
+        return torch.compile(self.lm.step, mode=mode, dynamic=False)  # type: ignore[return-value]
+
     def _run(self) -> None:
         with self._context():
+            try:
+                self._warm_up()
+            except BaseException as exc:
+                self._warm_error = exc
+                log.exception("gpuflow serve: the decode warm-up failed")
+                return
+            finally:
+                self._warm.set()
             while not self._stopped:
                 try:
                     self._admit()
@@ -175,6 +263,43 @@ class GenerationEngine:
                 except Exception as exc:  # a failing step fails its sequences, not the server
                     self._fail_all(f"{type(exc).__name__}: {exc}")
                 self._observe()
+
+    def _warm_up(self) -> None:
+        """Every bucket's decode step, all rows in the scratch slot: compiled, and on CUDA
+        with graphs warmed up, recorded and replayed once (cudagraph trees record a
+        function on its second call). In this thread, which serves them: cudagraph trees
+        keep their graphs per thread. A compile that fails falls back to the eager step,
+        saying so."""
+        start = time.perf_counter()
+        skips = self._graph_skips()
+        for size in self.buckets or []:
+            for _ in range(3 if self.cuda_graphs else 1):
+                try:
+                    self._padded([], size)
+                except Exception as exc:
+                    if not self.compiled or self.compile_failure is not None:
+                        raise
+                    self.compile_failure = f"{type(exc).__name__}: {exc}"
+                    log.warning("gpuflow serve: torch.compile of the decode step failed "
+                                "(%s); decoding eagerly over the same buckets",
+                                self.compile_failure)
+                    self._decode, self.cuda_graphs = self.lm.step, False
+                    self._padded([], size)
+                    break
+        if self.cuda_graphs and self._graph_skips() > skips:
+            # Inductor runs a graph it cannot capture (an op on the CPU, a mutated input
+            # that is not static) without CUDA graphs, saying so only in its log.
+            self.graphs_skipped = True
+            log.warning("gpuflow serve: torch.compile did not capture every decode step as "
+                        "a CUDA graph (torch's log says why); those steps run without")
+        self.warmup_s = time.perf_counter() - start
+
+    @staticmethod
+    def _graph_skips() -> int:
+        """Graphs inductor has declined to capture as CUDA graphs in this process."""
+        from torch._dynamo.utils import counters
+
+        return int(counters["inductor"]["cudagraph_skips"])
 
     def _admit(self) -> None:
         while self._free:
@@ -207,11 +332,30 @@ class GenerationEngine:
         if not self._active:
             return
         batch = sorted(self._active, key=lambda g: g.slot)  # consecutive slots: no copies
-        last = torch.tensor([[g.generated[-1]] for g in batch], device=self._device)
-        starts = torch.tensor([g.length - 1 for g in batch], device=self._device)
-        logits = self.lm.logits(last, self.cache, self._slots(batch), starts)[:, -1]
+        if self.buckets is not None:
+            logits = self._padded(batch, next(b for b in self.buckets if b >= len(batch)))
+        else:
+            last = torch.tensor([[g.generated[-1]] for g in batch], device=self._device)
+            starts = torch.tensor([g.length - 1 for g in batch], device=self._device)
+            logits = self.lm.logits(last, self.cache, self._slots(batch), starts)[:, -1]
         for generation, row in zip(batch, logits, strict=True):
             self._advance(generation, row)
+
+    def _padded(self, batch: list[Generation], size: int) -> torch.Tensor:
+        """One decode step of ``batch`` padded to ``size`` rows, the padding rows (token 0
+        at position 0) in the scratch slot; the batch's logits, on the CPU."""
+        pad = size - len(batch)
+        rows = torch.tensor([[g.generated[-1] for g in batch] + [0] * pad,
+                             [g.slot for g in batch] + [self._scratch] * pad,
+                             [g.length - 1 for g in batch] + [0] * pad])
+        tokens, slots, starts = rows.to(self._device).unbind(0)  # one copy to the device
+        if self.cuda_graphs:
+            # A new step of cudagraph trees: the previous replay's outputs (copied to the
+            # CPU below, before this replay overwrites them) may be reused. The inputs
+            # are fresh tensors, which the trees copy into the graph's own.
+            torch.compiler.cudagraph_mark_step_begin()
+        logits = self._decode(tokens[:, None], self.cache, slots, starts)
+        return logits[:len(batch)].float().cpu()
 
     def _advance(self, generation: Generation, logits: torch.Tensor) -> None:
         """Choose the next token from ``logits``, send its text, retire when finished."""
@@ -258,13 +402,15 @@ class GenerationEngine:
             self.observer.occupancy(self.active, self.waiting, self.slots)
 
 
-def cache_slots(bytes_per_slot: int, budget_bytes: int, max_seqs: int) -> int:
-    """Sequences the cache holds: as many as ``budget_bytes`` allows, at most ``max_seqs``."""
-    slots = min(max_seqs, budget_bytes // bytes_per_slot)
+def cache_slots(bytes_per_slot: int, budget_bytes: int, max_seqs: int, spare: int = 0) -> int:
+    """Sequences the cache holds: as many as ``budget_bytes`` allows beside ``spare`` slots
+    (the scratch slot of bucketed decoding), at most ``max_seqs``."""
+    slots = min(max_seqs, budget_bytes // bytes_per_slot - spare)
     if slots < 1:
+        beside = " beside the scratch slot that compiled decoding pads with" if spare else ""
         raise UserError(
             f"The KV cache budget ({budget_bytes / 2**30:.3g} GiB) holds no sequence of this "
-            f"model, which needs {bytes_per_slot / 2**20:.1f} MiB per sequence; raise "
+            f"model{beside}, which needs {bytes_per_slot / 2**20:.1f} MiB per sequence; raise "
             "--kv-cache-gib.")
     return slots
 
@@ -280,7 +426,8 @@ def default_cache_budget(device: torch.device) -> int:
 def build_generator(model: torch.nn.Module, runner: Any, kv_cache_gib: float | None,
                     max_seqs: int, max_waiting: int,
                     observer: EngineObserver | None) -> GenerationEngine | None:
-    """A generation engine for the served model on the runner's device and precision, or
+    """A generation engine for the served model on the runner's device and precision, its
+    decode steps compiled (and on CUDA replayed as graphs) when the runner's model is, or
     None for a model that does not generate text."""
     dtype = runner.policy.autocast_dtype or torch.float32
     lm = cached_lm(model, dtype)
@@ -289,5 +436,6 @@ def build_generator(model: torch.nn.Module, runner: Any, kv_cache_gib: float | N
         return None
     budget = (int(kv_cache_gib * 2**30) if kv_cache_gib is not None
               else default_cache_budget(runner.device))
-    slots = cache_slots(lm.bytes_per_slot(), budget, max_seqs)
-    return GenerationEngine(lm, slots, max_waiting, runner.context, observer=observer)
+    slots = cache_slots(lm.bytes_per_slot(), budget, max_seqs, spare=int(runner.compiled))
+    return GenerationEngine(lm, slots, max_waiting, runner.context, observer=observer,
+                            compile=runner.compiled, cuda_graphs=runner.cuda_graphs)

@@ -228,14 +228,29 @@ class HFCausalLM:
         if span > self.context:
             raise ValueError(f"a sequence of {span} tokens is longer than the model's context "
                              f"({self.context})")
-        positions = starts[:, None] + torch.arange(length, device=tokens.device)  # [B, T]
-        visible = (torch.arange(span, device=tokens.device)[None, None, :]
+        cache.at(slots, starts, length, span)
+        return self._forward(tokens, cache)[:, None]
+
+    def step(self, tokens: torch.Tensor, cache: SlotCache, slots: torch.Tensor,
+             starts: torch.Tensor) -> torch.Tensor:
+        """``logits`` of one new token per row, ``[B, 256]``, in static shapes: every row
+        attends over the whole context under its mask, and nothing waits for the device,
+        so that ``torch.compile(dynamic=False)`` makes one graph per batch bucket."""
+        cache.step = _Step(slots, starts, 1, self.context, None)
+        return self._forward(tokens, cache)
+
+    def _forward(self, tokens: torch.Tensor, cache: SlotCache) -> torch.Tensor:
+        """Byte logits ``[B, 256]`` of the last of ``tokens``, at the rows ``cache.step``
+        holds."""
+        step = cache.step
+        assert step is not None
+        positions = step.starts[:, None] + torch.arange(step.length, device=tokens.device)
+        visible = (torch.arange(step.span, device=tokens.device)[None, None, :]
                    <= positions[:, :, None])[:, None]  # [B, 1, T, span]
         mask: torch.Tensor = visible
         if self._eager:  # eager attention adds its mask to the scores
             mask = torch.zeros(visible.shape, dtype=self._mask_dtype, device=tokens.device)
             mask.masked_fill_(~visible, torch.finfo(self._mask_dtype).min)
-        cache.at(slots, starts, length, span)
         extra: dict[str, Any] = {self._cache_argument: cache, "use_cache": True}
         if self._keep_last:
             extra["logits_to_keep"] = 1
@@ -244,7 +259,12 @@ class HFCausalLM:
                              **extra)
         finally:
             cache.step = None
-        return out.logits[:, -1:, :BYTES]
+        return out.logits[:, -1, :BYTES]
+
+    def written(self, cache: SlotCache) -> list[torch.Tensor]:
+        """The tensors ``step`` writes into: each layer's keys and values (views of the
+        whole cache's, which the step never touches itself)."""
+        return [t for layer in cache.layers for t in (layer.keys, layer.values)]
 
     def token_bytes(self, token: int) -> bytes:
         return bytes([token])

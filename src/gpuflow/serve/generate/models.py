@@ -8,9 +8,10 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from gpuflow.hf import is_hf_model
-from gpuflow.models.gpt import GPT, KVCache
+from gpuflow.models.gpt import GPT, CausalSelfAttention, KVCache
 
 if TYPE_CHECKING:
     from gpuflow.serve.generate.hf_models import HFCausalLM
@@ -35,6 +36,46 @@ class GPTDecoder:
     def logits(self, tokens: torch.Tensor, cache: KVCache, slots: torch.Tensor,
                starts: torch.Tensor) -> torch.Tensor:
         return self.model.decode(tokens, cache, slots, starts)
+
+    def step(self, tokens: torch.Tensor, cache: KVCache, slots: torch.Tensor,
+             starts: torch.Tensor) -> torch.Tensor:
+        """``GPT.decode`` of one new token per row, logits ``[B, vocab]``, in static shapes:
+        every row attends over the whole context under its mask, so the step's shapes
+        depend on ``B`` alone, and nothing in it waits for the device (no prefix length to
+        read back, no check of ``starts``: the engine keeps every position in the
+        context). One graph per batch bucket for ``torch.compile(dynamic=False)``, and one
+        a CUDA graph can replay."""
+        model = self.model
+        x = model.tok_emb(tokens) + model.pos_emb(starts[:, None])
+        context = torch.arange(cache.seq_len, device=tokens.device)
+        visible = (context[None, :] <= starts[:, None])[:, None, None]  # [B, 1, 1, context]
+        for layer, block in enumerate(model.blocks):
+            x = x + self._attend(block.attn, block.ln1(x), cache, layer, slots, starts,
+                                 visible)
+            x = x + block.mlp(block.ln2(x))
+        return model.lm_head(model.ln_f(x[:, -1]))
+
+    @staticmethod
+    def _attend(attn: CausalSelfAttention, x: torch.Tensor, cache: KVCache, layer: int,
+                slots: torch.Tensor, starts: torch.Tensor,
+                visible: torch.Tensor) -> torch.Tensor:
+        """``CausalSelfAttention.cached`` of one token per row over the whole context. The
+        new keys and values are written by indexing the whole cache tensor (layer, slot and
+        position each a tensor index), not through a view of one layer: inductor then
+        writes them in place, where a write through the view made it copy the cache."""
+        batch = x.shape[0]
+        q, k, v = attn._heads(x)  # [B, heads, 1, head_dim]
+        at = (torch.full_like(slots, layer), slots, slice(None), starts)
+        cache.keys[at] = k[:, :, 0].to(cache.keys.dtype)
+        cache.values[at] = v[:, :, 0].to(cache.values.dtype)
+        keys = cache.keys[layer].index_select(0, slots).to(q.dtype)
+        values = cache.values[layer].index_select(0, slots).to(q.dtype)
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
+        return attn.proj(y.transpose(1, 2).reshape(batch, 1, -1))
+
+    def written(self, cache: KVCache) -> list[torch.Tensor]:
+        """The tensors ``step`` writes into."""
+        return [cache.keys, cache.values]
 
     def token_bytes(self, token: int) -> bytes:
         return bytes([token])
