@@ -24,7 +24,10 @@ from gpuflow.telemetry import waits as timed_waits
 if TYPE_CHECKING:
     from torch.amp import GradScaler
 
+    from gpuflow.parallel.dims import ParallelDims
     from gpuflow.parallel.pipeline import Pipeline
+    from gpuflow.precision import PrecisionPolicy
+    from gpuflow.telemetry.steps import StepTimer
 
 
 class Pipelined(Strategy):
@@ -33,8 +36,9 @@ class Pipelined(Strategy):
 
     supports_loss_scaling = False
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, dims: ParallelDims, device: torch.device, policy: PrecisionPolicy,
+                 timer: StepTimer, compile: bool = False) -> None:
+        super().__init__(dims, device, policy, timer, compile)
         if self.compile_requested:
             raise UserError("--compile is not supported with pipeline parallelism yet; "
                             "drop --compile or use fsdp/tp.")

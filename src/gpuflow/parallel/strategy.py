@@ -108,9 +108,9 @@ class Strategy:
             self.dp_rank = dist.get_rank() if dist.is_initialized() else 0
         self.model: nn.Module = nn.Module()  # set by setup()
         self.forward_model: nn.Module = self.model
-        waits = self.timed_waits()
+        self.waits = self.timed_waits()
         self._collective_waits: contextlib.AbstractContextManager[Any] = (
-            timed_waits.TimedWaits(waits, timer.exposed_comm) if waits
+            timed_waits.TimedWaits(self.waits, timer.exposed_comm) if self.waits
             else contextlib.nullcontext())
 
     # --- set-up ---------------------------------------------------------------------------
@@ -237,7 +237,7 @@ class Strategy:
     @property
     def comm_measured(self) -> bool:
         """Whether exposed communication is measured: wherever its waits can be timed."""
-        return self.timed_waits() is not None
+        return self.waits is not None
 
     def host_collective_timer(self) -> Callable[[], contextlib.AbstractContextManager[None]
                                                 ] | None:
