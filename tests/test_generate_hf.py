@@ -12,12 +12,13 @@ import httpx
 import pytest
 import torch
 from conftest import serving
+from test_generate import completion
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from gpuflow import TrainConfig, train
 from gpuflow.export import export_model
 from gpuflow.serve.app import ServeSettings, create_app
-from gpuflow.serve.generate.engine import Delta, Done, GenerationEngine
+from gpuflow.serve.generate.engine import Done, GenerationEngine
 from gpuflow.serve.generate.hf_models import HFCausalLM, SlotCache
 from gpuflow.serve.generate.models import cached_lm, refusal
 from gpuflow.serve.generate.sampling import SamplingParams
@@ -64,16 +65,6 @@ def greedy_reference(model: torch.nn.Module, prompt: bytes, count: int) -> list[
     return tokens[len(prompt):]
 
 
-async def finished(generation) -> tuple[str, Done]:
-    parts = []
-    while True:
-        event = await generation.events.get()
-        if isinstance(event, Done):
-            return "".join(parts), event
-        assert isinstance(event, Delta), event
-        parts.append(event.text)
-
-
 def generate(lm: HFCausalLM, requests: list[tuple[bytes, SamplingParams]], slots: int,
              stagger: int = 0, bucketed: bool = False) -> list[tuple[list[int], Done]]:
     """Each request's generated tokens; the first ``stagger`` go in before the engine runs,
@@ -85,7 +76,7 @@ def generate(lm: HFCausalLM, requests: list[tuple[bytes, SamplingParams]], slots
             generations = [engine.submit(list(p), params) for p, params in requests[:stagger]]
             await asyncio.sleep(0.005)
             generations += [engine.submit(list(p), params) for p, params in requests[stagger:]]
-            done = await asyncio.gather(*(finished(g) for g in generations))
+            done = await asyncio.gather(*(completion(g) for g in generations))
             return [(g.generated, d) for g, (_, d) in zip(generations, done, strict=True)]
         finally:
             engine.stop()
