@@ -18,11 +18,10 @@ from safetensors.torch import save_file
 
 from gpuflow import checkpoint as ckpt
 from gpuflow.errors import UserError
-from gpuflow.serving import SERVING_FILE
+from gpuflow.serving import RUN_CONFIG_FILE, SERVING_FILE
 
 EXPORT_FORMAT_VERSION = "1"
 ExportFormat = Literal["safetensors", "hf"]
-RUN_CONFIG_FILE = "gpuflow_run.json"  # beside a Hugging Face export: where it came from
 
 
 def _newest(run_dir: Path) -> tuple[ckpt.Checkpoint, dict[str, torch.Tensor], dict[str, Any]]:
@@ -49,7 +48,7 @@ def export_model(run_dir: Path, out: Path,
     saved = run_dir / SERVING_FILE
     serving = json.loads(saved.read_text()) if saved.is_file() else None
     if format == "hf":
-        _export_hf(config, model_state, checkpoint, out)
+        _export_hf(config, serving, model_state, checkpoint, out)
         return out, checkpoint.step
     metadata = {
         "gpuflow_export_format": EXPORT_FORMAT_VERSION,
@@ -65,10 +64,12 @@ def export_model(run_dir: Path, out: Path,
     return out, checkpoint.step
 
 
-def _export_hf(config: dict[str, Any], model_state: dict[str, torch.Tensor],
-               checkpoint: ckpt.Checkpoint, out: Path) -> None:
+def _export_hf(config: dict[str, Any], serving: dict[str, Any] | None,
+               model_state: dict[str, torch.Tensor], checkpoint: ckpt.Checkpoint,
+               out: Path) -> None:
     """Rebuild the workload's model, load the weights and let the workload write it; the
-    directory appears whole or not at all."""
+    directory appears whole or not at all. ``RUN_CONFIG_FILE`` records the run's step,
+    configuration and codec state, so that ``gpuflow serve`` can serve the directory."""
     from gpuflow.serve.model import restore_workload
 
     if out.exists() and not out.is_dir():
@@ -81,8 +82,9 @@ def _export_hf(config: dict[str, Any], model_state: dict[str, torch.Tensor],
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         writer(workload.model, tmp)
-        (tmp / RUN_CONFIG_FILE).write_text(json.dumps({"step": step, "config": config},
-                                                      indent=2))
+        record = {"step": step, "config": config,
+                  **({"serving": serving} if serving is not None else {})}
+        (tmp / RUN_CONFIG_FILE).write_text(json.dumps(record, indent=2))
         old = out.with_name(f".{out.name}.old{os.getpid()}")
         if out.exists():
             out.rename(old)

@@ -38,6 +38,7 @@ MAX_NEW_TOKENS = 512
 TOP_K_DEFAULT = 5
 INPUT_FIELDS = ("inputs", "image", "pixels", "text", "audio")
 SERVING_FILE = "serving.json"  # in a run dir: the codec's state, saved at training time
+RUN_CONFIG_FILE = "gpuflow_run.json"  # beside a Hugging Face export: where it came from
 
 
 class InputError(ValueError):

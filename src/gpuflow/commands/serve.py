@@ -20,12 +20,15 @@ TOKEN_ENV = "GPUFLOW_TOKEN"
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "serve", help="serve a model over HTTP with dynamic batching",
-        description="Serve a run dir or an exported .safetensors file over HTTP "
+        description="Serve a run dir, an exported .safetensors file or a `gpuflow export "
+                    "--format hf` directory over HTTP "
                     "(POST /v1/predict, /healthz, /readyz, /metrics; for language models "
                     "also the OpenAI-compatible POST /v1/completions and GET /v1/models; "
                     "API docs at /docs).")
     add = parser.add_argument
-    add("source", metavar="RUN_DIR|MODEL.safetensors", help="a gpuflow run dir or export")
+    add("source", metavar="RUN_DIR|MODEL.safetensors|HF_EXPORT_DIR",
+        help="a gpuflow run dir, a `gpuflow export` file, or a `gpuflow export --format hf` "
+             "directory (it holds gpuflow_run.json)")
     add("--workload", help="rebuild the model with this workload instead of the saved one")
     add("--host", default="127.0.0.1",
         help="address to bind (default 127.0.0.1; any other needs --token)")

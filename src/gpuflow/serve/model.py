@@ -1,10 +1,13 @@
-"""Load a trained model for inference from a run dir or an exported safetensors file.
+"""Load a trained model for inference from a run dir, an exported safetensors file or a
+Hugging Face export directory.
 
-Both carry the run's configuration as JSON (``config.json``, or the export's metadata): the
-workload's factory rebuilds the network from it and the weights are loaded by name; and
-the state its codec saved at training time (``serving.json``, or the export's metadata).
-Nothing is unpickled. The run dir is read through its documented format (docs/run-dir.md), so
-serving depends on the format, not on the training code.
+Each carries the run's configuration as JSON (``config.json``, the export's metadata, or
+``gpuflow_run.json`` beside a Hugging Face export): the workload's factory rebuilds the
+network from it and the weights are loaded by name (for a Hugging Face export, by
+``transformers``' ``from_pretrained``); and the state its codec saved at training time
+(``serving.json``, or the export's metadata or run record). Nothing is unpickled. The run
+dir is read through its documented format (docs/run-dir.md), so serving depends on the
+format, not on the training code.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from gpuflow import checkpoint as ckpt
 from gpuflow.config import TrainConfig
 from gpuflow.devices import resolve_device
 from gpuflow.errors import UserError
+from gpuflow.hf import is_hf_model
 from gpuflow.precision import PrecisionPolicy, make_policy
-from gpuflow.serving import SERVING_FILE
+from gpuflow.serving import RUN_CONFIG_FILE, SERVING_FILE
 from gpuflow.workload import BUILTIN_WORKLOADS, Workload, call_model, resolve_workload
 
 
@@ -64,13 +68,38 @@ def newest_run_weights(run_dir: Path) -> tuple[dict[str, torch.Tensor], int]:
     return load_file(str(checkpoint.path / ckpt.MODEL_FILE)), checkpoint.step
 
 
+def is_hf_export(path: Path) -> bool:
+    """A ``gpuflow export --format hf`` directory: its ``config.json`` is Hugging Face's,
+    and the run's own configuration is in ``RUN_CONFIG_FILE``."""
+    return path.is_dir() and (path / RUN_CONFIG_FILE).is_file()
+
+
+def _is_hf_model_dir(path: Path) -> bool:
+    """Whether ``config.json`` is a Hugging Face model's (it names a ``model_type``),
+    not a run's TrainConfig."""
+    try:
+        return "model_type" in json.loads((path / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
 def check_source(path: Path) -> None:
     """Fail early, without reading weights, on a path that cannot hold a model."""
+    if is_hf_export(path):
+        return
     if path.is_dir():
+        if _is_hf_model_dir(path):
+            raise UserError(
+                f"{path} is a Hugging Face model directory that gpuflow did not export (it "
+                f"has no {RUN_CONFIG_FILE} naming the workload and run config). gpuflow "
+                "serves models it trained: export one with `gpuflow export RUN_DIR --format "
+                "hf --out DIR` and serve DIR, or serve the run dir itself.")
         if not (path / "config.json").is_file():
-            raise UserError(f"{path} is not a gpuflow run dir (no config.json).")
+            raise UserError(f"{path} is not a gpuflow run dir (no config.json) nor a "
+                            f"Hugging Face export (no {RUN_CONFIG_FILE}).")
     elif path.suffix != ".safetensors" or not path.is_file():
-        raise UserError(f"{path} is neither a gpuflow run dir nor a .safetensors export.")
+        raise UserError(f"{path} is neither a gpuflow run dir, a Hugging Face export dir "
+                        "nor a .safetensors export.")
 
 
 Source = tuple[dict[str, Any], dict[str, torch.Tensor], int, dict[str, Any] | None]
@@ -129,9 +158,96 @@ def restore_workload(config: dict[str, Any], weights: dict[str, torch.Tensor], s
     return built
 
 
+def read_run_record(path: Path) -> tuple[dict[str, Any], int, dict[str, Any] | None]:
+    """(run config, step, codec state or None) from a Hugging Face export's
+    ``RUN_CONFIG_FILE``; exports written before it held the codec state have none."""
+    record_path = path / RUN_CONFIG_FILE
+    try:
+        record = json.loads(record_path.read_text())
+        config, step, serving = record["config"], int(record["step"]), record.get("serving")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"{record_path} is not the run record `gpuflow export --format hf` "
+                        f"writes ({type(exc).__name__}: {exc}); export the run again.") from None
+    return config, step, serving
+
+
+def _exported_class(path: Path) -> type:
+    """The ``transformers`` class a conversion's ``config.json`` names (``architectures``)."""
+    import transformers
+
+    try:
+        names = transformers.AutoConfig.from_pretrained(path, local_files_only=True).architectures
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path / 'config.json'} is not a Hugging Face config transformers "
+                        f"reads ({exc}); export the run again.") from None
+    found = getattr(transformers, (names or [""])[0], None)
+    if not isinstance(found, type):
+        raise UserError(f"{path / 'config.json'} names no transformers model class in "
+                        f"'architectures' (it has {names!r}); export the run again.")
+    return found
+
+
+def open_hf_export(path: Path, built: Workload) -> nn.Module:
+    """The model a Hugging Face export holds, in the rebuilt model's dtype, opened by
+    ``transformers``' ``from_pretrained``, which reads sharded weights and ties what the
+    model ties; any weight missing, unexpected or misshapen is an error.
+
+    A Hugging Face workload's export is its model's ``save_pretrained``: it is reopened as
+    the rebuilt model's class and config, so it must fit the workload. Any other workload's
+    export is its own conversion (``Workload.export_hf``; textlm's is a ``GPT2LMHeadModel``),
+    opened as the class its ``config.json`` names and served in place of the workload's
+    model: the conversion is exact (the same logits within fp32 rounding, the same greedy
+    generations; tests/test_export.py), the workload's codec reads its ``.logits``, and the
+    generation engine drives it through its Hugging Face path. Mapping the names back
+    instead would need an inverse of every workload's converter.
+    """
+    own = is_hf_model(built.model)
+    cls = type(built.model) if own else _exported_class(path)
+    options = {"config": built.model.config} if own else {}
+    try:
+        model, info = cls.from_pretrained(  # type: ignore[attr-defined]
+            path, dtype=next(built.model.parameters()).dtype, local_files_only=True,
+            use_safetensors=True, ignore_mismatched_sizes=True, output_loading_info=True,
+            **options)
+    except Exception as exc:  # OSError for a missing file, safetensors' own for a corrupt one
+        raise UserError(f"The weights in {path} cannot be loaded ({type(exc).__name__}: "
+                        f"{exc}); export the run again with `gpuflow export RUN_DIR --format "
+                        "hf --out DIR`.") from None
+    _check_loaded(path, built.name, info)
+    return model.eval()
+
+
+def _check_loaded(path: Path, workload: str, info: dict[str, Any]) -> None:
+    """Refuse a load that left weights missing, unexpected or misshapen, naming a few."""
+    def named(entry: Any) -> str:  # a name, or (name, shape in the export, in the model)
+        if isinstance(entry, tuple):
+            name, ours, theirs = entry
+            return f"{name} {list(ours)} in the export, {list(theirs)} in the model"
+        return str(entry)
+
+    wrong = {kind: sorted(map(named, info[key])) for kind, key in (
+        ("missing", "missing_keys"), ("unexpected", "unexpected_keys"),
+        ("of another shape", "mismatched_keys")) if info.get(key)}
+    if wrong:
+        found = "; ".join(f"{kind}: {', '.join(names[:3])}" + (", ..." if len(names) > 3 else "")
+                          for kind, names in wrong.items())
+        raise UserError(f"The weights in {path} do not fit workload {workload!r} ({found}); "
+                        "export the run again, or pass the --workload it was trained with.")
+
+
+def load_hf_export(path: Path, workload: str | None = None) -> LoadedModel:
+    """The run's workload rebuilt from the export's run record, serving the export's model."""
+    config, step, serving = read_run_record(path)
+    built = build_workload(config, workload)
+    built.model = open_hf_export(path, built)
+    return LoadedModel(built, config, step, path, serving)
+
+
 def load_model(path: str | Path, workload: str | None = None) -> LoadedModel:
     """Rebuild the run's model and load its weights; ``workload`` overrides the saved one."""
     source = Path(path)
+    if is_hf_export(source):
+        return load_hf_export(source, workload)
     config, weights, step, serving = read_source(source)
     return LoadedModel(restore_workload(config, weights, source, workload), config, step,
                        source, serving)

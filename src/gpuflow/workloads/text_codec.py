@@ -20,6 +20,7 @@ from gpuflow.serving import (
     length_buckets,
     top_labels,
 )
+from gpuflow.workload import model_logits
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,7 @@ class TextCodec(Codec):
         first: torch.Tensor | None = None
         for step in range(max(1, int(budgets.max()))):
             width = length_bucket(int(lengths.max()), self.SHORTEST, self.seq_len)
-            logits = runner(buffer[:, :width]).cpu()
+            logits = model_logits(runner(buffer[:, :width])).cpu()  # a tensor, or .logits
             last = logits[torch.arange(count), lengths - 1]
             probs = torch.softmax(last, dim=-1)
             first = probs if first is None else first
