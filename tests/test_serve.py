@@ -48,19 +48,24 @@ def metric(text: str, name: str) -> float:
 
 
 class Probe(nn.Module):
-    """A 4-feature classifier that records the rows it sees, can hold a batch at a gate,
-    and raises on a batch holding a row whose first feature is -1."""
+    """A 4-feature classifier that records the rows it sees and the thread it ran on, can
+    hold a batch at a gate or be slow, and raises on a batch holding a row whose first
+    feature is -1."""
 
     def __init__(self) -> None:
         super().__init__()
         self.linear = nn.Linear(4, 3)
         self.seen: list[float] = []
+        self.threads: list[str] = []
+        self.delay_s = 0.0
         self.entered = threading.Event()
         self.gate = threading.Event()
         self.gate.set()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.seen += x[:, 0].tolist()
+        self.threads.append(threading.current_thread().name)
+        time.sleep(self.delay_s)
         self.entered.set()
         assert self.gate.wait(30)
         if bool((x[:, 0] == -1).any()):
@@ -75,8 +80,9 @@ def probe_engine(probe: Probe, options: EngineOptions) -> Engine:
 
 
 def probe_app(probe: Probe, **settings: Any) -> FastAPI:
+    # Batches held at the probe's gate must not hold the event loop (and the test) too.
     serve = ServeSettings(**{"source": "probe", "device": "cpu", "max_batch_size": 8,
-                             **settings})
+                             "inline_below_ms": 0, **settings})
     return create_app(serve, load=lambda: probe_engine(probe, serve.engine_options()))
 
 
@@ -154,6 +160,30 @@ def test_a_lone_request_runs_at_once_however_long_batches_may_wait() -> None:
                        for i in range(3)]
         # Nobody else was on the way: no request waited for company.
         assert all(r["batch_rows"] == 1 and r["queue_ms"] < 1000 for r in replies), replies
+
+    run(scenario)
+
+
+def test_fast_lone_requests_run_on_the_event_loop_and_slow_ones_are_handed_off() -> None:
+    probe = Probe()
+
+    async def scenario() -> None:
+        app = probe_app(probe, inline_below_ms=50)
+        async with serving(app) as client:
+            loop_thread = threading.current_thread().name
+            probe.threads.clear()  # the warm-up's
+            probe.seen.clear()
+            for value in range(3):
+                assert (await client.post("/v1/predict", json=rows(value))).status_code == 200
+            # A key's first lone run is timed on the batch thread; known fast, the next run
+            # where the request arrived.
+            assert probe.threads[0].startswith("gpuflow-batch")
+            assert probe.threads[1:] == [loop_thread] * 2
+            probe.delay_s = 0.4  # the model turns slow: the estimate passes 50 ms
+            replies = [await client.post("/v1/predict", json=rows(value)) for value in (3, 4)]
+        assert [r.status_code for r in replies] == [200, 200]
+        assert probe.threads[3] == loop_thread and probe.threads[4].startswith("gpuflow-batch")
+        assert probe.seen == [0.0, 1.0, 2.0, 3.0, 4.0]
 
     run(scenario)
 

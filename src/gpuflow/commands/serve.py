@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gpuflow.errors import UserError
+from gpuflow.serve.batcher import INLINE_BELOW_MS
 
 TOKEN_ENV = "GPUFLOW_TOKEN"
 
@@ -38,6 +39,10 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="longest a partial batch waits for requests already on their way in "
              "(default 5); a request that finds the model idle and nobody else coming "
              "runs at once")
+    add("--inline-below-ms", type=float, default=INLINE_BELOW_MS,
+        help="a lone request runs on the event loop, skipping the hand-off to the batch "
+             "thread, when the last lone one took less than this (default "
+             f"{INLINE_BELOW_MS:g}; 0: always hand off)")
     add("--max-queue", type=int, default=1024,
         help="requests that may wait; more get 503 queue_full (default 1024)")
     add("--timeout-ms", type=float, default=2000.0,
@@ -92,13 +97,14 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1.")
     if args.kv_cache_gib is not None and args.kv_cache_gib <= 0:
         raise UserError("--kv-cache-gib must be positive.")
-    if args.max_wait_ms < 0 or args.timeout_ms <= 0:
-        raise UserError("--max-wait-ms must be 0 or more and --timeout-ms positive.")
+    if args.max_wait_ms < 0 or args.timeout_ms <= 0 or args.inline_below_ms < 0:
+        raise UserError("--max-wait-ms and --inline-below-ms must be 0 or more and "
+                        "--timeout-ms positive.")
     check_source(Path(args.source))  # exit code 2 on a wrong path, before uvicorn starts
     settings = ServeSettings(
         source=args.source, workload=args.workload, host=args.host, port=args.port,
         max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms,
-        max_queue=args.max_queue, timeout_ms=args.timeout_ms,
+        inline_below_ms=args.inline_below_ms, max_queue=args.max_queue, timeout_ms=args.timeout_ms,
         max_body_bytes=args.max_body_bytes, device=args.device, precision=args.precision,
         compile=args.compile or args.cuda_graphs, cuda_graphs=args.cuda_graphs, token=token,
         threads=args.threads, workers=args.workers, kv_cache_gib=args.kv_cache_gib)

@@ -37,7 +37,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.config import STARTUP_FAILURE
 
 from gpuflow.errors import UserError
-from gpuflow.serve.batcher import Batcher, BatchFailed, DeadlineExceeded, QueueFull
+from gpuflow.serve.batcher import (
+    INLINE_BELOW_MS,
+    Batcher,
+    BatchFailed,
+    DeadlineExceeded,
+    QueueFull,
+)
 from gpuflow.serve.completions import RequestProblem, add_completion_routes
 from gpuflow.serve.engine import Engine, EngineOptions
 from gpuflow.serve.generate.engine import GenerationEngine, build_generator
@@ -64,6 +70,7 @@ class ServeSettings:
     port: int = 8000
     max_batch_size: int = 32
     max_wait_ms: float = 5.0
+    inline_below_ms: float = INLINE_BELOW_MS
     max_queue: int = 1024
     timeout_ms: float = 2000.0
     max_body_bytes: int = 8 << 20
@@ -200,7 +207,7 @@ def create_app(settings: ServeSettings, load: Callable[[], Engine] | None = None
         return state.engine.run(key, rows)
 
     batcher = Batcher(run_batch, settings.max_batch_size, settings.max_wait_ms / 1000,
-                      settings.max_queue, metrics)
+                      settings.max_queue, metrics, settings.inline_below_ms / 1000)
     state.batcher = batcher
 
     async def prepare() -> None:
@@ -314,9 +321,10 @@ def create_app(settings: ServeSettings, load: Callable[[], Engine] | None = None
                 submitted = batcher.submit(decoded.key, decoded.rows, timeout_ms / 1000)
             except QueueFull:
                 return _queue_full(settings)
-        gone = asyncio.ensure_future(_disconnected(request))
-        await asyncio.wait({submitted, gone}, return_when=asyncio.FIRST_COMPLETED)
-        gone.cancel()
+        if not submitted.done():  # not run inline: watch the client while it waits
+            gone = asyncio.ensure_future(_disconnected(request))
+            await asyncio.wait({submitted, gone}, return_when=asyncio.FIRST_COMPLETED)
+            gone.cancel()
         if not submitted.done():  # the client went away: drop its request
             submitted.cancel()
             await asyncio.gather(submitted, return_exceptions=True)

@@ -5,12 +5,20 @@ oldest request and runs as soon as the model is free: a request that finds the m
 and nobody else on the way runs at once, and batches form from what arrives while a batch
 runs. It waits for company only while other requests are already on their way in (being
 read and decoded, ``incoming()``), and then at most ``max_wait_s``, or until its key fills
-``max_batch_size`` rows. The batch runs in a worker thread (one at a time, so the event
-loop stays free to accept requests and fire deadlines). Unlike queues that check
-deadlines only on dequeue, each request's deadline is a timer: when it fires, the request
-leaves the queue at once and its caller gets ``DeadlineExceeded``. A caller that is
-cancelled (its client went away) also leaves the queue. A batch that raises fails only its
-own requests.
+``max_batch_size`` rows.
+
+Batches run in a worker thread, one at a time, so the event loop stays free to accept
+requests and fire deadlines; a lone request is handed to it by ``submit`` itself, without
+a turn of the batching task. A lone request whose key's lone runs take less than
+``inline_below_s`` (a running estimate) runs on the event loop instead, as a plain
+endpoint's would: the hand-off to a thread and back (two wake-ups and a GIL hand-over)
+costs a good share of a sub-millisecond batch, while holding the loop that briefly delays
+nobody much.
+
+Unlike queues that check deadlines only on dequeue, each request's deadline is a timer:
+when it fires, the request leaves the queue at once and its caller gets
+``DeadlineExceeded``. A caller that is cancelled (its client went away) also leaves the
+queue. A batch that raises fails only its own requests.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 RunFn = Callable[[Hashable, list[Any]], list[Any]]
+INLINE_BELOW_MS = 1.0  # `gpuflow serve --inline-below-ms`
+LONE_SMOOTHING = 0.25  # weight of the newest lone run in its key's running estimate
 
 
 class QueueFull(Exception):
@@ -62,8 +72,9 @@ class _Pending:
 
 class Batcher:
     def __init__(self, run: RunFn, max_batch_size: int, max_wait_s: float, max_queue: int,
-                 observer: Observer | None = None) -> None:
+                 observer: Observer | None = None, inline_below_s: float = 0.0) -> None:
         self.run = run
+        self.inline_below_s = inline_below_s
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_s
         self.max_queue = max_queue
@@ -73,6 +84,8 @@ class Batcher:
         self._arrived = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._incoming = 0
+        self._busy = False  # a batch is in the worker thread
+        self._lone_s: dict[Hashable, float] = {}  # each key's lone batch run time
 
     @property
     def depth(self) -> int:
@@ -119,6 +132,13 @@ class Batcher:
             raise QueueFull
         loop = asyncio.get_running_loop()
         pending = _Pending(key, rows, loop.create_future())
+        if not self._busy and not self._queue and self._incoming <= 1:
+            # Idle, and nobody on the way in but (at most) the caller: run it now.
+            if self._lone_s.get(key, float("inf")) < self.inline_below_s:
+                self._run_inline(key, pending)
+            else:
+                self._launch(key, [pending])
+            return pending.future
         pending.timer = loop.call_later(timeout_s, self._expire, pending)
         pending.future.add_done_callback(lambda _: self._remove(pending))
         self._queue[pending] = None
@@ -148,7 +168,7 @@ class Batcher:
 
     async def _loop(self) -> None:
         while True:
-            if not self._queue:
+            if not self._queue or self._busy:
                 self._arrived.clear()
                 await self._arrived.wait()
                 continue
@@ -165,7 +185,7 @@ class Batcher:
                 except TimeoutError:
                     break
             if first in self._queue:
-                await self._execute(first.key, self._take(first.key))
+                await asyncio.wait([self._launch(first.key, self._take(first.key))])
 
     def _take(self, key: Hashable) -> list[_Pending]:
         batch, rows = [], 0
@@ -176,17 +196,59 @@ class Batcher:
                 rows += len(pending.rows)
         return batch
 
-    async def _execute(self, key: Hashable, batch: list[_Pending]) -> None:
+    def _rows(self, batch: list[_Pending]) -> list[Any]:
         rows = [row for pending in batch for row in pending.rows]
         if self.observer is not None:
             self.observer.batch_formed(len(rows))
-        start = time.monotonic()
+        return rows
+
+    def _run_inline(self, key: Hashable, pending: _Pending) -> None:
+        """Run a lone request's batch here, on the event loop, and settle its future."""
+        done: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        rows, start = self._rows([pending]), time.monotonic()
         try:
-            outputs = await asyncio.get_running_loop().run_in_executor(
-                self.executor, self.run, key, rows)
-            if len(outputs) != len(rows):
+            done.set_result(self._timed_run(key, rows, 1))
+        except Exception as exc:
+            done.set_exception(exc)
+        self._finish(key, [pending], len(rows), start, done)
+
+    def _timed_run(self, key: Hashable, rows: list[Any], requests: int) -> list[Any]:
+        """``run``, timing a lone request's batch by itself (not its hand-offs); the
+        estimate is smoothed so that one slow call does not flip the choice back and forth."""
+        start = time.monotonic()
+        outputs = self.run(key, rows)
+        if requests == 1:
+            took = time.monotonic() - start
+            last = self._lone_s.get(key, took)
+            self._lone_s[key] = last + LONE_SMOOTHING * (took - last)
+        return outputs
+
+    def _launch(self, key: Hashable, batch: list[_Pending]) -> asyncio.Future[list[Any]]:
+        """Hand the batch to the worker thread; its requests get their results when it
+        returns (``_finish``)."""
+        rows = self._rows(batch)
+        self._busy = True
+        start = time.monotonic()
+        done = asyncio.wrap_future(self.executor.submit(self._timed_run, key, rows,
+                                                        len(batch)))
+        done.add_done_callback(lambda _: self._finish(key, batch, len(rows), start, done))
+        return done
+
+    def _finish(self, key: Hashable, batch: list[_Pending], rows: int, start: float,
+                done: asyncio.Future[list[Any]]) -> None:
+        self._busy = False
+        if self._queue:
+            self._arrived.set()  # the model is free for what queued meanwhile
+        compute_s = time.monotonic() - start
+        try:
+            outputs = done.result()
+            if len(outputs) != rows:
                 raise RuntimeError(f"the model returned {len(outputs)} outputs for "
-                                   f"{len(rows)} rows")
+                                   f"{rows} rows")
+        except asyncio.CancelledError:  # the batcher stopped before the batch ran
+            for pending in batch:
+                pending.future.cancel()
+            return
         except Exception as exc:
             for pending in batch:
                 if not pending.future.done():
@@ -194,12 +256,10 @@ class Batcher:
                     error.__cause__ = exc
                     pending.future.set_exception(error)
             return
-        compute_s = time.monotonic() - start
         offset = 0
         for pending in batch:
             count = len(pending.rows)
             if not pending.future.done():  # its client may have gone meanwhile
                 pending.future.set_result(Result(outputs[offset:offset + count],
-                                                 start - pending.enqueued, compute_s,
-                                                 len(rows)))
+                                                 start - pending.enqueued, compute_s, rows))
             offset += count
