@@ -321,7 +321,8 @@ def create_app(settings: ServeSettings, load: Callable[[], Engine] | None = None
                 submitted = batcher.submit(decoded.key, decoded.rows, timeout_ms / 1000)
             except QueueFull:
                 return _queue_full(settings)
-        if not submitted.done():  # not run inline: watch the client while it waits
+        await asyncio.sleep(0)  # one turn of the loop: a lone request run inline is done
+        if not submitted.done():  # watch the client while its request waits
             gone = asyncio.ensure_future(_disconnected(request))
             await asyncio.wait({submitted, gone}, return_when=asyncio.FIRST_COMPLETED)
             gone.cancel()

@@ -8,12 +8,13 @@ read and decoded, ``incoming()``), and then at most ``max_wait_s``, or until its
 ``max_batch_size`` rows.
 
 Batches run in a worker thread, one at a time, so the event loop stays free to accept
-requests and fire deadlines; a lone request is handed to it by ``submit`` itself, without
-a turn of the batching task. A lone request whose key's lone runs take less than
-``inline_below_s`` (a running estimate) runs on the event loop instead, as a plain
-endpoint's would: the hand-off to a thread and back (two wake-ups and a GIL hand-over)
-costs a good share of a sub-millisecond batch, while holding the loop that briefly delays
-nobody much.
+requests and fire deadlines. A request that finds the model idle is dispatched by a
+callback of its own, without a turn of the batching task, once the requests read in the
+same turn of the event loop have been queued too (those make a batch with it). Alone, it
+goes to the thread, or, while its key's lone runs take less than ``inline_below_s`` (a
+running estimate), runs on the event loop itself, as a plain endpoint's would: the
+hand-off to a thread and back (two wake-ups and a GIL hand-over) costs a good share of a
+sub-millisecond batch, while holding the loop that briefly delays nobody much.
 
 Unlike queues that check deadlines only on dequeue, each request's deadline is a timer:
 when it fires, the request leaves the queue at once and its caller gets
@@ -132,19 +133,30 @@ class Batcher:
             raise QueueFull
         loop = asyncio.get_running_loop()
         pending = _Pending(key, rows, loop.create_future())
-        if not self._busy and not self._queue and self._incoming <= 1:
-            # Idle, and nobody on the way in but (at most) the caller: run it now.
-            if self._lone_s.get(key, float("inf")) < self.inline_below_s:
-                self._run_inline(key, pending)
-            else:
-                self._launch(key, [pending])
-            return pending.future
         pending.timer = loop.call_later(timeout_s, self._expire, pending)
         pending.future.add_done_callback(lambda _: self._remove(pending))
+        idle = not self._busy and not self._queue
         self._queue[pending] = None
         self._changed()
-        self._arrived.set()
+        if idle:
+            # After the requests already read in this turn of the loop have been queued
+            # too: they make a batch; alone, it runs now.
+            loop.call_soon(self._run_if_alone, pending)
+        else:
+            self._arrived.set()
         return pending.future
+
+    def _run_if_alone(self, pending: _Pending) -> None:
+        """Run a request that found the model idle, unless others joined it meanwhile or
+        are on their way in: then the batching task forms their batch."""
+        if self._busy or self._incoming or list(self._queue) != [pending]:
+            self._arrived.set()
+            return
+        self._remove(pending)
+        if self._lone_s.get(pending.key, float("inf")) < self.inline_below_s:
+            self._run_inline(pending)
+        else:
+            self._launch(pending.key, [pending])
 
     def _remove(self, pending: _Pending) -> None:
         if pending.timer is not None:
@@ -202,15 +214,15 @@ class Batcher:
             self.observer.batch_formed(len(rows))
         return rows
 
-    def _run_inline(self, key: Hashable, pending: _Pending) -> None:
+    def _run_inline(self, pending: _Pending) -> None:
         """Run a lone request's batch here, on the event loop, and settle its future."""
         done: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
         rows, start = self._rows([pending]), time.monotonic()
         try:
-            done.set_result(self._timed_run(key, rows, 1))
+            done.set_result(self._timed_run(pending.key, rows, 1))
         except Exception as exc:
             done.set_exception(exc)
-        self._finish(key, [pending], len(rows), start, done)
+        self._finish([pending], len(rows), start, done)
 
     def _timed_run(self, key: Hashable, rows: list[Any], requests: int) -> list[Any]:
         """``run``, timing a lone request's batch by itself (not its hand-offs); the
@@ -231,10 +243,10 @@ class Batcher:
         start = time.monotonic()
         done = asyncio.wrap_future(self.executor.submit(self._timed_run, key, rows,
                                                         len(batch)))
-        done.add_done_callback(lambda _: self._finish(key, batch, len(rows), start, done))
+        done.add_done_callback(lambda _: self._finish(batch, len(rows), start, done))
         return done
 
-    def _finish(self, key: Hashable, batch: list[_Pending], rows: int, start: float,
+    def _finish(self, batch: list[_Pending], rows: int, start: float,
                 done: asyncio.Future[list[Any]]) -> None:
         self._busy = False
         if self._queue:
