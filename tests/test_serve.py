@@ -306,6 +306,39 @@ def test_a_failing_batch_fails_only_its_requests_and_serving_goes_on() -> None:
     run(scenario)
 
 
+def test_an_error_no_handler_answers_gives_500_and_serving_goes_on() -> None:
+    probe = Probe()
+    broken = [True]
+
+    def load() -> Engine:
+        engine = probe_engine(probe, EngineOptions(device="cpu"))
+        answer = engine.codec.format
+
+        def format(output: Any, parsed: PredictRequest) -> Any:
+            if broken[0]:
+                raise RuntimeError("the answer could not be written")
+            return answer(output, parsed)
+
+        engine.codec.format = format  # type: ignore[method-assign]
+        return engine
+
+    async def scenario() -> None:
+        app = create_app(ServeSettings(source="probe", device="cpu", max_batch_size=8),
+                         load=load)
+        async with serving(app) as client:
+            failed = await client.post("/v1/predict", json=rows(1))
+            broken[0] = False
+            after = await client.post("/v1/predict", json=rows(2))
+            text = (await client.get("/metrics")).text
+        assert failed.status_code == 500
+        assert failed.json()["error"] == {
+            "code": "internal", "message": "RuntimeError: the answer could not be written"}
+        assert after.status_code == 200
+        assert metric(text, 'gpuflow_requests_total{status="500"}') == 1
+
+    run(scenario)
+
+
 def test_token_and_body_limit() -> None:
     async def scenario() -> None:
         app = probe_app(Probe(), token="s3cret", max_body_bytes=200)
