@@ -1,9 +1,11 @@
 """Text generation load test, side by side on the same weights: gpuflow's engine
 (/v1/completions: KV cache, continuous batching), gpuflow's no-cache path (/v1/predict:
-every byte re-runs the whole prefix, one batch at a time) and, when it starts here,
-`transformers serve --continuous-batching` on the same model exported to the Hugging Face
-format (it needs `pip install accelerate` beside gpuflow[hf]; without it the run says so in
-its notes and goes on without that contender).
+every byte re-runs the whole prefix, one batch at a time), gpuflow serving the model's
+Hugging Face export (the engine's path for transformers models: the export's
+GPT2LMHeadModel with gpuflow's slot cache) and, when it starts here,
+`transformers serve --continuous-batching` on that same export (it needs `pip install
+accelerate` beside gpuflow[hf]; without it the run says so in its notes and goes on
+without that contender).
 
 textlm's tiny GPT (untrained: the cost of generating does not depend on the weights) is
 served by each contender on a free loopback port, every server with one torch thread.
@@ -145,19 +147,31 @@ def start(command: list[str], url: str, ready_path: str, env: dict[str, str],
 
 
 def hf_export(model_file: Path, folder: Path) -> Path:
-    """The same weights as a GPT2LMHeadModel directory."""
+    """The same weights as `gpuflow export --format hf` writes them: a GPT2LMHeadModel
+    directory, which both `transformers serve` and `gpuflow serve` read."""
     from safetensors.torch import load_file
 
     from gpuflow import TrainConfig
-    from gpuflow.models.gpt2_format import save_as_gpt2
+    from gpuflow.export import write_hf_export
     from gpuflow.workload import resolve_workload
 
     config = TrainConfig(workload="textlm", data="synthetic")
-    model = resolve_workload("textlm", config.workload_options()).model
-    model.load_state_dict(load_file(model_file))
+    workload = resolve_workload("textlm", config.workload_options())
+    workload.model.load_state_dict(load_file(model_file))
     out = folder / "hf"
-    save_as_gpt2(model.eval(), out)
+    write_hf_export(workload, config.to_dict(), 0, out)
     return out
+
+
+def serve_command(source: Path, port: int, levels: list[int],
+                  args: argparse.Namespace) -> list[str]:
+    """`gpuflow serve` of ``source`` on one torch thread, its queue deep enough for every
+    client and its deadline past any completion."""
+    return [sys.executable, "-m", "gpuflow.cli", "serve", str(source), "--port", str(port),
+            "--max-batch-size", str(args.max_batch_size), "--max-queue", str(4 * max(levels)),
+            "--threads", "1", "--timeout-ms", "60000", "--device", args.device,
+            "--precision", args.precision, *(["--compile"] if args.compile else []),
+            *(["--cuda-graphs"] if args.cuda_graphs else []), "--log-level", "warning"]
 
 
 def main() -> int:
@@ -181,6 +195,9 @@ def main() -> int:
                              "graphs (CUDA only)")
     parser.add_argument("--no-transformers", action="store_true",
                         help="leave `transformers serve` out")
+    parser.add_argument("--no-hf", action="store_true",
+                        help="leave out `gpuflow serve` of the Hugging Face export (the "
+                             "engine's transformers path)")
     parser.add_argument("--quick", action="store_true",
                         help="1 round of 1 s at 4 clients, 16 tokens, no transformers serve")
     parser.add_argument("--out", type=Path,
@@ -202,15 +219,9 @@ def main() -> int:
         try:
             port = free_port()
             gpuflow_url = f"http://127.0.0.1:{port}"
-            processes.append(start(
-                [sys.executable, "-m", "gpuflow.cli", "serve", str(model_file), "--port",
-                 str(port), "--max-batch-size", str(args.max_batch_size), "--max-queue",
-                 str(4 * max(levels)), "--threads", "1", "--timeout-ms", "60000",
-                 "--device", args.device, "--precision", args.precision,
-                 *(["--compile"] if args.compile else []),
-                 *(["--cuda-graphs"] if args.cuda_graphs else []),
-                 "--log-level", "warning"], gpuflow_url, "/readyz", env,
-                timeout=600 if args.compile or args.cuda_graphs else 180))
+            compiling = args.compile or args.cuda_graphs
+            processes.append(start(serve_command(model_file, port, levels, args), gpuflow_url,
+                                   "/readyz", env, timeout=600 if compiling else 180))
             ready = httpx.get(gpuflow_url + "/readyz", timeout=10).json()
             gpuflow_ready = {"runs_on": ready["runs_on"],
                              "decode": ready["generation"]["decode"],
@@ -222,9 +233,18 @@ def main() -> int:
                 Contender("gpuflow no cache", gpuflow_url, "/v1/predict",
                           {"text": prompt, "max_new_tokens": args.tokens,
                            "temperature": 0.0}, False)]
+            hf_dir = hf_export(model_file, folder)
+            if not args.no_hf:
+                port = free_port()
+                hf_gpuflow_url = f"http://127.0.0.1:{port}"
+                processes.append(start(serve_command(hf_dir, port, levels, args),
+                                       hf_gpuflow_url, "/readyz", env,
+                                       timeout=600 if compiling else 180))
+                contenders.append(Contender("gpuflow, HF export", hf_gpuflow_url,
+                                            "/v1/completions", {**greedy, "stream": True},
+                                            True))
             executable = shutil.which("transformers", path=str(Path(sys.executable).parent))
             if not args.no_transformers and executable:
-                hf_dir = hf_export(model_file, folder)
                 port = free_port()
                 hf_url = f"http://127.0.0.1:{port}"
                 try:

@@ -459,7 +459,7 @@ def test_generation_benchmark_quick(tmp_path: Path) -> None:
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
-    for name in ("gpuflow", "gpuflow no cache"):
+    for name in ("gpuflow", "gpuflow no cache", "gpuflow, HF export"):
         figures = result["runs"][name]["4"]
         assert figures["errors"] == 0 and figures["tokens_per_s"] > 0
         assert figures["ttft_p50_ms"] <= figures["ttft_p99_ms"]

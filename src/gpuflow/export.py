@@ -11,7 +11,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from safetensors.torch import save_file
@@ -19,6 +19,9 @@ from safetensors.torch import save_file
 from gpuflow import checkpoint as ckpt
 from gpuflow.errors import UserError
 from gpuflow.serving import RUN_CONFIG_FILE, SERVING_FILE
+
+if TYPE_CHECKING:
+    from gpuflow.workload import Workload
 
 EXPORT_FORMAT_VERSION = "1"
 ExportFormat = Literal["safetensors", "hf"]
@@ -67,16 +70,21 @@ def export_model(run_dir: Path, out: Path,
 def _export_hf(config: dict[str, Any], serving: dict[str, Any] | None,
                model_state: dict[str, torch.Tensor], checkpoint: ckpt.Checkpoint,
                out: Path) -> None:
-    """Rebuild the workload's model, load the weights and let the workload write it; the
-    directory appears whole or not at all. ``RUN_CONFIG_FILE`` records the run's step,
-    configuration and codec state, so that ``gpuflow serve`` can serve the directory."""
+    """Rebuild the workload's model, load the weights and write it (``write_hf_export``)."""
     from gpuflow.serve.model import restore_workload
 
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; a Hugging Face export is a directory.")
     workload = restore_workload(config, model_state, checkpoint.path)
+    write_hf_export(workload, config, checkpoint.step, out, serving)
+
+
+def write_hf_export(workload: Workload, config: dict[str, Any], step: int, out: Path,
+                    serving: dict[str, Any] | None = None) -> None:
+    """Let the workload write its model in the Hugging Face format into ``out``, which
+    appears whole or not at all. ``RUN_CONFIG_FILE`` records the run's step, configuration
+    and codec state, so that ``gpuflow serve`` can serve the directory."""
     writer = workload.hf_writer()
-    step = checkpoint.step
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
