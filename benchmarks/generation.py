@@ -49,6 +49,7 @@ from _common import (  # noqa: E402
 )
 from serving import free_port, untrained_export  # noqa: E402
 
+REQUEST_TIMEOUT_S = 120  # an answer later than this is an error (a server that stalls)
 # Every contender takes a string prompt (transformers serve takes nothing else).
 PROMPT_TEXT = ("The Python interpreter reads a program text, splits it into tokens and "
                "builds a tree of the statements it finds; ") * 4
@@ -70,20 +71,24 @@ def percentile(values: list[float], share: float) -> float | None:
 
 async def timed_request(client: httpx.AsyncClient, contender: Contender
                         ) -> tuple[float, float, bool]:
-    """(seconds to the first text, seconds to the end, ok) of one request."""
+    """(seconds to the first text, seconds to the end, ok) of one request; a request the
+    server drops or leaves unanswered past the client's timeout is an error."""
     start = time.perf_counter()
     first: float | None = None
-    if not contender.streams:
-        reply = await client.post(contender.path, json=contender.body)
-        end = time.perf_counter() - start
-        return end, end, reply.status_code == 200
-    async with client.stream("POST", contender.path, json=contender.body) as reply:
-        ok = reply.status_code == 200
-        async for line in reply.aiter_lines():
-            if first is None and line.startswith("data: {"):
-                choices = json.loads(line[6:]).get("choices") or [{}]
-                if choices[0].get("text"):
-                    first = time.perf_counter() - start
+    try:
+        if not contender.streams:
+            reply = await client.post(contender.path, json=contender.body)
+            end = time.perf_counter() - start
+            return end, end, reply.status_code == 200
+        async with client.stream("POST", contender.path, json=contender.body) as reply:
+            ok = reply.status_code == 200
+            async for line in reply.aiter_lines():
+                if first is None and line.startswith("data: {"):
+                    choices = json.loads(line[6:]).get("choices") or [{}]
+                    if choices[0].get("text"):
+                        first = time.perf_counter() - start
+    except httpx.TransportError:
+        ok = False
     end = time.perf_counter() - start
     return (first if first is not None else end), end, ok
 
@@ -98,7 +103,8 @@ async def drive(contender: Contender, concurrency: int, tokens: int, warmup_s: f
     spans: list[tuple[float, float]] = []
     errors = 0
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=contender.url, timeout=600, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=contender.url, timeout=REQUEST_TIMEOUT_S,
+                                 limits=limits) as client:
         start = time.perf_counter()
         window_start, window_end = start + warmup_s, start + warmup_s + window_s
 
@@ -273,7 +279,11 @@ def main() -> int:
         finally:
             for process in processes:
                 process.terminate()
-                process.wait(timeout=30)
+                try:
+                    process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
     keys = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
     runs = {name: {level: {"errors": sum(r["errors"] for r in rounds),
                            **{key: statistics.median(r[key] for r in rounds
