@@ -123,8 +123,8 @@ class _Gate:
     request count, in-flight gauge and latency of /v1/predict (401 and 413 included).
 
     ``POST /v1/predict`` goes from here straight to its handler: the router and the
-    per-route wrappers behind this layer cost a small model's request about a tenth of its
-    time, which at one client is the whole margin against an endpoint that runs the model
+    per-route wrappers behind this layer took ~0.15 ms of a small model's ~1.5 ms request
+    in a profile, about the margin at one client against an endpoint that runs the model
     itself. Its route stays registered, for the API docs and for other methods (405)."""
 
     def __init__(self, app: ASGIApp, settings: ServeSettings, metrics: ServeMetrics,
