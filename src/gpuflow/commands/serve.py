@@ -41,8 +41,8 @@ def register(commands: argparse._SubParsersAction) -> None:
              "runs at once")
     add("--inline-below-ms", type=float, default=INLINE_BELOW_MS,
         help="a lone request runs on the event loop, skipping the hand-off to the batch "
-             "thread, when the last lone one took less than this (default "
-             f"{INLINE_BELOW_MS:g}; 0: always hand off)")
+             "thread, while lone runs of its kind of input take less than this (a running "
+             f"estimate; default {INLINE_BELOW_MS:g}; 0: always hand off)")
     add("--max-queue", type=int, default=1024,
         help="requests that may wait; more get 503 queue_full (default 1024)")
     add("--timeout-ms", type=float, default=2000.0,
