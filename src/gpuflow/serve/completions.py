@@ -163,43 +163,51 @@ class _Answer:
         return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
                 "total_tokens": done.prompt_tokens + done.completion_tokens}
 
-    async def _events(self, first: Event) -> AsyncIterator[Event]:
-        event = first
+    async def _batches(self, first: Event) -> AsyncIterator[list[Event]]:
+        """The events in order, ending with the finish, each time all that are queued: a
+        stream that fell behind the engine catches up in one write."""
+        queue = self.generation.events
+        batch = [first]
         while True:
-            yield event
-            if isinstance(event, Done | Failed):
+            while not isinstance(batch[-1], Done | Failed) and not queue.empty():
+                batch.append(queue.get_nowait())
+            yield batch
+            if isinstance(batch[-1], Done | Failed):
                 return
-            event = await self.generation.events.get()
+            batch = [await queue.get()]
 
     async def collect(self, first: Event) -> Response:
         parts = []
-        async for event in self._events(first):
-            if isinstance(event, Failed):
-                return _error(500, "generation_failed", f"Generation failed ({event.message}); "
-                              "the server keeps serving.")
-            if isinstance(event, Delta):
-                parts.append(event.text)
+        async for batch in self._batches(first):
+            for event in batch:
+                if isinstance(event, Failed):
+                    return _error(500, "generation_failed", f"Generation failed "
+                                  f"({event.message}); the server keeps serving.")
+                if isinstance(event, Delta):
+                    parts.append(event.text)
         assert isinstance(event, Done)
         return JSONResponse(self._envelope([self._choice("".join(parts), event.finish_reason)],
                                            usage=self._usage(event)))
 
     async def stream(self, first: Event) -> AsyncIterator[bytes]:
-        include_usage = bool((self.body.stream_options or {}).get("include_usage"))
         try:
-            async for event in self._events(first):
-                if isinstance(event, Failed):
-                    chunk: dict[str, Any] = {"error": {"code": "generation_failed",
-                                                       "message": event.message}}
-                elif isinstance(event, Delta):
-                    chunk = self._envelope([self._choice(event.text, None)])
-                else:
-                    chunk = self._envelope([self._choice("", event.finish_reason)])
-                yield _sse(chunk)
-                if isinstance(event, Done) and include_usage:
-                    yield _sse(self._envelope([], usage=self._usage(event)))
+            async for batch in self._batches(first):
+                yield b"".join(self._chunks(event) for event in batch)
             yield b"data: [DONE]\n\n"
         finally:
             self.generation.cancel()  # a no-op once finished; frees the slot if the client left
+
+    def _chunks(self, event: Event) -> bytes:
+        """One event's server-sent events: a text chunk, the finish (and the usage chunk
+        when ``stream_options.include_usage`` asks for it) or the error."""
+        if isinstance(event, Delta):
+            return _sse(self._envelope([self._choice(event.text, None)]))
+        if isinstance(event, Failed):
+            return _sse({"error": {"code": "generation_failed", "message": event.message}})
+        chunks = _sse(self._envelope([self._choice("", event.finish_reason)]))
+        if (self.body.stream_options or {}).get("include_usage"):
+            chunks += _sse(self._envelope([], usage=self._usage(event)))
+        return chunks
 
 
 def _sse(payload: dict[str, Any]) -> bytes:

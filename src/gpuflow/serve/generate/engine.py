@@ -6,7 +6,8 @@ decode step over every active sequence together, each at its own position. A req
 joins at the next step after a slot frees; a finished one (its ``max_tokens``, a stop
 string, the end-of-sequence token, or the context's end) leaves and frees its slot at once,
 and so does one whose client went away. Events (text deltas, then the finish) are handed
-to the request's asyncio queue on the server's event loop.
+to the requests' asyncio queues on the server's event loop, all of a step's at once: one
+wake-up of the loop a step, not one a sequence.
 
 Decode steps may run over fixed batch buckets (``bucketed``; always so when compiled): the
 active rows are padded up to the next bucket size, the predict path's ``batch_buckets``
@@ -36,7 +37,7 @@ import torch
 from gpuflow.devices import total_memory
 from gpuflow.errors import UserError
 from gpuflow.serve.generate.models import cached_lm, refusal
-from gpuflow.serve.generate.sampling import Sampler, SamplingParams
+from gpuflow.serve.generate.sampling import Sampler, SamplingParams, choose_tokens
 from gpuflow.serve.generate.text import TextStream
 from gpuflow.serve.model import batch_buckets
 
@@ -120,9 +121,6 @@ class Generation:
     def length(self) -> int:
         return len(self.prompt) + len(self.generated)
 
-    def emit(self, event: Event) -> None:
-        with contextlib.suppress(RuntimeError):  # the event loop has closed
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
 class EngineObserver(Protocol):
@@ -158,6 +156,7 @@ class GenerationEngine:
         self._free = list(range(slots))
         self._active: list[Generation] = []
         self._waiting: collections.deque[Generation] = collections.deque()
+        self._outbox: list[tuple[Generation, Event]] = []  # events not yet handed over
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopped = False
@@ -262,6 +261,7 @@ class GenerationEngine:
                         self._wake.clear()
                 except Exception as exc:  # a failing step fails its sequences, not the server
                     self._fail_all(f"{type(exc).__name__}: {exc}")
+                self._hand_over()
                 self._observe()
 
     def _warm_up(self) -> None:
@@ -308,7 +308,7 @@ class GenerationEngine:
                     return
                 generation = self._waiting.popleft()
             if generation.cancelled:
-                generation.emit(Done("cancelled", len(generation.prompt), 0))
+                self._emit(generation, Done("cancelled", len(generation.prompt), 0))
                 continue
             generation.slot = min(self._free)  # low slots first, to keep them consecutive
             self._free.remove(generation.slot)
@@ -316,7 +316,8 @@ class GenerationEngine:
             tokens = torch.tensor([generation.prompt], device=self._device)
             logits = self.lm.logits(tokens, self.cache, self._slots([generation]),
                                     torch.zeros(1, dtype=torch.long, device=self._device))
-            self._advance(generation, logits[0, -1])
+            self._advance(generation, generation.sampler.choose(logits[0, -1].float().cpu()))
+            self._hand_over()  # its first token goes out now, not after the decode step
 
     @property
     def _device(self) -> torch.device:
@@ -338,8 +339,9 @@ class GenerationEngine:
             last = torch.tensor([[g.generated[-1]] for g in batch], device=self._device)
             starts = torch.tensor([g.length - 1 for g in batch], device=self._device)
             logits = self.lm.logits(last, self.cache, self._slots(batch), starts)[:, -1]
-        for generation, row in zip(batch, logits, strict=True):
-            self._advance(generation, row)
+        tokens = choose_tokens([g.sampler for g in batch], logits.float().cpu())
+        for generation, token in zip(batch, tokens, strict=True):
+            self._advance(generation, token)
 
     def _padded(self, batch: list[Generation], size: int) -> torch.Tensor:
         """One decode step of ``batch`` padded to ``size`` rows, the padding rows (token 0
@@ -357,9 +359,8 @@ class GenerationEngine:
         logits = self._decode(tokens[:, None], self.cache, slots, starts)
         return logits[:len(batch)].float().cpu()
 
-    def _advance(self, generation: Generation, logits: torch.Tensor) -> None:
-        """Choose the next token from ``logits``, send its text, retire when finished."""
-        token = generation.sampler.choose(logits.float().cpu())
+    def _advance(self, generation: Generation, token: int) -> None:
+        """Take ``token`` as the sequence's next, send its text, retire when finished."""
         now = time.monotonic()
         if self.observer is not None:
             if generation.last_token_at is None:
@@ -373,7 +374,7 @@ class GenerationEngine:
         generation.generated.append(token)
         text = generation.stream.feed(self.lm.token_bytes(token))
         if text:
-            generation.emit(Delta(text))
+            self._emit(generation, Delta(text))
         if generation.stream.stopped:
             self._retire(generation, "stop")
         elif (len(generation.generated) >= generation.params.max_tokens
@@ -383,8 +384,8 @@ class GenerationEngine:
     def _retire(self, generation: Generation, reason: str) -> None:
         rest = generation.stream.finish()
         if rest and reason != "cancelled":
-            generation.emit(Delta(rest))
-        generation.emit(Done(reason, len(generation.prompt), len(generation.generated)))
+            self._emit(generation, Delta(rest))
+        self._emit(generation, Done(reason, len(generation.prompt), len(generation.generated)))
         self._active.remove(generation)
         assert generation.slot is not None
         self._free.append(generation.slot)
@@ -392,14 +393,35 @@ class GenerationEngine:
 
     def _fail_all(self, message: str) -> None:
         for generation in list(self._active):
-            generation.emit(Failed(message))
+            self._emit(generation, Failed(message))
             self._active.remove(generation)
             if generation.slot is not None:
                 self._free.append(generation.slot)
 
+    def _emit(self, generation: Generation, event: Event) -> None:
+        self._outbox.append((generation, event))
+
+    def _hand_over(self) -> None:
+        """Put the events emitted since the last call into their requests' queues, with
+        one call into each event loop (there is one: the server's)."""
+        if not self._outbox:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Generation, Event]]] = {}
+        for generation, event in self._outbox:
+            by_loop.setdefault(generation.loop, []).append((generation, event))
+        self._outbox = []
+        for loop, events in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # the event loop has closed
+                loop.call_soon_threadsafe(_deliver, events)
+
     def _observe(self) -> None:
         if self.observer is not None:
             self.observer.occupancy(self.active, self.waiting, self.slots)
+
+
+def _deliver(events: list[tuple[Generation, Event]]) -> None:
+    for generation, event in events:
+        generation.events.put_nowait(event)
 
 
 def cache_slots(bytes_per_slot: int, budget_bytes: int, max_seqs: int, spare: int = 0) -> int:

@@ -52,3 +52,13 @@ class Sampler:
         filtered = filter_logits(logits / params.temperature, params.top_k, params.top_p)
         probs = torch.softmax(filtered, dim=-1)
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+def choose_tokens(samplers: list[Sampler], logits: torch.Tensor) -> list[int]:
+    """The next token of each row of ``logits[B, V]`` (on the CPU, in fp32): greedy rows
+    by one argmax over the batch, sampled rows each from its own generator, so a row's
+    choice does not depend on what it is batched with."""
+    greedy = [s.params.temperature == 0.0 for s in samplers]
+    best = logits.argmax(dim=-1).tolist() if any(greedy) else []
+    return [best[row] if is_greedy else sampler.choose(logits[row])
+            for row, (sampler, is_greedy) in enumerate(zip(samplers, greedy, strict=True))]
