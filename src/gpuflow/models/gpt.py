@@ -73,6 +73,24 @@ class KVCache:
         return 2 * config.layers * config.seq_len * config.dim * dtype.itemsize
 
 
+def write_positions(cache: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
+                    new: torch.Tensor) -> None:
+    """``cache[slots[b], :, starts[b] + t] = new[b, :, t]`` for one layer's
+    ``[slots, heads, context, dim]`` keys or values and ``new[B, heads, T, dim]``. One row
+    on the CPU is written through a slice: for decoding a lone sequence, advanced
+    indexing's set-up costs more than the copy itself. (Not while compiling: reading the
+    position would break the graph.)"""
+    batch, _, length, _ = new.shape
+    new = new.to(cache.dtype)
+    if batch == 1 and slots.device.type == "cpu" and not torch.compiler.is_compiling():
+        start = int(starts[0])
+        cache[int(slots[0]), :, start:start + length] = new[0]
+        return
+    offsets = starts[:, None] + torch.arange(length, device=new.device)
+    rows = slots[:, None].expand(batch, length)
+    cache[rows, :, offsets] = new.transpose(1, 2)
+
+
 @dataclass(frozen=True)
 class CacheView:
     """Where a decode step reads and writes: cache slots, the position of each sequence's
@@ -137,9 +155,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self._heads(x)
         offsets = view.starts[:, None] + torch.arange(length, device=x.device)  # [B, T]
         keys, values = view.cache.keys[layer], view.cache.values[layer]
-        rows = view.slots[:, None].expand(batch, length)
-        keys[rows, :, offsets] = k.transpose(1, 2).to(keys.dtype)
-        values[rows, :, offsets] = v.transpose(1, 2).to(values.dtype)
+        write_positions(keys, view.slots, view.starts, k)
+        write_positions(values, view.slots, view.starts, v)
         span = torch.arange(view.span, device=x.device)
         visible = span[None, None, :] <= offsets[:, :, None]  # [B, T, span]
         y = F.scaled_dot_product_attention(q, view.prefix(keys).to(q.dtype),

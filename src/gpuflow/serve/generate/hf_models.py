@@ -25,6 +25,8 @@ from torch import nn
 from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 
+from gpuflow.models.gpt import write_positions
+
 BYTES = 256
 ATTENTION = ("sdpa", "eager")  # the implementations that take a 4-D custom mask
 
@@ -71,11 +73,8 @@ class SlotLayer(CacheLayerMixin):
         positions; return the rows' keys and values up to the longest row's end."""
         step = self.owner.step
         assert step is not None, "SlotCache.at(...) sets each forward's rows first"
-        batch, _, length, _ = key_states.shape
-        offsets = step.starts[:, None] + torch.arange(length, device=key_states.device)
-        rows = step.slots[:, None].expand(batch, length)
-        self.keys[rows, :, offsets] = key_states.transpose(1, 2).to(self.keys.dtype)
-        self.values[rows, :, offsets] = value_states.transpose(1, 2).to(self.values.dtype)
+        write_positions(self.keys, step.slots, step.starts, key_states)
+        write_positions(self.values, step.slots, step.starts, value_states)
         return (step.prefix(self.keys).to(key_states.dtype),
                 step.prefix(self.values).to(value_states.dtype))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 
 import torch
@@ -41,8 +42,10 @@ class Sampler:
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
         self.generator = torch.Generator()
+        # Not torch.seed(): it reseeds torch's global generators on every device backend,
+        # which costs more than a greedy request's whole admission.
         self.generator.manual_seed(params.seed if params.seed is not None
-                                   else int(torch.seed() % 2**63))
+                                   else secrets.randbits(63))
 
     def choose(self, logits: torch.Tensor) -> int:
         """The next token from ``logits[V]`` (on the CPU, in fp32)."""
