@@ -178,22 +178,26 @@ def test_the_scratch_slot_comes_out_of_the_cache_budget() -> None:
 def test_sampling_is_repeatable_by_seed_and_stop_strings_end_a_completion() -> None:
     model = tiny_gpt()
 
-    async def scenario() -> list[tuple[str, Done]]:
-        engine = engine_for(model, slots=4)
+    seeded = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=7)
+
+    async def scenario(runs: list[SamplingParams]) -> list[tuple[str, Done]]:
+        engine = engine_for(model, slots=len(runs))
         engine.start()
         try:
-            runs = [SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=7),
-                    SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=7),
-                    SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=8),
-                    SamplingParams(max_tokens=24, temperature=1.0, top_k=1, seed=9)]
             return await asyncio.gather(*(completion(engine.submit(list(b"x = "), params))
                                           for params in runs))
         finally:
             engine.stop()
 
-    (a, _), (b, _), (c, _), (top1, _) = asyncio.run(scenario())
+    greedy = greedy_reference(model, b"x = ", 24).decode("utf-8", errors="replace")
+    (a, _), (b, _), (c, _), (top1, _), (argmax, _) = asyncio.run(scenario([
+        seeded, seeded, SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=8),
+        SamplingParams(max_tokens=24, temperature=1.0, top_k=1, seed=9),
+        SamplingParams(max_tokens=24, temperature=0.0)]))
     assert a == b and a != c
-    assert top1 == greedy_reference(model, b"x = ", 24).decode("utf-8", errors="replace")
+    assert top1 == greedy and argmax == greedy
+    [(alone, _)] = asyncio.run(scenario([seeded]))  # batched with nothing else
+    assert alone == a
     stop = a[5:7]  # a stop string that the seeded completion reaches
 
     async def stopped() -> tuple[str, Done]:
