@@ -11,9 +11,11 @@ textlm's tiny GPT (untrained: the cost of generating does not depend on the weig
 served by each contender on a free loopback port, every server with one torch thread.
 Closed-loop clients ask for the same greedy completion of the same prompt at each
 concurrency, the contenders taking turns round by round so that a change in machine load
-hits all of them. Per contender and concurrency: output tokens per second, time to first
-token (the first streamed text; the whole answer for /v1/predict, which does not stream)
-and each request's mean inter-token latency, p50 and p99, and errors.
+hits all of them, and each window waiting (up to a minute) for the CPUs to go idle first,
+so that no server's leftover work lands on the next one's figures. Per contender and
+concurrency: output tokens per second, time to first token (the first streamed text; the
+whole answer for /v1/predict, which does not stream) and each request's mean inter-token
+latency, p50 and p99, and errors.
 
     .venv/bin/python benchmarks/generation.py              # a few minutes
     .venv/bin/python benchmarks/generation.py --quick      # seconds
@@ -45,11 +47,13 @@ from _common import (  # noqa: E402
     machine_info,
     package_version,
     provenance,
+    wait_for_idle,
     write_json,
 )
 from serving import free_port, untrained_export  # noqa: E402
 
 REQUEST_TIMEOUT_S = 120  # an answer later than this is an error (a server that stalls)
+QUIET_SHARE = 0.05  # a machine is quiet when other processes use under 5% of the CPUs
 # Every contender takes a string prompt (transformers serve takes nothing else).
 PROMPT_TEXT = ("The Python interpreter reads a program text, splits it into tokens and "
                "builds a tree of the statements it finds; ") * 4
@@ -204,6 +208,9 @@ def main() -> int:
     parser.add_argument("--no-hf", action="store_true",
                         help="leave out `gpuflow serve` of the Hugging Face export (the "
                              "engine's transformers path)")
+    parser.add_argument("--quiet-wait-s", type=float, default=60.0,
+                        help="before each window, wait up to this long for the CPUs to go "
+                             "idle (0: do not wait)")
     parser.add_argument("--quick", action="store_true",
                         help="1 round of 1 s at 4 clients, 16 tokens, no transformers serve")
     parser.add_argument("--out", type=Path,
@@ -212,6 +219,7 @@ def main() -> int:
     args.out = args.out or default_result_path("generation")
     if args.quick:
         args.rounds, args.warmup_s, args.window_s, args.concurrency = 1, 0.5, 1.0, "4"
+        args.quiet_wait_s = 0.0
         args.tokens, args.no_transformers = 16, True
     levels = [int(level) for level in args.concurrency.split(",")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -268,8 +276,13 @@ def main() -> int:
             for number in range(args.rounds):
                 for level in levels:
                     for contender in contenders:
+                        # A server still generating for requests its clients dropped (as a
+                        # stalled contender does) would slow the next one measured.
+                        quiet = (wait_for_idle(args.quiet_wait_s, threshold=QUIET_SHARE,
+                                               log=print) if args.quiet_wait_s else None)
                         figures = asyncio.run(drive(contender, level, args.tokens,
                                                     args.warmup_s, args.window_s))
+                        figures["foreign_cpu_share_before"] = quiet
                         results[contender.name][str(level)].append(figures)
                         print(f"round {number + 1} c{level:<3} {contender.name:>18}: "
                               f"{figures['tokens_per_s']:8.1f} tok/s  ttft p50 "
@@ -298,7 +311,7 @@ def main() -> int:
         "model": "textlm tiny (4 x 128, 128 context), untrained weights",
         "settings": {k: getattr(args, k) for k in (
             "concurrency", "tokens", "prompt_tokens", "max_batch_size", "rounds", "warmup_s",
-            "window_s", "quick", "device", "precision", "compile", "cuda_graphs")},
+            "window_s", "quiet_wait_s", "quick", "device", "precision", "compile", "cuda_graphs")},
         "gpuflow_runs_on": gpuflow_ready,
         "runs": runs,
         "notes": notes,
