@@ -307,7 +307,8 @@ def main() -> int:
     write_json(args.out, {
         "benchmark": "generation",
         **provenance(transformers=package_version("transformers"),
-                     fastapi=package_version("fastapi"), uvicorn=package_version("uvicorn")),
+                     fastapi=package_version("fastapi"), uvicorn=package_version("uvicorn"),
+                     uvloop=package_version("uvloop"), httptools=package_version("httptools")),
         "model": "textlm tiny (4 x 128, 128 context), untrained weights",
         "settings": {k: getattr(args, k) for k in (
             "concurrency", "tokens", "prompt_tokens", "max_batch_size", "rounds", "warmup_s",
