@@ -122,7 +122,6 @@ class Generation:
         return len(self.prompt) + len(self.generated)
 
 
-
 class EngineObserver(Protocol):
     def first_token(self, seconds: float) -> None: ...
     def next_token(self, seconds: float) -> None: ...
