@@ -99,6 +99,8 @@ class Workload:
     model is served from tensors shaped like its example batch. ``augment(item, rng)``
     transforms a training item with a numpy generator seeded by (seed, epoch, index), so
     augmented runs resume exactly (``gpuflow.data.augment``); evaluation is never augmented.
+    ``default_epochs`` is the run's length when neither ``--epochs`` nor ``--max-steps``
+    is given (None: the trainer's default of 10).
     """
 
     name: str
@@ -115,6 +117,7 @@ class Workload:
     export_hf: Callable[[nn.Module, Path], None] | None = None
     serving: ServingSpec | None = None
     augment: Callable[[Any, np.random.Generator], Any] | None = None
+    default_epochs: float | None = None
 
     def blocks(self) -> list[nn.Module]:
         """The modules that repeat in the model, e.g. transformer layers: ``repeated_blocks``,

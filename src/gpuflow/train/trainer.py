@@ -159,7 +159,8 @@ class Trainer:
             self.total_steps = config.max_steps
             return
         assert self.per_epoch_batches is not None
-        epochs = config.epochs if config.epochs is not None else DEFAULT_EPOCHS
+        epochs = (config.epochs if config.epochs is not None
+                  else self.workload.default_epochs or DEFAULT_EPOCHS)
         steps_per_epoch = max(1, self.per_epoch_batches // config.grad_accum)
         self.total_steps = max(1, math.ceil(epochs * steps_per_epoch))
 
