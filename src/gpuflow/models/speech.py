@@ -1,4 +1,4 @@
-"""A small speech classifier that takes raw waveforms: log-mel front end, conv, transformer.
+"""A small speech classifier that takes raw waveforms: log-mel front end, 2-D conv, transformer.
 
 The features are computed inside the model, on the model's device, so the data pipeline only
 reads and pads samples. Every stage respects the true clip lengths: a clip's logits are the
@@ -89,25 +89,35 @@ class LogMel(nn.Module):
 
 
 class ConvSubsample(nn.Module):
-    """Two stride-2 1-D convolutions over time: 4x fewer frames for attention to handle.
+    """Two 3x3 convolutions over (time, mel), each with stride 2 over time (4x fewer frames for
+    attention to handle) and a max-pool of 2 over mel, then a linear map to the model width.
 
-    Padded frames are zeroed before each convolution, so a clip's valid outputs see exactly
-    what its own zero padding would give.
+    Voices differ mostly in where their formants sit on the frequency axis (vocal tract
+    length) and in the microphone's colouring; local filters over frequency, pooled, let the
+    features tolerate such shifts where a 1-D convolution treats every mel band as its own
+    channel. Padded frames are zeroed before each convolution, so a clip's valid outputs see
+    exactly what its own zero padding would give.
     """
 
-    def __init__(self, n_mels: int, dim: int) -> None:
+    def __init__(self, n_mels: int, dim: int, channels: tuple[int, ...] = (32, 64)) -> None:
         super().__init__()
-        self.conv1 = nn.Conv1d(n_mels, dim, 3, stride=2, padding=1)
-        self.conv2 = nn.Conv1d(dim, dim, 3, stride=2, padding=1)
+        self.convs = nn.ModuleList()
+        inputs, bands = 1, n_mels
+        for width in channels:
+            self.convs.append(nn.Conv2d(inputs, width, 3, stride=(2, 1), padding=1))
+            inputs, bands = width, bands // 2
+        self.out = nn.Linear(inputs * bands, dim)
 
     def forward(self, x: torch.Tensor,
                 counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = x.transpose(1, 2)
-        for conv in (self.conv1, self.conv2):
-            x = x * frame_mask(counts, x.shape[2]).unsqueeze(1).to(x.dtype)
-            x = F.gelu(conv(x))
+        x = x.unsqueeze(1)
+        for conv in self.convs:
+            x = x * frame_mask(counts, x.shape[2])[:, None, :, None].to(x.dtype)
+            x = F.max_pool2d(F.gelu(conv(x)), (1, 2))
             counts = (counts + 1) // 2
-        return x.transpose(1, 2), counts
+        batch, channels, frames, bands = x.shape
+        x = x.permute(0, 2, 1, 3).reshape(batch, frames, channels * bands)
+        return F.gelu(self.out(x)), counts
 
 
 def sinusoids(frames: int, dim: int, device: torch.device) -> torch.Tensor:
