@@ -159,9 +159,8 @@ def predict_memory(profile: ModelProfile, layout: Layout, overhead: float = 0.0
 
     # An op's backward holds the gradients of its output and of its input at once; a
     # pipeline stage also holds the gradient exchanged with its neighbour.
-    largest_gradients = 2 * profile.largest_saved_per_sample
     exchanged = profile.block_input_per_sample if layout.pp > 1 else 0.0
-    backward_gradients = (largest_gradients + exchanged) * layout.micro_batch
+    backward_gradients = (profile.backward_excess_per_sample + exchanged) * layout.micro_batch
     # Buffers alive through forward and backward.
     buffers = 0.0
     compute_bytes = 2 if layout.low_precision else FP32

@@ -60,7 +60,10 @@ class ModelProfile:
     act_block_per_sample: float
     act_tp_per_sample: float
     block_input_per_sample: float
-    largest_saved_per_sample: float
+    # Backward's largest excess over what forward saved: an op's backward holds the
+    # gradients of its output and its input (twice its saved tensor) when everything saved
+    # after it has been freed already. A front end's large tensors count less than a loss's.
+    backward_excess_per_sample: float
     act_const: float
     tokens_per_sample: int | None
     source: str
@@ -344,7 +347,7 @@ def profile_workload(workload: Workload, precision: str = "fp32",
         act_block_per_sample=per_sample.block,
         act_tp_per_sample=per_sample.sharded,
         block_input_per_sample=two.block_input / 2,
-        largest_saved_per_sample=_largest_per_sample(one.saved, two.saved),
+        backward_excess_per_sample=_backward_excess_per_sample(one.saved, two.saved),
         act_const=one.total - per_sample.total,
         tokens_per_sample=seq_len or workload.tokens_per_sample,
         source=f"traced ({'fake tensors' if fake else 'real CPU tensors'})",
@@ -373,6 +376,19 @@ def _largest_per_sample(one: list[tuple[float, bool]], two: list[tuple[float, bo
                    default=0.0) / 2
     return max((b - a for (a, _), (b, in_block) in zip(one, two, strict=True)
                 if in_block or not blocks_only), default=0.0)
+
+
+def _backward_excess_per_sample(one: list[tuple[float, bool]],
+                                two: list[tuple[float, bool]]) -> float:
+    """Per sample, the most that backward holds beyond forward's saved tensors: at the op
+    that saved tensor k, twice its size, less all saved after k (freed by then)."""
+    sizes = ([b - a for (a, _), (b, _) in zip(one, two, strict=True)] if len(one) == len(two)
+             else [size / 2 for size, _ in two])
+    excess, after = 0.0, 0.0
+    for size in reversed(sizes):
+        excess = max(excess, 2 * size - after)
+        after += size
+    return excess
 
 
 # --- a transformer described by its dimensions ------------------------------------------------
@@ -446,7 +462,9 @@ class TransformerDims:
             act_block_per_sample=float(t * self.layers * per_layer),
             act_tp_per_sample=float(t * self.layers * sharded),
             block_input_per_sample=float(t * r * d),
-            largest_saved_per_sample=float(t * max(4 * self.vocab, a * f)),
+            # Twice the fp32 logits, which the loss saves last; or twice the last block's MLP
+            # hidden, less what is saved after it (about all of `outer`).
+            backward_excess_per_sample=float(t * max(8 * self.vocab, 2 * a * f - outer)),
             largest_block_saved_per_sample=float(t * a * f), act_const=const,
             tokens_per_sample=t, source="analytic (dimensions)",
             output_per_sample=float(t * a * self.vocab),
