@@ -366,15 +366,21 @@ def profile_workload(workload: Workload, precision: str = "fp32",
     )
 
 
+def _per_sample_sizes(one: list[tuple[float, bool]], two: list[tuple[float, bool]]
+                      ) -> list[tuple[float, bool]]:
+    """Each saved tensor's growth per sample, in save order, and whether a block saved it.
+    Both traces save the same tensors in the same order, so pairing them separates what
+    scales with the batch from what does not: under autocast a weight's low-precision copy
+    can outsize every activation at batch 1. Unpaired, half of the batch-2 sizes."""
+    if len(one) != len(two):
+        return [(size / 2, in_block) for size, in_block in two]
+    return [(b - a, in_block) for (a, _), (b, in_block) in zip(one, two, strict=True)]
+
+
 def _largest_per_sample(one: list[tuple[float, bool]], two: list[tuple[float, bool]],
                         blocks_only: bool = False) -> float:
-    """The largest saved tensor's growth per sample. Both traces save the same tensors in the
-    same order, so pairing them separates what scales with the batch from what does not:
-    under autocast a weight's low-precision copy can outsize every activation at batch 1."""
-    if len(one) != len(two):
-        return max((size for size, in_block in two if in_block or not blocks_only),
-                   default=0.0) / 2
-    return max((b - a for (a, _), (b, in_block) in zip(one, two, strict=True)
+    """The largest saved tensor's growth per sample (of those blocks saved, if ``blocks_only``)."""
+    return max((size for size, in_block in _per_sample_sizes(one, two)
                 if in_block or not blocks_only), default=0.0)
 
 
@@ -382,10 +388,8 @@ def _backward_excess_per_sample(one: list[tuple[float, bool]],
                                 two: list[tuple[float, bool]]) -> float:
     """Per sample, the most that backward holds beyond forward's saved tensors: at the op
     that saved tensor k, twice its size, less all saved after k (freed by then)."""
-    sizes = ([b - a for (a, _), (b, _) in zip(one, two, strict=True)] if len(one) == len(two)
-             else [size / 2 for size, _ in two])
     excess, after = 0.0, 0.0
-    for size in reversed(sizes):
+    for size, _ in reversed(_per_sample_sizes(one, two)):
         excess = max(excess, 2 * size - after)
         after += size
     return excess
