@@ -355,8 +355,7 @@ def profile_workload(workload: Workload, precision: str = "fp32",
         act_before_blocks_per_sample=per_sample.before_blocks,
         front_peak_per_sample=per_sample.front_peak,
         batch_per_sample=per_sample.batch,
-        largest_block_saved_per_sample=_largest_per_sample(one.saved, two.saved,
-                                                           blocks_only=True),
+        largest_block_saved_per_sample=_largest_block_saved_per_sample(one.saved, two.saved),
         # The same FLOPs either way: counted once.
         with_low_precision_params=(
             replace(profile_workload(workload, precision, seq_len, low_precision_params=True),
@@ -377,11 +376,11 @@ def _per_sample_sizes(one: list[tuple[float, bool]], two: list[tuple[float, bool
     return [(b - a, in_block) for (a, _), (b, in_block) in zip(one, two, strict=True)]
 
 
-def _largest_per_sample(one: list[tuple[float, bool]], two: list[tuple[float, bool]],
-                        blocks_only: bool = False) -> float:
-    """The largest saved tensor's growth per sample (of those blocks saved, if ``blocks_only``)."""
-    return max((size for size, in_block in _per_sample_sizes(one, two)
-                if in_block or not blocks_only), default=0.0)
+def _largest_block_saved_per_sample(one: list[tuple[float, bool]],
+                                    two: list[tuple[float, bool]]) -> float:
+    """The growth per sample of the largest tensor a block saves."""
+    return max((size for size, in_block in _per_sample_sizes(one, two) if in_block),
+               default=0.0)
 
 
 def _backward_excess_per_sample(one: list[tuple[float, bool]],
