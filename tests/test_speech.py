@@ -28,7 +28,7 @@ from gpuflow.data.loader import train_batches
 from gpuflow.errors import UserError
 from gpuflow.models.speech import LogMel, mel_filterbank
 from gpuflow.workload import check_workload
-from gpuflow.workloads import speech
+from gpuflow.workloads import speech, speech_augment
 
 SHARED_RECORDINGS = Path(__file__).resolve().parents[1].parent / "shared/data/fsdd/recordings"
 RATE = 8000
@@ -237,7 +237,11 @@ def test_collate_pads_to_the_longest_clip() -> None:
     items = [((torch.ones(3), torch.tensor(3)), 1), ((torch.full((5,), 2.0), torch.tensor(5)), 4)]
     (waves, lengths), labels = speech.collate_waveforms(items)
     assert waves.shape == (2, 5) and lengths.tolist() == [3, 5] and labels.tolist() == [1, 4]
+    assert labels.dtype == torch.int64
     assert waves[0].tolist() == [1, 1, 1, 0, 0] and waves[1].tolist() == [2] * 5
+    mixed = [(inputs, torch.eye(10)[label]) for inputs, label in items]
+    _, weights = speech.collate_waveforms(mixed)
+    assert weights.shape == (2, 10) and weights.argmax(dim=1).tolist() == [1, 4]
 
 
 def test_mel_filterbank_covers_the_band_with_unit_peaks() -> None:
@@ -321,6 +325,49 @@ def test_augmentation_is_a_function_of_seed_epoch_and_index(small_fsdd: Path) ->
     for other in others:
         assert other.shape != wave_.shape or not torch.equal(other, wave_)
     assert int(length) != int(raw_length)  # the speed and the delay change its length
+
+
+def test_mixup_mixes_two_perturbed_clips_and_their_labels(small_fsdd: Path) -> None:
+    train, _ = speech.load_recordings(small_fsdd)
+    mixup = speech.ClipMixup(train, speech.WaveAugment(), num_classes=10)
+    augmented = AugmentedDataset(train, mixup, seed=3)
+    (wave_, length), target = augmented[(1, 4)]
+    (again, _), again_target = augmented[(1, 4)]
+    assert torch.equal(wave_, again) and torch.equal(target, again_target)
+    assert wave_.shape == (int(length),) and target.shape == (10,) and target.dtype == torch.float32
+    assert math.isclose(float(target.sum()), 1.0, rel_tol=1e-6)
+    assert float(target[train.labels[4]]) > 0.0  # the item's own label keeps its share
+    shares = []
+    for index in range(len(train)):
+        _, target = augmented[(0, index)]
+        shares.append(float(target[train.labels[index]]))
+    # Beta(0.4, 0.4) shares: mostly near 0 or 1, and a partner of another digit most times.
+    assert 0.3 < np.mean(shares) < 0.9 and min(shares) < 0.5 < max(shares)
+    # The same item, drawn again in the next epoch or under another seed, is mixed anew.
+    for other in (augmented[(2, 4)], AugmentedDataset(train, mixup, seed=4)[(1, 4)]):
+        assert other[0][0].shape != wave_.shape or not torch.equal(other[0][0], wave_)
+
+
+def test_mixup_levels_both_clips_before_mixing() -> None:
+    loud, quiet = torch.full((4,), 3.0), torch.full((6,), 0.01)
+    assert torch.allclose(speech_augment.unit_rms(loud), torch.ones(4))
+    assert torch.allclose(speech_augment.unit_rms(quiet), torch.ones(6))
+    assert torch.equal(speech_augment.unit_rms(torch.zeros(3)), torch.zeros(3))
+
+    class Two(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 1
+
+        def __getitem__(self, index: int):
+            return (quiet, torch.tensor(6)), 7
+
+    still = speech.WaveAugment(speed=(1.0, 1.0), max_delay_s=0.0, snr_db=(300.0, 300.0))
+    mixup = speech.ClipMixup(Two(), still, num_classes=10)
+    rng = np.random.default_rng(0)
+    (mixed, length), target = mixup(((loud, torch.tensor(4)), 2), rng)
+    share = float(target[2])
+    assert int(length) == 6 and math.isclose(share + float(target[7]), 1.0, rel_tol=1e-6)
+    torch.testing.assert_close(mixed, torch.tensor([1.0] * 4 + [1.0 - share] * 2))
 
 
 def test_speed_perturbation_resamples_and_noise_has_the_asked_snr() -> None:

@@ -23,7 +23,7 @@ from gpuflow.data.streaming import open_packed
 from gpuflow.errors import UserError
 from gpuflow.models.speech import SpeechClassifier
 from gpuflow.workload import Workload
-from gpuflow.workloads.speech_augment import WaveAugment
+from gpuflow.workloads.speech_augment import ClipMixup, WaveAugment
 from gpuflow.workloads.speech_codec import speech_serving
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ DEFAULT_EPOCHS = 25.0
 SYNTHETIC_COUNTS = (2250, 250)
 SYNTHETIC_LENGTHS = (1200, 8000)
 
-Item = tuple[tuple[torch.Tensor, torch.Tensor], int]
+Item = tuple[tuple[torch.Tensor, torch.Tensor], int | torch.Tensor]
 Batch = tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -102,12 +102,16 @@ class SyntheticWaveforms(Dataset):
 
 
 def collate_waveforms(items: Sequence[Item]) -> Batch:
-    """Zero-pad clips to the longest in the batch; the lengths let the model mask the rest."""
+    """Zero-pad clips to the longest in the batch; the lengths let the model mask the rest.
+
+    Labels are digits (``[B]`` int64) or, for mixed training clips, label weights
+    (``[B, classes]`` float: see ``ClipMixup``).
+    """
     lengths = torch.stack([length for (_, length), _ in items])
     waves = torch.zeros(len(items), int(lengths.max()), dtype=torch.float32)
     for row, ((wave, length), _) in enumerate(items):
         waves[row, : int(length)] = wave
-    labels = torch.tensor([label for _, label in items], dtype=torch.int64)
+    labels = torch.stack([torch.as_tensor(label) for _, label in items])
     return (waves, lengths), labels
 
 
@@ -296,6 +300,6 @@ def build(data_dir: str | None = None, data: str = "real", model_size: str | Non
         collate_fn=collate_waveforms,
         example_batch=example,
         serving=speech_serving(NUM_CLASSES, SAMPLE_RATE),
-        augment=WaveAugment(sample_rate=SAMPLE_RATE),
+        augment=ClipMixup(train, WaveAugment(sample_rate=SAMPLE_RATE), NUM_CLASSES),
         default_epochs=DEFAULT_EPOCHS,
     )

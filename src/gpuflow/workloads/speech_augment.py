@@ -4,8 +4,10 @@ Five speakers are few; the model meets a sixth voice as a shifted pitch and form
 speaking rate, another microphone's noise floor and another onset. Each training clip is
 therefore perturbed in speed (which scales pitch, formants and tempo together, as Kaldi's
 speed perturbation does), delayed by a random silence, and mixed with white noise at a
-random signal-to-noise ratio. Loudness is left alone: the model's per-clip feature
-normalisation removes it. The randomness comes from the generator the loader passes
+random signal-to-noise ratio (``WaveAugment``). Loudness is left alone: the model's per-clip
+feature normalisation removes it. ``ClipMixup`` then mixes each perturbed clip with another
+training clip and their labels (mixup), which measured better on speakers the model never
+heard than perturbation alone. The randomness comes from the generator the loader passes
 (seeded by seed, epoch and index), so resume stays exact.
 """
 
@@ -16,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import Dataset
 
 
 @dataclass(frozen=True)
@@ -49,3 +52,41 @@ class WaveAugment:
         power = float(np.mean(clip**2)) if clip.size else 0.0
         scale = np.sqrt(power / 10.0 ** (snr_db / 10.0))
         return scale * rng.standard_normal(clip.shape[0])
+
+
+@dataclass(frozen=True)
+class ClipMixup:
+    """``(item, rng) -> item``: mixup for clips, drawn per item so that resume stays exact.
+
+    The item and a partner drawn from ``clips`` (the training set) are both perturbed by
+    ``perturb``, scaled to the same RMS level and summed with weights ``share`` and
+    ``1 - share``, ``share ~ Beta(alpha, alpha)``; the target becomes the same mixture of
+    their one-hot labels, a float vector of ``num_classes`` that cross-entropy takes as class
+    probabilities. Mixing the waveforms (not the features) keeps it in the data pipeline: the
+    model sees an ordinary clip, and the partner and share come from the item's generator.
+    """
+
+    clips: Dataset
+    perturb: WaveAugment
+    num_classes: int
+    alpha: float = 0.4
+
+    def __call__(self, item: Any, rng: np.random.Generator) -> Any:
+        (wave, _), label = self.perturb(item, rng)
+        partner = self.clips[int(rng.integers(len(self.clips)))]  # type: ignore[arg-type]
+        (other, _), other_label = self.perturb(partner, rng)
+        share = float(rng.beta(self.alpha, self.alpha))
+        mixed = torch.zeros(max(wave.shape[0], other.shape[0]))
+        mixed[: wave.shape[0]] += share * unit_rms(wave)
+        mixed[: other.shape[0]] += (1.0 - share) * unit_rms(other)
+        target = torch.zeros(self.num_classes)
+        target[int(label)] += share
+        target[int(other_label)] += 1.0 - share
+        return (mixed, torch.tensor(mixed.shape[0], dtype=torch.int64)), target
+
+
+def unit_rms(wave: torch.Tensor) -> torch.Tensor:
+    """``wave`` scaled to an RMS of 1 (silence stays silent), so a mixture's shares set the
+    two clips' relative levels whatever their recording levels were."""
+    rms = float(wave.square().mean().sqrt()) if wave.numel() else 0.0
+    return wave / rms if rms > 0.0 else wave
