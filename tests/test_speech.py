@@ -354,7 +354,7 @@ def test_mixup_levels_both_clips_before_mixing() -> None:
     assert torch.allclose(speech_augment.unit_rms(quiet), torch.ones(6))
     assert torch.equal(speech_augment.unit_rms(torch.zeros(3)), torch.zeros(3))
 
-    class Two(torch.utils.data.Dataset):
+    class OnePartner(torch.utils.data.Dataset):
         def __len__(self) -> int:
             return 1
 
@@ -362,7 +362,7 @@ def test_mixup_levels_both_clips_before_mixing() -> None:
             return (quiet, torch.tensor(6)), 7
 
     still = speech.WaveAugment(speed=(1.0, 1.0), max_delay_s=0.0, snr_db=(300.0, 300.0))
-    mixup = speech.ClipMixup(Two(), still, num_classes=10)
+    mixup = speech.ClipMixup(OnePartner(), still, num_classes=10)
     rng = np.random.default_rng(0)
     (mixed, length), target = mixup(((loud, torch.tensor(4)), 2), rng)
     share = float(target[2])
