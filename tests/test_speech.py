@@ -453,7 +453,7 @@ def test_a_run_without_a_length_trains_the_workloads_default_epochs(tmp_path: Pa
             trainer.close()
 
     per_epoch = 2250 // 64
-    assert total_steps() == math.ceil(speech.DEFAULT_EPOCHS * per_epoch) == 25 * per_epoch
+    assert total_steps() == math.ceil(speech.DEFAULT_EPOCHS * per_epoch) == 40 * per_epoch
     assert total_steps(epochs=2) == 2 * per_epoch
 
 
