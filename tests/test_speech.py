@@ -455,6 +455,12 @@ def test_a_run_without_a_length_trains_the_workloads_default_epochs(tmp_path: Pa
     per_epoch = 2250 // 64
     assert total_steps() == math.ceil(speech.DEFAULT_EPOCHS * per_epoch) == 40 * per_epoch
     assert total_steps(epochs=2) == 2 * per_epoch
+    # The --epochs help states both defaults; it must say what the trainer does.
+    from gpuflow.options import flags
+    from gpuflow.train.trainer import DEFAULT_EPOCHS
+
+    epochs = next(flag for flag in flags(TrainConfig) if flag.name == "epochs")
+    assert f"({DEFAULT_EPOCHS:g}; speech {speech.DEFAULT_EPOCHS:g})" in str(epochs.option.unset)
 
 
 def test_cli_synthetic_run_with_activation_checkpointing(tmp_path: Path) -> None:

@@ -113,7 +113,7 @@ class TrainConfig:
         None, help="length of the run in optimizer steps; give it or --epochs (a stream "
                    "without a length needs --max-steps)")
     epochs: float | None = option(
-        None, unset="the workload's (10; speech 25) without --max-steps",
+        None, unset="the workload's (10; speech 40) without --max-steps",
         help="length of the run in passes over the training set; give it or --max-steps")
     eval_every: int = option(
         100, help="evaluate every N steps (0: only at the end); the run always ends with an "
