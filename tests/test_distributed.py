@@ -219,7 +219,7 @@ def test_sequence_parallel_norms_match_one_process(gpt_single: list[float],
 
 
 TP_WAITS_SCRIPT = """
-import contextlib, json, torch, torch.distributed as dist
+import contextlib, json, os, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from gpuflow.models.gpt import GPT, GPTConfig
 from gpuflow.parallel.tensor import apply_tensor_parallel, transformer_plan
@@ -241,8 +241,13 @@ with TimedWaits(functional_collective_waits(), counted):
     phase[0] = "backward"
     loss.backward()
 if dist.get_rank() == 0:
-    print(json.dumps(waits))
+    print(json.dumps(waits), flush=True)
 dist.destroy_process_group()
+# A gloo worker drops a finished collective on its own thread. One launched in backward keeps
+# autograd's stashed Python context (torch 2.13), so if that drop comes after the interpreter
+# began finalizing (this script ends right after backward; a busy machine delays the worker),
+# taking the GIL kills the thread and aborts the process. Leave without finalizing.
+os._exit(0)
 """
 
 
