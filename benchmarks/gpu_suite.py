@@ -425,7 +425,9 @@ def generation_stage(suite: Suite, device: str, name: str, *extra: str) -> None:
     """Output tokens/s of the generation engine (and of /v1/predict's no-cache loop)."""
     generation_json = suite.work / f"{name}.json"
     suite.log(f"generation benchmark {' '.join(extra)}")
-    flags = (["--quick"] if suite.dry_run else
+    # The dry run walks the stage with the engine alone; test_generate's quick run covers the
+    # Hugging Face export, whose server would add ~15 s here.
+    flags = (["--quick", "--no-hf"] if suite.dry_run else
              ["--precision", "bf16", "--no-transformers", "--concurrency", "1,8,32",
               "--rounds", "1", "--warmup-s", "2", "--window-s", "3"])
     code, log = suite.run(name, [sys.executable, "benchmarks/generation.py", "--device", device,
