@@ -2,13 +2,15 @@
 (/v1/completions: KV cache, continuous batching), gpuflow's no-cache path (/v1/predict:
 every byte re-runs the whole prefix, one batch at a time), gpuflow serving the model's
 Hugging Face export (the engine's path for transformers models: the export's
-GPT2LMHeadModel with gpuflow's slot cache) and, when it starts here,
+GPT2LMHeadModel with gpuflow's slot cache), when it starts here,
 `transformers serve --continuous-batching` on that same export (it needs `pip install
-accelerate` beside gpuflow[hf]; without it the run says so in its notes and goes on
-without that contender).
+accelerate` beside gpuflow[hf]) and, where vLLM is installed, vLLM's OpenAI server on that
+export too. A contender that cannot run here is named in the run's notes, and the run goes on
+without it.
 
-textlm's tiny GPT (untrained: the cost of generating does not depend on the weights) is
-served by each contender on a free loopback port, every server with one torch thread.
+textlm's GPT (tiny unless `--model-size` says otherwise; untrained: the cost of generating
+does not depend on the weights) is served by each contender on a free loopback port, every
+server with one torch thread.
 Closed-loop clients ask for the same greedy completion of the same prompt at each
 concurrency, the contenders taking turns round by round so that a change in machine load
 hits all of them, and each window waiting (up to a minute) for the CPUs to go idle first,
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import shutil
@@ -156,16 +159,16 @@ def start(command: list[str], url: str, ready_path: str, env: dict[str, str],
     raise RuntimeError(f"{' '.join(command)} not ready after {timeout} s")
 
 
-def hf_export(model_file: Path, folder: Path) -> Path:
+def hf_export(model_file: Path, folder: Path, model_size: str | None) -> Path:
     """The same weights as `gpuflow export --format hf` writes them: a GPT2LMHeadModel
-    directory, which both `transformers serve` and `gpuflow serve` read."""
+    directory, which `transformers serve`, vLLM and `gpuflow serve` read."""
     from safetensors.torch import load_file
 
     from gpuflow import TrainConfig
     from gpuflow.export import write_hf_export
     from gpuflow.workload import resolve_workload
 
-    config = TrainConfig(workload="textlm", data="synthetic")
+    config = TrainConfig(workload="textlm", data="synthetic", model_size=model_size)
     workload = resolve_workload("textlm", config.workload_options())
     workload.model.load_state_dict(load_file(model_file))
     out = folder / "hf"
@@ -184,8 +187,21 @@ def serve_command(source: Path, port: int, levels: list[int],
             *(["--cuda-graphs"] if args.cuda_graphs else []), "--log-level", "warning"]
 
 
+def vllm_command(hf_dir: Path, port: int, levels: list[int],
+                 args: argparse.Namespace) -> list[str]:
+    """vLLM's OpenAI server on the export, in gpuflow's precision, with room for every client;
+    it shares the GPU with gpuflow's server, whose KV cache takes half the free memory."""
+    dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[args.precision]
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
+            "--max-num-seqs", str(max(levels)), "--gpu-memory-utilization", "0.3"]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-size", default=None,
+                        help="textlm --model-size of the served model (default tiny)")
+    parser.add_argument("--no-vllm", action="store_true", help="leave vLLM out")
     parser.add_argument("--concurrency", default="1,8,32",
                         help="comma-separated client counts (default 1,8,32)")
     parser.add_argument("--tokens", type=int, default=64, help="bytes generated per request")
@@ -227,7 +243,7 @@ def main() -> int:
     notes: list[str] = []
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch)
-        model_file, _ = untrained_export(folder, "textlm")
+        model_file, _ = untrained_export(folder, "textlm", args.model_size)
         prompt = PROMPT_TEXT[: args.prompt_tokens]  # ASCII: one byte, one token
         greedy = {"prompt": prompt, "max_tokens": args.tokens, "temperature": 0.0}
         try:
@@ -247,7 +263,7 @@ def main() -> int:
                 Contender("gpuflow no cache", gpuflow_url, "/v1/predict",
                           {"text": prompt, "max_new_tokens": args.tokens,
                            "temperature": 0.0}, False)]
-            hf_dir = hf_export(model_file, folder)
+            hf_dir = hf_export(model_file, folder, args.model_size)
             if not args.no_hf:
                 port = free_port()
                 hf_gpuflow_url = f"http://127.0.0.1:{port}"
@@ -271,6 +287,22 @@ def main() -> int:
                         {**greedy, "model": str(hf_dir), "stream": True}, True))
                 except RuntimeError as exc:
                     notes.append(f"transformers serve did not start: {exc}")
+            if not args.no_vllm and importlib.util.find_spec("vllm") is None:
+                notes.append("vLLM is not installed here: no vLLM contender")
+            elif not args.no_vllm:
+                port = free_port()
+                vllm_url = f"http://127.0.0.1:{port}"
+                try:
+                    processes.append(start(vllm_command(hf_dir, port, levels, args), vllm_url,
+                                           "/health", env, timeout=600))
+                    # An untrained model may sample its end token early; every contender
+                    # must generate all the tokens the figures count.
+                    contenders.append(Contender(
+                        "vllm", vllm_url, "/v1/completions",
+                        {**greedy, "model": str(hf_dir), "stream": True, "ignore_eos": True},
+                        True))
+                except RuntimeError as exc:
+                    notes.append(f"vLLM did not start: {exc}")
             results: dict[str, dict[str, list[dict[str, Any]]]] = {
                 c.name: {str(level): [] for level in levels} for c in contenders}
             for number in range(args.rounds):
@@ -309,7 +341,7 @@ def main() -> int:
         **provenance(transformers=package_version("transformers"),
                      fastapi=package_version("fastapi"), uvicorn=package_version("uvicorn"),
                      uvloop=package_version("uvloop"), httptools=package_version("httptools")),
-        "model": "textlm tiny (4 x 128, 128 context), untrained weights",
+        "model": f"textlm {args.model_size or 'tiny (4 x 128, 128 context)'}, untrained weights",
         "settings": {k: getattr(args, k) for k in (
             "concurrency", "tokens", "prompt_tokens", "max_batch_size", "rounds", "warmup_s",
             "window_s", "quiet_wait_s", "quick", "device", "precision", "compile", "cuda_graphs")},

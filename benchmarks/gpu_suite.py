@@ -67,7 +67,7 @@ STAGES = ("matmul", "train", "cuda-graphs", "plan", "fsdp-comm", "compare", "ser
 DEFAULT_STAGES = STAGES[:8]
 DEFAULT_BUDGET_S = 450
 TARGETS = {"mfu_bf16": {"124m": 0.50, "1b": 0.62}, "fp8_speedup": 1.25, "fp8_loss_rel": 0.02,
-           "cuda_graphs_speedup": 1.3, "planner_error": 0.15}
+           "cuda_graphs_speedup": 1.3, "planner_error": 0.15, "vllm_tokens_ratio": 0.5}
 
 # The dry run's model: the stages' code paths at the smallest size (bf16 and fp16 are
 # emulated, many times slower, on CPUs without native support).
@@ -267,6 +267,19 @@ def _why_not(runs: list[dict[str, Any]], *labels: str) -> str:
     return ""
 
 
+def _against_vllm(generation: dict[str, Any]) -> dict[str, Any]:
+    """gpuflow's output tokens/s over vLLM's at the highest concurrency both ran."""
+    tokens = generation.get("tokens_per_s", {})
+    if "vllm" not in tokens:
+        why = "; ".join(generation.get("notes", [])) or generation.get("error", "not run")
+        return {"measured": False, "why": why}
+    level = max(set(tokens["vllm"]) & set(tokens["gpuflow"]), key=int)
+    ratio = tokens["gpuflow"][level] / tokens["vllm"][level]
+    return {"concurrency": int(level), "tokens_per_s_ratio": ratio,
+            "target_min": TARGETS["vllm_tokens_ratio"],
+            "met": ratio >= TARGETS["vllm_tokens_ratio"]}
+
+
 def judge(result: dict[str, Any]) -> dict[str, Any]:
     """Every target of the issue against what this run measured; unmeasured ones say why."""
     train, graphs = result.get("train", []), result.get("cuda_graphs", [])
@@ -310,6 +323,8 @@ def judge(result: dict[str, Any]) -> dict[str, Any]:
             "tokens_per_s_ratio": {level: graphs_on[level] / eager[level]
                                    for level in eager if eager[level] and level in graphs_on},
             "decode": result["generation_cuda_graphs"]["gpuflow_runs_on"]["decode"]}
+    verdicts["generation vs vllm"] = _against_vllm(
+        result.get("generation_cuda_graphs") or result.get("generation") or {})
     # The planner has no fp8 model (it plans fp8 as bf16): those errors are shown, not judged.
     for name, fp8_runs in (("planner", False), ("planner, fp8 planned as bf16", True)):
         errors = {f"{run['label']} {key}": pair["error"] for run in train
@@ -422,17 +437,19 @@ def serving_stage(suite: Suite, device: str, name: str, *extra: str) -> None:
 
 
 def generation_stage(suite: Suite, device: str, name: str, *extra: str) -> None:
-    """Output tokens/s of the generation engine (and of /v1/predict's no-cache loop)."""
+    """Output tokens/s of the generation engine, of /v1/predict's no-cache loop and, where
+    installed, of vLLM on the same weights: textlm 124m, up to 64 clients, on a GPU."""
     generation_json = suite.work / f"{name}.json"
     suite.log(f"generation benchmark {' '.join(extra)}")
     # The dry run walks the stage with the engine alone; test_generate's quick run covers the
     # Hugging Face export, whose server would add ~15 s here.
     flags = (["--quick", "--no-hf"] if suite.dry_run else
-             ["--precision", "bf16", "--no-transformers", "--concurrency", "1,8,32",
-              "--rounds", "1", "--warmup-s", "2", "--window-s", "3"])
+             ["--precision", "bf16", "--no-transformers", "--model-size", "124m",
+              "--concurrency", "1,8,32,64", "--max-batch-size", "64", "--rounds", "1",
+              "--warmup-s", "2", "--window-s", "3"])
+    limit = 120 if suite.dry_run else 360 if "--cuda-graphs" in extra else 240
     code, log = suite.run(name, [sys.executable, "benchmarks/generation.py", "--device", device,
-                                 *flags, *extra, "--out", str(generation_json)],
-                          180 if extra else 120)
+                                 *flags, *extra, "--out", str(generation_json)], limit)
     if code != 0:
         suite.result[name] = failure(code, log)
     else:
@@ -442,7 +459,7 @@ def generation_stage(suite: Suite, device: str, name: str, *extra: str) -> None:
             "tokens_per_s": {contender: {level: figures["tokens_per_s"]
                                          for level, figures in by_level.items()}
                              for contender, by_level in result["runs"].items()},
-            "runs": result["runs"]}
+            "runs": result["runs"], "notes": result["notes"]}
     suite.save()
 
 
@@ -611,7 +628,9 @@ def main() -> int:
         if device == "cuda":
             serving_stage(suite, device, "serving_cuda_graphs", "--cuda-graphs")
     if "generation" in stages:
-        generation_stage(suite, device, "generation")
+        # On a GPU vLLM is measured once, beside gpuflow's fastest decode (CUDA graphs).
+        generation_stage(suite, device, "generation", *(["--no-vllm"] if device == "cuda"
+                                                         else []))
         if device == "cuda":
             generation_stage(suite, device, "generation_cuda_graphs", "--cuda-graphs")
     if "batch-auto" in stages:

@@ -51,7 +51,8 @@ from _common import (  # noqa: E402
 CONFIGS = {"dynamic": None, "max_batch_size_1": 1}
 
 
-def untrained_export(folder: Path, workload: str) -> tuple[Path, dict[str, Any]]:
+def untrained_export(folder: Path, workload: str,
+                     model_size: str | None = None) -> tuple[Path, dict[str, Any]]:
     """A built-in model with its initial weights (serving cost does not depend on training)
     and a request body of the shape it takes: one 8x8 digit scan, or one 128-byte window of
     text for textlm's tiny GPT, whose compute per request is ~100x digits'."""
@@ -60,7 +61,7 @@ def untrained_export(folder: Path, workload: str) -> tuple[Path, dict[str, Any]]
     from gpuflow import TrainConfig
     from gpuflow.workload import resolve_workload
 
-    config = TrainConfig(workload=workload, data="synthetic")
+    config = TrainConfig(workload=workload, data="synthetic", model_size=model_size)
     model = resolve_workload(workload, config.workload_options()).model
     path = folder / f"{workload}.safetensors"
     tensors = {name: tensor.contiguous().clone() for name, tensor in model.state_dict().items()}

@@ -467,4 +467,5 @@ def test_generation_benchmark_quick(tmp_path: Path) -> None:
         figures = result["runs"][name]["4"]
         assert figures["errors"] == 0 and figures["tokens_per_s"] > 0
         assert figures["ttft_p50_ms"] <= figures["ttft_p99_ms"]
+    assert "vLLM is not installed here: no vLLM contender" in result["notes"]
     assert result["git"]["commit"] and result["command"].startswith("python")

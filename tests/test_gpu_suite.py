@@ -63,6 +63,8 @@ def test_the_dry_run_walks_every_stage_and_records_where_it_came_from(tmp_path: 
     generation = suite["generation"]
     assert generation["tokens_per_s"]["gpuflow"]["4"] > 0, generation
     assert generation["gpuflow_runs_on"]["decode"] == "decode eager, one row per active sequence"
+    assert verdicts["generation vs vllm"] == {
+        "measured": False, "why": "vLLM is not installed here: no vLLM contender"}
     compared = suite["compare_trainers"]
     assert [(c["model"], c["precision"]) for c in compared["cases"]] == [("linear", "fp32")]
     assert compared["cases"][0]["vs_plain"]["gpuflow"]["median_ratio"] > 0, compared
