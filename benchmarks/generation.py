@@ -159,20 +159,16 @@ def start(command: list[str], url: str, ready_path: str, env: dict[str, str],
     raise RuntimeError(f"{' '.join(command)} not ready after {timeout} s")
 
 
-def hf_export(model_file: Path, folder: Path, model_size: str | None) -> Path:
+def hf_export(model_file: Path, folder: Path) -> Path:
     """The same weights as `gpuflow export --format hf` writes them: a GPT2LMHeadModel
-    directory, which `transformers serve`, vLLM and `gpuflow serve` read."""
-    from safetensors.torch import load_file
-
-    from gpuflow import TrainConfig
+    directory, which `transformers serve`, vLLM and `gpuflow serve` read. The model is the
+    one ``model_file``'s metadata describes, as `gpuflow serve` rebuilds it."""
     from gpuflow.export import write_hf_export
-    from gpuflow.workload import resolve_workload
+    from gpuflow.serve.model import read_source, restore_workload
 
-    config = TrainConfig(workload="textlm", data="synthetic", model_size=model_size)
-    workload = resolve_workload("textlm", config.workload_options())
-    workload.model.load_state_dict(load_file(model_file))
+    config, weights, step, serving = read_source(model_file)
     out = folder / "hf"
-    write_hf_export(workload, config.to_dict(), 0, out)
+    write_hf_export(restore_workload(config, weights, model_file), config, step, out, serving)
     return out
 
 
@@ -263,7 +259,7 @@ def main() -> int:
                 Contender("gpuflow no cache", gpuflow_url, "/v1/predict",
                           {"text": prompt, "max_new_tokens": args.tokens,
                            "temperature": 0.0}, False)]
-            hf_dir = hf_export(model_file, folder, args.model_size)
+            hf_dir = hf_export(model_file, folder)
             if not args.no_hf:
                 port = free_port()
                 hf_gpuflow_url = f"http://127.0.0.1:{port}"
