@@ -26,7 +26,7 @@ from gpuflow.data.audio import find_clips, parse_clip_name, read_wav
 from gpuflow.data.augment import AugmentedDataset
 from gpuflow.data.loader import train_batches
 from gpuflow.errors import UserError
-from gpuflow.models.speech import LogMel, mel_filterbank
+from gpuflow.models.speech import ConvSubsample, LogMel, SubSpectralNorm, mel_filterbank
 from gpuflow.workload import check_workload
 from gpuflow.workloads import speech, speech_augment
 
@@ -265,11 +265,29 @@ def test_logmel_masks_frames_past_each_clip_and_normalises_them() -> None:
     assert math.isclose(float(valid.square().mean()), 1.0, rel_tol=1e-3)
 
 
+def test_sub_spectral_norm_scales_each_frequency_sub_band_on_its_own() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(8, 3, 5, 12)
+    x[..., :3] *= 100.0  # a loud lowest sub-band must not set the scale of the others
+    x[..., 9:] += 7.0
+    out = SubSpectralNorm(3, sub_bands=4).train()(x)
+    per_band = out.reshape(8, 3, 5, 4, 3).permute(1, 3, 0, 2, 4).reshape(3, 4, -1)
+    torch.testing.assert_close(per_band.mean(dim=-1), torch.zeros(3, 4), atol=1e-5, rtol=0)
+    torch.testing.assert_close(per_band.var(dim=-1, unbiased=False), torch.ones(3, 4),
+                               atol=1e-3, rtol=0)
+    with pytest.raises(ValueError, match="sub-bands"):
+        ConvSubsample(n_mels=36, dim=16)
+
+
 @pytest.mark.parametrize("size", ["tiny", "small"])
 def test_padding_does_not_change_a_clips_logits(size: str) -> None:
     torch.manual_seed(0)
     workload = speech.build(data="synthetic", model_size=size)
     model = workload.model.eval()
+    for norm in model.modules():  # trained-looking running statistics, one per sub-band
+        if isinstance(norm, torch.nn.BatchNorm2d):
+            norm.running_mean.uniform_(-1.0, 1.0)
+            norm.running_var.uniform_(0.5, 2.0)
     generator = torch.Generator().manual_seed(5)
     short = 0.3 * torch.randn(1234, generator=generator)
     other = 0.3 * torch.randn(6000, generator=generator)

@@ -88,9 +88,34 @@ class LogMel(nn.Module):
         return centred / torch.sqrt(var + 1e-5), mask
 
 
+class SubSpectralNorm(nn.Module):
+    """Batch norm with its own statistics for each of ``sub_bands`` frequency sub-bands of a
+    ``(B, channels, frames, bands)`` map (sub-spectral normalisation, as in BC-ResNet).
+
+    One set of statistics per channel would let the loud low bands set the scale of every
+    band; per sub-band, a band where a microphone records little (george's recordings have
+    almost nothing below 250 Hz) is normalised on its own. In training the statistics cover
+    every frame of the batch, padding included; evaluation uses the running statistics, so a
+    clip's output never depends on what it is batched with.
+    """
+
+    def __init__(self, channels: int, sub_bands: int) -> None:
+        super().__init__()
+        self.sub_bands = sub_bands
+        self.norm = nn.BatchNorm2d(channels * sub_bands)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, channels, frames, bands = x.shape
+        split = (batch, channels, frames, self.sub_bands, bands // self.sub_bands)
+        grouped = x.reshape(split).transpose(2, 3).reshape(batch, -1, frames, split[-1])
+        out = self.norm(grouped).reshape(batch, channels, self.sub_bands, frames, split[-1])
+        return out.transpose(2, 3).reshape(batch, channels, frames, bands)
+
+
 class ConvSubsample(nn.Module):
     """Two 3x3 convolutions over (time, mel), each with stride 2 over time (4x fewer frames for
-    attention to handle) and a max-pool of 2 over mel, then a linear map to the model width.
+    attention to handle), sub-spectral batch norm and a max-pool of 2 over mel, then a linear
+    map to the model width.
 
     Voices differ mostly in where their formants sit on the frequency axis (vocal tract
     length) and in the microphone's colouring; local filters over frequency, pooled, let the
@@ -99,21 +124,27 @@ class ConvSubsample(nn.Module):
     exactly what its own zero padding would give.
     """
 
-    def __init__(self, n_mels: int, dim: int, channels: tuple[int, ...] = (32, 64)) -> None:
+    def __init__(self, n_mels: int, dim: int, channels: tuple[int, ...] = (32, 64),
+                 sub_bands: int = 4) -> None:
         super().__init__()
+        if n_mels % (sub_bands * 2 ** (len(channels) - 1)):
+            raise ValueError(f"n_mels={n_mels} must split into {sub_bands} sub-bands after "
+                             f"each of {len(channels) - 1} halvings of the mel axis")
         self.convs = nn.ModuleList()
+        self.norms = nn.ModuleList()
         inputs, bands = 1, n_mels
         for width in channels:
-            self.convs.append(nn.Conv2d(inputs, width, 3, stride=(2, 1), padding=1))
+            self.convs.append(nn.Conv2d(inputs, width, 3, stride=(2, 1), padding=1, bias=False))
+            self.norms.append(SubSpectralNorm(width, sub_bands))
             inputs, bands = width, bands // 2
         self.out = nn.Linear(inputs * bands, dim)
 
     def forward(self, x: torch.Tensor,
                 counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = x.unsqueeze(1)
-        for conv in self.convs:
+        for conv, norm in zip(self.convs, self.norms, strict=True):
             x = x * frame_mask(counts, x.shape[2])[:, None, :, None].to(x.dtype)
-            x = F.max_pool2d(F.gelu(conv(x)), (1, 2))
+            x = F.max_pool2d(F.gelu(norm(conv(x))), (1, 2))
             counts = (counts + 1) // 2
         batch, channels, frames, bands = x.shape
         x = x.permute(0, 2, 1, 3).reshape(batch, frames, channels * bands)
