@@ -106,10 +106,11 @@ class SubSpectralNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, channels, frames, bands = x.shape
-        split = (batch, channels, frames, self.sub_bands, bands // self.sub_bands)
-        grouped = x.reshape(split).transpose(2, 3).reshape(batch, -1, frames, split[-1])
-        out = self.norm(grouped).reshape(batch, channels, self.sub_bands, frames, split[-1])
-        return out.transpose(2, 3).reshape(batch, channels, frames, bands)
+        width = bands // self.sub_bands
+        grouped = x.reshape(batch, channels, frames, self.sub_bands, width).transpose(2, 3)
+        out = self.norm(grouped.reshape(batch, channels * self.sub_bands, frames, width))
+        return (out.reshape(batch, channels, self.sub_bands, frames, width)
+                .transpose(2, 3).reshape(x.shape))
 
 
 class ConvSubsample(nn.Module):
