@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import ROOT, cli_env, run_cli, sigkill_at_gate
 from safetensors.torch import load_file
 
@@ -26,7 +27,13 @@ from gpuflow.data.audio import find_clips, parse_clip_name, read_wav
 from gpuflow.data.augment import AugmentedDataset
 from gpuflow.data.loader import train_batches
 from gpuflow.errors import UserError
-from gpuflow.models.speech import ConvSubsample, LogMel, SubSpectralNorm, mel_filterbank
+from gpuflow.models.speech import (
+    BroadcastResidual,
+    ConvSubsample,
+    LogMel,
+    SubSpectralNorm,
+    mel_filterbank,
+)
 from gpuflow.workload import check_workload
 from gpuflow.workloads import speech, speech_augment
 
@@ -267,16 +274,34 @@ def test_logmel_masks_frames_past_each_clip_and_normalises_them() -> None:
 
 def test_sub_spectral_norm_scales_each_frequency_sub_band_on_its_own() -> None:
     torch.manual_seed(0)
-    x = torch.randn(8, 3, 5, 12)
-    x[..., :3] *= 100.0  # a loud lowest sub-band must not set the scale of the others
-    x[..., 9:] += 7.0
+    x = torch.randn(8, 3, 12, 5)  # (batch, channels, bands, frames)
+    x[:, :, :3] *= 100.0  # a loud lowest sub-band must not set the scale of the others
+    x[:, :, 9:] += 7.0
     out = SubSpectralNorm(3, sub_bands=4).train()(x)
-    per_band = out.reshape(8, 3, 5, 4, 3).permute(1, 3, 0, 2, 4).reshape(3, 4, -1)
+    per_band = out.reshape(8, 3, 4, 3, 5).permute(1, 2, 0, 3, 4).reshape(3, 4, -1)
     torch.testing.assert_close(per_band.mean(dim=-1), torch.zeros(3, 4), atol=1e-5, rtol=0)
     torch.testing.assert_close(per_band.var(dim=-1, unbiased=False), torch.ones(3, 4),
                                atol=1e-3, rtol=0)
     with pytest.raises(ValueError, match="sub-bands"):
         ConvSubsample(n_mels=36, dim=16)
+    with pytest.raises(ValueError, match="5 sub-bands after 2"):
+        ConvSubsample(n_mels=48, dim=16)
+
+
+def test_broadcast_residual_keeps_a_clips_frames_apart_from_the_padding() -> None:
+    torch.manual_seed(0)
+    block = BroadcastResidual(4, sub_bands=5).eval()
+    for norm in block.modules():
+        if isinstance(norm, (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d)):
+            norm.running_mean.uniform_(-1.0, 1.0)
+            norm.running_var.uniform_(0.5, 2.0)
+    clip = torch.randn(1, 4, 10, 6)
+    padded = torch.cat([clip, 50.0 * torch.randn(1, 4, 10, 3)], dim=3)
+    alone = block(clip, torch.ones(1, 6, dtype=torch.bool))
+    beside = block(padded, torch.arange(9)[None, :] < 6)
+    assert alone.shape == clip.shape
+    torch.testing.assert_close(beside[..., :6], alone)
+    assert not torch.allclose(alone, F.relu(clip))  # the block changes its input
 
 
 @pytest.mark.parametrize("size", ["tiny", "small"])
@@ -285,7 +310,7 @@ def test_padding_does_not_change_a_clips_logits(size: str) -> None:
     workload = speech.build(data="synthetic", model_size=size)
     model = workload.model.eval()
     for norm in model.modules():  # trained-looking running statistics, one per sub-band
-        if isinstance(norm, torch.nn.BatchNorm2d):
+        if isinstance(norm, (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d)):
             norm.running_mean.uniform_(-1.0, 1.0)
             norm.running_var.uniform_(0.5, 2.0)
     generator = torch.Generator().manual_seed(5)

@@ -90,13 +90,14 @@ class LogMel(nn.Module):
 
 class SubSpectralNorm(nn.Module):
     """Batch norm with its own statistics for each of ``sub_bands`` frequency sub-bands of a
-    ``(B, channels, frames, bands)`` map (sub-spectral normalisation, as in BC-ResNet).
+    ``(B, channels, bands, frames)`` map (sub-spectral normalisation, as in BC-ResNet).
 
     One set of statistics per channel would let the loud low bands set the scale of every
     band; per sub-band, a band where a microphone records little (george's recordings have
     almost nothing below 250 Hz) is normalised on its own. In training the statistics cover
     every frame of the batch, padding included; evaluation uses the running statistics, so a
-    clip's output never depends on what it is batched with.
+    clip's output never depends on what it is batched with. With frequency before time the
+    sub-bands are contiguous, so grouping them is a view, not a copy.
     """
 
     def __init__(self, channels: int, sub_bands: int) -> None:
@@ -105,18 +106,42 @@ class SubSpectralNorm(nn.Module):
         self.norm = nn.BatchNorm2d(channels * sub_bands)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, channels, frames, bands = x.shape
-        width = bands // self.sub_bands
-        grouped = x.reshape(batch, channels, frames, self.sub_bands, width).transpose(2, 3)
-        out = self.norm(grouped.reshape(batch, channels * self.sub_bands, frames, width))
-        return (out.reshape(batch, channels, self.sub_bands, frames, width)
-                .transpose(2, 3).reshape(x.shape))
+        batch, channels, bands, frames = x.shape
+        grouped = x.reshape(batch, channels * self.sub_bands, bands // self.sub_bands, frames)
+        return self.norm(grouped).reshape(x.shape)
+
+
+class BroadcastResidual(nn.Module):
+    """A broadcasted residual block (BC-ResNet) over a ``(B, channels, bands, frames)`` map.
+
+    A depthwise convolution over frequency, sub-spectrally normalised, keeps the 2-D local
+    view; its average over frequency then goes through a depthwise convolution over time and a
+    pointwise channel mix, and is broadcast back over every band. Temporal context thus costs
+    1-D work, and the frequency path stays local, so a shifted formant moves the features
+    instead of changing them. Padded frames are zeroed before the temporal convolution.
+    """
+
+    def __init__(self, channels: int, sub_bands: int, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.freq = nn.Conv2d(channels, channels, (3, 1), padding=(1, 0), groups=channels,
+                              bias=False)
+        self.freq_norm = SubSpectralNorm(channels, sub_bands)
+        self.time = nn.Conv1d(channels, channels, 3, padding=1, groups=channels, bias=False)
+        self.time_norm = nn.BatchNorm1d(channels)
+        self.mix = nn.Conv1d(channels, channels, 1)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        local = self.freq_norm(self.freq(x))
+        summary = local.mean(dim=2) * mask[:, None, :].to(x.dtype)
+        summary = self.dropout(self.mix(F.silu(self.time_norm(self.time(summary)))))
+        return F.relu(x + local + summary[:, :, None, :])
 
 
 class ConvSubsample(nn.Module):
-    """Two 3x3 convolutions over (time, mel), each with stride 2 over time (4x fewer frames for
-    attention to handle), sub-spectral batch norm and a max-pool of 2 over mel, then a linear
-    map to the model width.
+    """Two 3x3 convolutions over (mel, time), each with stride 2 over time (4x fewer frames for
+    attention to handle), sub-spectral batch norm and a max-pool of 2 over mel; then
+    broadcasted residual blocks at the reduced resolution and a linear map to the model width.
 
     Voices differ mostly in where their formants sit on the frequency axis (vocal tract
     length) and in the microphone's colouring; local filters over frequency, pooled, let the
@@ -126,29 +151,38 @@ class ConvSubsample(nn.Module):
     """
 
     def __init__(self, n_mels: int, dim: int, channels: tuple[int, ...] = (32, 64),
-                 sub_bands: int = 4) -> None:
+                 sub_bands: int = 4, residual_blocks: int = 2, residual_sub_bands: int = 5,
+                 dropout: float = 0.1) -> None:
         super().__init__()
-        if n_mels % (sub_bands * 2 ** (len(channels) - 1)):
+        halvings = len(channels)
+        if n_mels % (sub_bands * 2 ** (halvings - 1)) or \
+                (residual_blocks and (n_mels >> halvings) % residual_sub_bands):
             raise ValueError(f"n_mels={n_mels} must split into {sub_bands} sub-bands after "
-                             f"each of {len(channels) - 1} halvings of the mel axis")
+                             f"each of {halvings - 1} halvings of the mel axis, and into "
+                             f"{residual_sub_bands} sub-bands after {halvings}")
         self.convs = nn.ModuleList()
         self.norms = nn.ModuleList()
         inputs, bands = 1, n_mels
         for width in channels:
-            self.convs.append(nn.Conv2d(inputs, width, 3, stride=(2, 1), padding=1, bias=False))
+            self.convs.append(nn.Conv2d(inputs, width, 3, stride=(1, 2), padding=1, bias=False))
             self.norms.append(SubSpectralNorm(width, sub_bands))
             inputs, bands = width, bands // 2
+        self.residuals = nn.ModuleList(BroadcastResidual(inputs, residual_sub_bands, dropout)
+                                       for _ in range(residual_blocks))
         self.out = nn.Linear(inputs * bands, dim)
 
     def forward(self, x: torch.Tensor,
                 counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = x.unsqueeze(1)
+        x = x.transpose(1, 2).unsqueeze(1)
         for conv, norm in zip(self.convs, self.norms, strict=True):
-            x = x * frame_mask(counts, x.shape[2])[:, None, :, None].to(x.dtype)
-            x = F.max_pool2d(F.gelu(norm(conv(x))), (1, 2))
+            x = x * frame_mask(counts, x.shape[3])[:, None, None, :].to(x.dtype)
+            x = F.max_pool2d(F.gelu(norm(conv(x))), (2, 1))
             counts = (counts + 1) // 2
-        batch, channels, frames, bands = x.shape
-        x = x.permute(0, 2, 1, 3).reshape(batch, frames, channels * bands)
+        mask = frame_mask(counts, x.shape[3])
+        for block in self.residuals:
+            x = block(x, mask)
+        batch, channels, bands, frames = x.shape
+        x = x.permute(0, 3, 1, 2).reshape(batch, frames, channels * bands)
         return F.gelu(self.out(x)), counts
 
 
@@ -195,7 +229,7 @@ class SpeechClassifier(nn.Module):
                  dim: int = 96, depth: int = 3, heads: int = 4, dropout: float = 0.1) -> None:
         super().__init__()
         self.features = LogMel(sample_rate=sample_rate, n_mels=n_mels)
-        self.subsample = ConvSubsample(n_mels, dim)
+        self.subsample = ConvSubsample(n_mels, dim, dropout=dropout)
         self.blocks = nn.ModuleList(EncoderBlock(dim, heads, dropout=dropout)
                                     for _ in range(depth))
         self.norm = nn.LayerNorm(dim)
