@@ -151,38 +151,36 @@ class ConvSubsample(nn.Module):
     """
 
     def __init__(self, n_mels: int, dim: int, channels: tuple[int, ...] = (32, 64),
-                 sub_bands: int = 4, residual_blocks: tuple[int, ...] = (1, 2),
-                 residual_sub_bands: int = 5, dropout: float = 0.1) -> None:
+                 sub_bands: int = 4, residual_blocks: int = 2, residual_sub_bands: int = 5,
+                 dropout: float = 0.1) -> None:
         super().__init__()
-        if n_mels % (sub_bands * 2 ** (len(channels) - 1)) or any(
-                blocks and (n_mels >> stage) % residual_sub_bands
-                for stage, blocks in enumerate(residual_blocks, start=1)):
+        halvings = len(channels)
+        if n_mels % (sub_bands * 2 ** (halvings - 1)) or \
+                (residual_blocks and (n_mels >> halvings) % residual_sub_bands):
             raise ValueError(f"n_mels={n_mels} must split into {sub_bands} sub-bands after "
-                             f"each of {len(channels) - 1} halvings of the mel axis, and into "
-                             f"{residual_sub_bands} sub-bands after each halving followed by "
-                             "residual blocks")
+                             f"each of {halvings - 1} halvings of the mel axis, and into "
+                             f"{residual_sub_bands} sub-bands after {halvings}")
         self.convs = nn.ModuleList()
         self.norms = nn.ModuleList()
-        self.stages = nn.ModuleList()
         inputs, bands = 1, n_mels
-        for width, blocks in zip(channels, residual_blocks, strict=True):
+        for width in channels:
             self.convs.append(nn.Conv2d(inputs, width, 3, stride=(1, 2), padding=1, bias=False))
             self.norms.append(SubSpectralNorm(width, sub_bands))
-            self.stages.append(nn.ModuleList(
-                BroadcastResidual(width, residual_sub_bands, dropout) for _ in range(blocks)))
             inputs, bands = width, bands // 2
+        self.residuals = nn.ModuleList(BroadcastResidual(inputs, residual_sub_bands, dropout)
+                                       for _ in range(residual_blocks))
         self.out = nn.Linear(inputs * bands, dim)
 
     def forward(self, x: torch.Tensor,
                 counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = x.transpose(1, 2).unsqueeze(1)
-        for conv, norm, blocks in zip(self.convs, self.norms, self.stages, strict=True):
+        for conv, norm in zip(self.convs, self.norms, strict=True):
             x = x * frame_mask(counts, x.shape[3])[:, None, None, :].to(x.dtype)
             x = F.max_pool2d(F.gelu(norm(conv(x))), (2, 1))
             counts = (counts + 1) // 2
-            mask = frame_mask(counts, x.shape[3])
-            for block in blocks:
-                x = block(x, mask)
+        mask = frame_mask(counts, x.shape[3])
+        for block in self.residuals:
+            x = block(x, mask)
         batch, channels, bands, frames = x.shape
         x = x.permute(0, 3, 1, 2).reshape(batch, frames, channels * bands)
         return F.gelu(self.out(x)), counts
