@@ -272,6 +272,15 @@ def test_logmel_masks_frames_past_each_clip_and_normalises_them() -> None:
     assert math.isclose(float(valid.square().mean()), 1.0, rel_tol=1e-3)
 
 
+def give_trained_looking_norm_statistics(module: torch.nn.Module) -> None:
+    """Random running statistics in every batch norm (one per sub-band in the sub-spectral
+    ones), so that evaluation-mode checks do not pass merely because they are 0 and 1."""
+    for norm in module.modules():
+        if isinstance(norm, (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d)):
+            norm.running_mean.uniform_(-1.0, 1.0)
+            norm.running_var.uniform_(0.5, 2.0)
+
+
 def test_sub_spectral_norm_scales_each_frequency_sub_band_on_its_own() -> None:
     torch.manual_seed(0)
     x = torch.randn(8, 3, 12, 5)  # (batch, channels, bands, frames)
@@ -291,10 +300,7 @@ def test_sub_spectral_norm_scales_each_frequency_sub_band_on_its_own() -> None:
 def test_broadcast_residual_keeps_a_clips_frames_apart_from_the_padding() -> None:
     torch.manual_seed(0)
     block = BroadcastResidual(4, sub_bands=5).eval()
-    for norm in block.modules():
-        if isinstance(norm, (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d)):
-            norm.running_mean.uniform_(-1.0, 1.0)
-            norm.running_var.uniform_(0.5, 2.0)
+    give_trained_looking_norm_statistics(block)
     clip = torch.randn(1, 4, 10, 6)
     padded = torch.cat([clip, 50.0 * torch.randn(1, 4, 10, 3)], dim=3)
     alone = block(clip, torch.ones(1, 6, dtype=torch.bool))
@@ -309,10 +315,7 @@ def test_padding_does_not_change_a_clips_logits(size: str) -> None:
     torch.manual_seed(0)
     workload = speech.build(data="synthetic", model_size=size)
     model = workload.model.eval()
-    for norm in model.modules():  # trained-looking running statistics, one per sub-band
-        if isinstance(norm, (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d)):
-            norm.running_mean.uniform_(-1.0, 1.0)
-            norm.running_var.uniform_(0.5, 2.0)
+    give_trained_looking_norm_statistics(model)
     generator = torch.Generator().manual_seed(5)
     short = 0.3 * torch.randn(1234, generator=generator)
     other = 0.3 * torch.randn(6000, generator=generator)
