@@ -407,7 +407,8 @@ def test_mixup_levels_both_clips_before_mixing() -> None:
         def __getitem__(self, index: int):
             return (quiet, torch.tensor(6)), 7
 
-    still = speech.WaveAugment(speed=(1.0, 1.0), max_delay_s=0.0, snr_db=(300.0, 300.0))
+    still = speech.WaveAugment(speed=(1.0, 1.0), max_delay_s=0.0, snr_db=(300.0, 300.0),
+                               high_pass_probability=0.0)
     mixup = speech.ClipMixup(OnePartner(), still, num_classes=10)
     rng = np.random.default_rng(0)
     (mixed, length), target = mixup(((loud, torch.tensor(4)), 2), rng)
@@ -423,6 +424,23 @@ def test_speed_perturbation_resamples_and_noise_has_the_asked_snr() -> None:
     np.testing.assert_allclose(faster[::4], signal[::5], atol=1e-12)
     noise = speech.WaveAugment.noise(signal, 20.0, np.random.default_rng(0))
     assert math.isclose(np.mean(signal**2) / np.mean(noise**2), 100.0, rel_tol=0.15)
+
+
+def test_high_pass_removes_the_low_band_and_keeps_the_rest() -> None:
+    rate, seconds = 8000, 0.5
+    times = np.arange(int(rate * seconds)) / rate
+    hum, vowel = np.sin(2 * np.pi * 60.0 * times), np.sin(2 * np.pi * 1000.0 * times)
+    filtered = speech.WaveAugment.high_pass(hum + vowel, 200.0, rate)
+    np.testing.assert_allclose(filtered, vowel, atol=1e-9)  # both tones fit whole periods
+    half_way = speech.WaveAugment.high_pass(np.sin(2 * np.pi * 150.0 * times), 200.0, rate)
+    assert math.isclose(np.abs(half_way).max(), 0.5, rel_tol=1e-6)  # the linear fade
+
+    always = speech.WaveAugment(speed=(1.0, 1.0), max_delay_s=0.0, snr_db=(300.0, 300.0),
+                                high_pass_probability=1.0, high_pass_hz=(200.0, 200.0))
+    item = ((torch.from_numpy(hum + vowel).float(), torch.tensor(times.shape[0])), 3)
+    (wave_, length), label = always(item, np.random.default_rng(0))
+    assert label == 3 and int(length) == times.shape[0]
+    np.testing.assert_allclose(wave_.numpy(), vowel, atol=1e-5)
 
 
 def test_augmented_batches_do_not_depend_on_workers_and_resume_in_place(

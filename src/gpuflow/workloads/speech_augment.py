@@ -1,10 +1,12 @@
 """Waveform augmentation for the speech workload: new voices from the speakers it has.
 
 Five speakers are few; the model meets a sixth voice as a shifted pitch and formants, another
-speaking rate, another microphone's noise floor and another onset. Each training clip is
-therefore perturbed in speed (which scales pitch, formants and tempo together, as Kaldi's
-speed perturbation does), delayed by a random silence, and mixed with white noise at a
-random signal-to-noise ratio (``WaveAugment``). Loudness is left alone: the model's per-clip
+speaking rate, another microphone's low-frequency response, noise floor and onset. Each
+training clip is therefore perturbed in speed (which scales pitch, formants and tempo
+together, as Kaldi's speed perturbation does), delayed by a random silence, high-passed at a
+random cutoff half the time (a voice recorded without its lowest band must not look like
+another digit), and mixed with white noise at a random signal-to-noise ratio
+(``WaveAugment``). Loudness is left alone: the model's per-clip
 feature normalisation removes it. ``ClipMixup`` then mixes each perturbed clip with another
 training clip and their labels (mixup), which measured better on speakers the model never
 heard than perturbation alone. The randomness comes from the generator the loader passes
@@ -29,6 +31,8 @@ class WaveAugment:
     speed: tuple[float, float] = (0.85, 1.15)
     max_delay_s: float = 0.1
     snr_db: tuple[float, float] = (10.0, 40.0)
+    high_pass_probability: float = 0.5
+    high_pass_hz: tuple[float, float] = (150.0, 350.0)
 
     def __call__(self, item: Any, rng: np.random.Generator) -> Any:
         (wave, length), label = item
@@ -36,6 +40,8 @@ class WaveAugment:
         clip = self.perturb_speed(clip, rng.uniform(*self.speed))
         delay = int(rng.integers(0, int(self.max_delay_s * self.sample_rate) + 1))
         clip = np.concatenate([np.zeros(delay), clip])
+        if rng.uniform() < self.high_pass_probability:
+            clip = self.high_pass(clip, rng.uniform(*self.high_pass_hz), self.sample_rate)
         clip = clip + self.noise(clip, rng.uniform(*self.snr_db), rng)
         out = torch.from_numpy(clip.astype(np.float32))
         return (out, torch.tensor(out.shape[0], dtype=torch.int64)), label
@@ -45,6 +51,16 @@ class WaveAugment:
         """Played ``factor`` times faster: linear resampling to ``len / factor`` samples."""
         frames = max(1, round(clip.shape[0] / factor))
         return np.interp(np.arange(frames) * factor, np.arange(clip.shape[0]), clip)
+
+    @staticmethod
+    def high_pass(clip: np.ndarray, cutoff_hz: float, sample_rate: int) -> np.ndarray:
+        """``clip`` without its content below ``cutoff_hz / 2``, passed whole above
+        ``cutoff_hz`` and faded linearly between: a zero-phase filter applied to the spectrum,
+        so the onset stays where the delay put it."""
+        spectrum = np.fft.rfft(clip)
+        freqs = np.fft.rfftfreq(clip.shape[0], 1.0 / sample_rate)
+        gain = np.clip((freqs - 0.5 * cutoff_hz) / (0.5 * cutoff_hz), 0.0, 1.0)
+        return np.fft.irfft(spectrum * gain, n=clip.shape[0])
 
     @staticmethod
     def noise(clip: np.ndarray, snr_db: float, rng: np.random.Generator) -> np.ndarray:
