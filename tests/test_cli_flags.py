@@ -58,6 +58,8 @@ def test_only_the_flags_given_are_set() -> None:
         (["--reshard-after-forward"], {"reshard_after_forward": True}),
         (["--clip-grad", "off"], {"clip_grad": None}),
         (["--clip-grad", "1.5"], {"clip_grad": 1.5}),
+        (["--ema-decay", "off"], {"ema_decay": 0.0}),
+        (["--ema-decay", "0.99"], {"ema_decay": 0.99}),
         (["--strategy", "auto", "--tp", "2"], {"strategy": "auto", "tp": 2}),
         (["--config", "run.toml"], {"config": "run.toml"}),
     ],

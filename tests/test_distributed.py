@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import ROOT, cli_env, run_cli
 from safetensors.torch import load_file
 
+from gpuflow import checkpoint as ckpt
 from gpuflow.config import build_config
 from gpuflow.errors import UserError
 from gpuflow.parallel.dims import ParallelDims
@@ -121,6 +124,25 @@ def test_fsdp_checkpoint_resumes_in_one_process_and_back(
                     "--batch-size", "16", "--max-steps", "20")
     assert summary["world_size"] == 2 and summary["steps"] == 20
     assert losses(single_first) == pytest.approx(single_20, abs=1e-5)
+
+
+def test_the_weight_average_reshards_from_fsdp_to_one_process(tmp_path: Path) -> None:
+    """The average lives in the optimizer state, so FSDP's sharded checkpoint carries it."""
+    ema = ("--ema-decay", "0.8")
+    whole = tmp_path / "single"
+    train(whole, "--batch-size", "32", "--max-steps", "20", *ema)
+    split = tmp_path / "fsdp-first"
+    train(split, "--nproc", "2", "--strategy", "fsdp", "--batch-size", "16",
+          "--max-steps", "20", "--checkpoint-every", "10", *ema)
+    # As if it had stopped at step 10: a finished run ends with the average as its weights.
+    shutil.rmtree(split / "checkpoints" / "step-00000020")
+    summary = train(split, "--resume", "--nproc", "1", "--strategy", "single",
+                    "--batch-size", "32", "--max-steps", "20")
+    assert summary["ema_decay"] == 0.8
+    final = [load_file(ckpt.list_checkpoints(run / "checkpoints")[0].path / ckpt.MODEL_FILE)
+             for run in (whole, split)]
+    for name, tensor in final[0].items():
+        torch.testing.assert_close(final[1][name], tensor, rtol=0, atol=1e-5)
 
 
 def test_a_killed_rank_is_restarted_and_the_job_finishes(tmp_path: Path) -> None:

@@ -481,6 +481,8 @@ def test_killed_augmented_run_resumes_to_the_same_weights(small_fsdd: Path,
     sigkill_at_gate(process, gate)
     result = run_cli("train", "--resume", str(run_dir), "--no-progress", env=env)
     assert result.returncode == 0, result.stderr
+    # The weight average (speech's default) resumes too: the final weights are its.
+    assert json.loads((run_dir / "summary.json").read_text())["ema_decay"] == 0.99
     final = [load_file(ckpt.list_checkpoints(d / "checkpoints")[0].path / ckpt.MODEL_FILE)
              for d in (reference, run_dir)]
     assert final[0].keys() == final[1].keys()

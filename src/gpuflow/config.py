@@ -47,6 +47,10 @@ def _positive_or_none(text: str) -> float | None:
     return None if text.lower() in ("none", "off", "0") else float(text)
 
 
+def _decay_or_off(text: str) -> float:
+    return 0.0 if text.lower() in ("none", "off") else float(text)
+
+
 @dataclass
 class TrainConfig:
     """Everything a training run needs besides the workload itself."""
@@ -144,6 +148,12 @@ class TrainConfig:
                 "else (a CPU, ddp/fsdp/tp/pp, accumulation or `--batch-size auto`, a workload "
                 "that pads each batch to its longest sample, as speech does) is refused with "
                 "exit 2")
+    ema_decay: float | None = option(
+        None, metavar="D", parse=_decay_or_off, unset="the workload's (off; speech 0.99)",
+        help="keep an exponential moving average of the weights, D per step (0.99 averages "
+             "about the last 100 steps); evaluations and the final weights use it (off or 0: "
+             "none)",
+        details="see [training.md](training.md#weight-averaging)")
     clip_grad: float | None = option(
         None, metavar="X", parse=_positive_or_none, unset="off",
         help="clip the global gradient norm to X (none, off or 0: no clipping)")
@@ -264,6 +274,9 @@ class TrainConfig:
                             "leave it unset for FSDP's own one-block prefetch.")
         if self.max_steps is not None and self.max_steps < 1:
             raise UserError(f"--max-steps must be at least 1 (got {self.max_steps}).")
+        if self.ema_decay is not None and not 0.0 <= self.ema_decay < 1.0:
+            raise UserError(f"--ema-decay must be in [0, 1) (got {self.ema_decay}); 0.99 "
+                            "averages about the last 100 steps, off turns averaging off.")
         if self.epochs is not None and self.epochs <= 0:
             raise UserError(f"--epochs must be positive (got {self.epochs}).")
         if self.max_steps is not None and self.epochs is not None:

@@ -100,7 +100,9 @@ class Workload:
     transforms a training item with a numpy generator seeded by (seed, epoch, index), so
     augmented runs resume exactly (``gpuflow.data.augment``); evaluation is never augmented.
     ``default_epochs`` is the run's length when neither ``--epochs`` nor ``--max-steps``
-    is given (None: the trainer's default of 10).
+    is given (None: the trainer's default of 10); ``default_ema_decay`` the decay of the
+    weight average when ``--ema-decay`` is not given (None: no average,
+    ``gpuflow.train.averaging``).
     """
 
     name: str
@@ -118,6 +120,7 @@ class Workload:
     serving: ServingSpec | None = None
     augment: Callable[[Any, np.random.Generator], Any] | None = None
     default_epochs: float | None = None
+    default_ema_decay: float | None = None
 
     def blocks(self) -> list[nn.Module]:
         """The modules that repeat in the model, e.g. transformer layers: ``repeated_blocks``,

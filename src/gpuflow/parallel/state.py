@@ -56,10 +56,26 @@ def read_sharded(request: State, path: Path, param_groups: list[dict[str, Any]])
     which live in the trainer state rather than among the shards.
     """
     model_request, optimizer_request = request
+    ask_for_extra_entries(optimizer_request["state"], path)
     state = {"model": model_request, "optimizer": optimizer_request["state"]}
     dcp.load(state, checkpoint_id=path)
     groups = with_saved_settings(param_groups, optimizer_request["param_groups"])
     return state["model"], {"state": state["optimizer"], "param_groups": groups}
+
+
+def ask_for_extra_entries(optimizer_state: dict[str, dict[str, Any]], path: Path) -> None:
+    """Add to a fresh optimizer's request the per-parameter entries the checkpoint holds
+    beyond its own (a weight average, ``gpuflow.train.averaging``), shaped like the first
+    tensor entry of that parameter (its moment, shaped and sharded like the parameter)."""
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    for name, entries in optimizer_state.items():
+        like = next((value for value in entries.values()
+                     if isinstance(value, torch.Tensor) and value.dim() > 0), None)
+        prefix = f"optimizer.{name}."
+        extra = {key.removeprefix(prefix) for key in saved if key.startswith(prefix)}
+        for entry in extra - entries.keys():
+            if like is not None and "." not in entry:
+                entries[entry] = torch.empty_like(like)
 
 
 def saved_model_keys(path: Path) -> set[str]:

@@ -28,11 +28,14 @@ def banner(trainer: Trainer) -> str:
         resumed += f" ({resume_note(trainer.workload.train_dataset, trainer.exact_stream_resume)})"
     compiled = f", compiled ({trainer.compiled.scope})" if trainer.compiled else ""
     fp8 = f"{trainer.fp8.describe()}; " if trainer.fp8 else ""
+    averaged = (f"weights averaged (EMA {trainer.average.decay:g} a step), "
+                if trainer.average is not None else "")
     return (
         f"gpuflow: {trainer.workload.name} on {device_name(trainer.device)} ({trainer.device})"
         f"{trainer.strategy.describe()}, {trainer.policy.describe()}, global batch "
         f"{trainer.global_batch} = micro-batch {config.batch_size} x accum {config.grad_accum}"
-        f" x data-parallel {dims.dp}, {fp8}{trainer.total_steps} steps{resumed}{compiled}; "
+        f" x data-parallel {dims.dp}, {fp8}{averaged}{trainer.total_steps} steps{resumed}"
+        f"{compiled}; "
         f"{_eval_plan(trainer)}; run dir {trainer.run_dir}{_choices(trainer)}"
     )
 
@@ -135,6 +138,7 @@ def write_summary(trainer: Trainer, final: dict[str, float]) -> dict[str, Any]:
         "compile_scope": trainer.compiled.scope if trainer.compiled else None,
         "fp8": trainer.fp8.as_dict() if trainer.fp8 else None,
         "activation_checkpointing": config.activation_checkpointing,
+        "ema_decay": trainer.average.decay if trainer.average is not None else None,
         "device": str(device),
         "device_name": device_name(device),
         "flops_per_step": trainer.flops_per_step,

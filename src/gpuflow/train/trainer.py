@@ -7,6 +7,7 @@ Strategy`; what a run saves, in :mod:`gpuflow.train.state`; what it reports, in
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import math
@@ -33,6 +34,7 @@ from gpuflow.parallel.strategy import ModelParts, build_strategy, resize_rows
 from gpuflow.precision import make_policy
 from gpuflow.telemetry.steps import MetricsLog, StepTimer
 from gpuflow.train import fp8, record
+from gpuflow.train.averaging import WeightAverage
 from gpuflow.train.batch import fit_batch
 from gpuflow.train.compile import Compiled, compile_step, turn_on_compile_for_step_modes
 from gpuflow.train.evaluate import evaluate
@@ -117,6 +119,9 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, config, self.device)
         self.scheduler = build_scheduler(self.optimizer, config, self.total_steps)
         self.scaler = self.policy.make_scaler()
+        decay = (config.ema_decay if config.ema_decay is not None
+                 else workload.default_ema_decay)
+        self.average = WeightAverage(self.optimizer, decay) if decay else None
         if self.fp8 is not None and self.fp8.fsdp_float8_all_gather:
             fp8.precompute_scales_after_step(self.optimizer, self.model)
         self.peak = peak_flops(self.device, self.policy.peak_key)
@@ -268,6 +273,8 @@ class Trainer:
         clip = (lambda: self.strategy.clip_grad_norm(clip_at)) if clip_at else None
         stepped = optimizer_step(self.optimizer, self.scheduler, self.scaler, clip, finite)
         self.position.skipped_steps += not stepped
+        if stepped and self.average is not None:
+            self.average.update()
 
     def run_steps(self, count: int) -> None:
         """Run up to ``count`` steps with everything a step entails: logging, evaluation
@@ -278,6 +285,8 @@ class Trainer:
             if self.nonfinite_streak >= config.max_nonfinite_steps:
                 self._stop_nonfinite()
             at_end = self.step == self.total_steps
+            if at_end and self.average is not None:
+                self.average.load_into_weights()
             if self.step % config.log_every == 0 or at_end:
                 self._log_window()
             if config.eval_every and self.step % config.eval_every == 0 and not at_end:
@@ -331,8 +340,11 @@ class Trainer:
         if self.eval_set is None:
             return {}
         started = time.perf_counter()
-        result = evaluate(self.strategy, self.eval_set, self.workload, self.policy,
-                          self.device, self.config.num_workers)
+        averaged = (self.average.weights_swapped_in() if self.average is not None
+                    else contextlib.nullcontext())
+        with averaged:
+            result = evaluate(self.strategy, self.eval_set, self.workload, self.policy,
+                              self.device, self.config.num_workers)
         seconds = time.perf_counter() - started
         self.eval_time_s += seconds
         self.metrics.write({"event": "eval", "step": self.step, "eval_s": seconds, **result})
