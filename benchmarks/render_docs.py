@@ -132,10 +132,18 @@ def _input_pipeline_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _figure(value: Any) -> str:
+    if isinstance(value, dict):
+        return ", ".join(f"{key} {_figure(item)}" for key, item in value.items())
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
 def _scalars(result: dict[str, Any]) -> list[str]:
+    """A result's headline ``figures`` (nested ones on one line), then its top-level scalars."""
     skip = {"benchmark", "created", "command", "machine", "versions", "settings"}
-    return [f"- `{key}`: {value}" for key, value in result.items()
-            if key not in skip and isinstance(value, int | float | str | bool)]
+    figures = [f"- `{key}`: {_figure(value)}" for key, value in result.get("figures", {}).items()]
+    return figures + [f"- `{key}`: {_figure(value)}" for key, value in result.items()
+                      if key not in skip and isinstance(value, int | float | str | bool)]
 
 
 def section(path: Path, result: dict[str, Any]) -> list[str]:
