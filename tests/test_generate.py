@@ -238,13 +238,16 @@ def test_a_full_waiting_queue_refuses_and_a_cancelled_request_frees_its_slot() -
     assert done.finish_reason == "length" and len(text.encode("utf-8", "replace")) >= 1
 
 
-def test_text_stream_holds_back_what_may_start_a_stop_and_decodes_utf8_whole() -> None:
+def test_text_stream_holds_back_what_may_start_a_stop() -> None:
+    """A stop split over several pieces of text is found whole and never sent; the text
+    the detokenizer still held at the end goes through the stops too."""
     stream = TextStream(["\n\n", "END"])
-    sent = [stream.feed(b) for b in (b"ab", b"c\n", b"d", b"E", b"N", b"D", b"more")]
-    assert "".join(sent) == "abc\nd" and stream.stopped
-    utf8 = TextStream([])
-    parts = [utf8.feed(bytes([b])) for b in "é€".encode()] + [utf8.finish()]
-    assert parts[0] == "" and "".join(parts) == "é€"
+    sent = [stream.feed(t) for t in ("ab", "c\n", "d", "E", "N", "D", "more")]
+    assert "".join(sent) == "abc\nd" and stream.stopped and stream.finish("x") == ""
+    held = TextStream(["END"])
+    assert held.feed("aE") == "" and held.finish("ND!") == "a" and held.stopped
+    plain = TextStream([])
+    assert plain.feed("é€") == "é€" and plain.finish("ok") == "ok"
 
 
 def test_top_k_and_top_p_keep_the_most_probable_tokens() -> None:
@@ -433,9 +436,9 @@ def test_a_client_leaving_mid_stream_frees_its_slot(textlm_run: tuple[Path, GPT]
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     step = GPTDecoder.logits
 
-    def slow(self, *args):  # 20 ms a step: the client leaves long before 60 tokens
+    def slow(self, *args, **kwargs):  # 20 ms a step: the client leaves long before 60 tokens
         time.sleep(0.02)
-        return step(self, *args)
+        return step(self, *args, **kwargs)
 
     monkeypatch.setattr(GPTDecoder, "logits", slow)
 

@@ -19,7 +19,6 @@ from test_generate import greedy_reference, textlm_run  # noqa: F401 (a fixture)
 from test_generate_hf import gpt2, hf_run, one_thread  # noqa: F401 (fixtures)
 from test_generate_hf import greedy_reference as hf_greedy_reference
 
-from gpuflow.cli import main
 from gpuflow.errors import UserError
 from gpuflow.export import export_model
 from gpuflow.serve.app import ServeSettings, create_app
@@ -112,17 +111,6 @@ def test_a_hugging_face_workload_export_serves_what_its_run_does(
     answers = serve_both(run_dir, gpt2_export, {"inputs": [window], "top_k": 3})
     expected = hf_greedy_reference(model, PROMPT.encode(), 12)
     assert answers["text"] == bytes(expected).decode("utf-8", errors="replace")
-
-
-def test_a_hugging_face_dir_that_gpuflow_did_not_export_is_refused_before_serving(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    gpt2().save_pretrained(tmp_path / "foreign")
-    assert main(["serve", str(tmp_path / "foreign"), "--port", "1"]) == 2
-    error = capsys.readouterr().err
-    assert "Hugging Face model directory that gpuflow did not export" in error
-    assert "gpuflow_run.json" in error and "gpuflow export RUN_DIR --format hf" in error
-    assert main(["serve", str(tmp_path), "--port", "1"]) == 2
-    assert "nor a Hugging Face export (no gpuflow_run.json)" in capsys.readouterr().err
 
 
 def broken(export: Path, tmp_path: Path, name: str, content: bytes | None) -> Path:

@@ -1,5 +1,5 @@
-"""Load a trained model for inference from a run dir, an exported safetensors file or a
-Hugging Face export directory.
+"""Load a model for inference from a run dir, an exported safetensors file, a Hugging Face
+export directory, or any Hugging Face causal-LM directory.
 
 Each carries the run's configuration as JSON (``config.json``, the export's metadata, or
 ``gpuflow_run.json`` beside a Hugging Face export): the workload's factory rebuilds the
@@ -7,7 +7,8 @@ network from it and the weights are loaded by name (for a Hugging Face export, b
 ``transformers``' ``from_pretrained``); and the state its codec saved at training time
 (``serving.json``, or the export's metadata or run record). Nothing is unpickled. The run
 dir is read through its documented format (docs/run-dir.md), so serving depends on the
-format, not on the training code.
+format, not on the training code. A Hugging Face directory gpuflow did not write is read
+as the Hub lays it out (``gpuflow.model_dir``) and served under its own tokenizer.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from gpuflow.config import TrainConfig
 from gpuflow.devices import resolve_device
 from gpuflow.errors import UserError
 from gpuflow.hf import is_hf_model
+from gpuflow.model_dir import TOKENIZER_FILES, ModelDirectory, is_model_directory
 from gpuflow.precision import PrecisionPolicy, make_policy
 from gpuflow.serving import RUN_CONFIG_FILE, SERVING_FILE
 from gpuflow.workload import BUILTIN_WORKLOADS, Workload, call_model, resolve_workload
@@ -44,6 +46,7 @@ class LoadedModel:
     step: int
     source: Path
     serving_state: dict[str, Any] | None = None
+    directory: ModelDirectory | None = None  # where its tokenizer and generation config are
 
     @property
     def model(self) -> nn.Module:
@@ -74,29 +77,18 @@ def is_hf_export(path: Path) -> bool:
     return path.is_dir() and (path / RUN_CONFIG_FILE).is_file()
 
 
-def _is_hf_model_dir(path: Path) -> bool:
-    """Whether ``config.json`` is a Hugging Face model's (it names a ``model_type``),
-    not a run's TrainConfig."""
-    try:
-        return "model_type" in json.loads((path / "config.json").read_text())
-    except (OSError, ValueError, TypeError):
-        return False
-
-
 def check_source(path: Path) -> None:
     """Fail early, without reading weights, on a path that cannot hold a model."""
     if is_hf_export(path):
         return
     if path.is_dir():
-        if _is_hf_model_dir(path):
-            raise UserError(
-                f"{path} is a Hugging Face model directory that gpuflow did not export (it "
-                f"has no {RUN_CONFIG_FILE} naming the workload and run config). gpuflow "
-                "serves models it trained: export one with `gpuflow export RUN_DIR --format "
-                "hf --out DIR` and serve DIR, or serve the run dir itself.")
+        if is_model_directory(path):
+            ModelDirectory.check(path)
+            return
         if not (path / "config.json").is_file():
             raise UserError(f"{path} is not a gpuflow run dir (no config.json) nor a "
-                            f"Hugging Face export (no {RUN_CONFIG_FILE}).")
+                            "Hugging Face model directory (no config.json naming a "
+                            "model_type).")
     elif path.suffix != ".safetensors" or not path.is_file():
         raise UserError(f"{path} is neither a gpuflow run dir, a Hugging Face export dir "
                         "nor a .safetensors export.")
@@ -236,18 +228,35 @@ def _check_loaded(path: Path, workload: str, info: dict[str, Any]) -> None:
 
 
 def load_hf_export(path: Path, workload: str | None = None) -> LoadedModel:
-    """The run's workload rebuilt from the export's run record, serving the export's model."""
+    """The run's workload rebuilt from the export's run record, serving the export's model
+    (under the tokenizer the export carries, when it carries one)."""
     config, step, serving = read_run_record(path)
     built = build_workload(config, workload)
     built.model = open_hf_export(path, built)
-    return LoadedModel(built, config, step, path, serving)
+    tokenized = any((path / name).is_file() for name in TOKENIZER_FILES)
+    return LoadedModel(built, config, step, path, serving,
+                       ModelDirectory.check(path) if tokenized else None)
 
 
-def load_model(path: str | Path, workload: str | None = None) -> LoadedModel:
-    """Rebuild the run's model and load its weights; ``workload`` overrides the saved one."""
+def load_model_directory(path: Path, name: str | None = None) -> LoadedModel:
+    """A Hugging Face causal-LM directory gpuflow did not write, served as a workload named
+    ``name`` (default: the path) whose predict inputs are token ids."""
+    directory = ModelDirectory.check(path)
+    ids = torch.zeros(1, 16, dtype=torch.long)
+    workload = Workload(name=name or str(path), model=directory.load_model(), train_dataset=[],
+                        example_batch=({"input_ids": ids}, ids))
+    return LoadedModel(workload, directory.config, 0, path, None, directory)
+
+
+def load_model(path: str | Path, workload: str | None = None,
+               name: str | None = None) -> LoadedModel:
+    """Rebuild the run's model and load its weights; ``workload`` overrides the saved one.
+    ``name``: what a Hugging Face directory gpuflow did not write is served as."""
     source = Path(path)
     if is_hf_export(source):
         return load_hf_export(source, workload)
+    if is_model_directory(source):
+        return load_model_directory(source, name)
     config, weights, step, serving = read_source(source)
     return LoadedModel(restore_workload(config, weights, source, workload), config, step,
                        source, serving)

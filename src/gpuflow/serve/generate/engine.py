@@ -28,7 +28,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -37,8 +37,15 @@ import torch
 from gpuflow.devices import total_memory
 from gpuflow.errors import UserError
 from gpuflow.serve.generate.models import cached_lm, refusal
-from gpuflow.serve.generate.sampling import Sampler, SamplingParams, choose_tokens
+from gpuflow.serve.generate.sampling import (
+    Sampler,
+    SamplingParams,
+    TokenLogprob,
+    choose_tokens,
+    token_logprobs,
+)
 from gpuflow.serve.generate.text import TextStream
+from gpuflow.serve.generate.tokenizer import ByteTokenizer, Detokenizer, Tokenizer
 from gpuflow.serve.model import batch_buckets
 
 log = logging.getLogger("gpuflow.serve")
@@ -46,20 +53,20 @@ log = logging.getLogger("gpuflow.serve")
 
 class CachedLM(Protocol):
     """A causal LM that decodes over a cache: what the engine needs of a model. The cache
-    (``new_cache``) has ``keys`` (a tensor on the model's device) and ``nbytes()``."""
+    (``new_cache``) has ``keys`` (a tensor on the model's device) and ``nbytes()``.
+    ``vocab_size`` is the number of logits the engine chooses among."""
 
     context: int
     vocab_size: int
 
     def new_cache(self, slots: int) -> Any: ...
     def bytes_per_slot(self) -> int: ...
-    def tokenize(self, text: str) -> list[int]: ...
     def logits(self, tokens: torch.Tensor, cache: Any, slots: torch.Tensor,
-               starts: torch.Tensor) -> torch.Tensor:
-        """Logits ``[B, T', V]`` of ``tokens[B, T]`` (the engine reads the last position
-        only, so ``T'`` may be 1), row ``b`` being the sequence in cache slot ``slots[b]``
-        whose tokens so far end at ``starts[b]``; the new tokens' keys and values are
-        written into the cache."""
+               starts: torch.Tensor, all_positions: bool = False) -> torch.Tensor:
+        """Logits ``[B, T', V]`` of ``tokens[B, T]`` (``T'`` is 1, the last position, unless
+        ``all_positions``), row ``b`` being the sequence in cache slot ``slots[b]`` whose
+        tokens so far end at ``starts[b]``; the new tokens' keys and values are written into
+        the cache."""
     def step(self, tokens: torch.Tensor, cache: Any, slots: torch.Tensor,
              starts: torch.Tensor) -> torch.Tensor:
         """``logits`` of one new token per row (``tokens[B, 1]``), ``[B, V]``, in shapes
@@ -67,7 +74,6 @@ class CachedLM(Protocol):
         ``torch.compile(dynamic=False)`` and CUDA graphs need."""
     def written(self, cache: Any) -> list[torch.Tensor]:
         """The cache tensors ``step`` writes into."""
-    def token_bytes(self, token: int) -> bytes: ...
 
 
 class WaitingFull(Exception):
@@ -76,7 +82,10 @@ class WaitingFull(Exception):
 
 @dataclass(frozen=True)
 class Delta:
+    """New text, and the log-probabilities of the tokens that made it when asked for."""
+
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -102,16 +111,21 @@ class Generation:
     prompt: list[int]
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
+    detokenizer: Detokenizer
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     generated: list[int] = field(default_factory=list)
     slot: int | None = None
     cancelled: bool = False
     submitted: float = field(default_factory=time.monotonic)
     last_token_at: float | None = None
+    # The prompt's log-probabilities (``params.prompt_logprobs``; None for its first token),
+    # set by the engine thread before the first event is handed over.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def __post_init__(self) -> None:
-        self.sampler = Sampler(self.params)
+        self.sampler = Sampler(self.params, self.prompt)
         self.stream = TextStream(self.params.stop)
+        self.unsent_logprobs: list[TokenLogprob] = []
 
     def cancel(self) -> None:
         """Leave at the next step (the client went away, or its deadline passed)."""
@@ -133,11 +147,12 @@ class GenerationEngine:
 
     def __init__(self, lm: CachedLM, slots: int, max_waiting: int,
                  context: Callable[[], contextlib.AbstractContextManager[Any]],
-                 eos_token: int | None = None, observer: EngineObserver | None = None,
-                 bucketed: bool = False, compile: bool = False,
-                 cuda_graphs: bool = False) -> None:
+                 tokenizer: Tokenizer | None = None, eos_ids: Iterable[int] = (),
+                 observer: EngineObserver | None = None, bucketed: bool = False,
+                 compile: bool = False, cuda_graphs: bool = False) -> None:
         self.lm, self.slots, self.max_waiting = lm, slots, max_waiting
-        self.eos_token, self.observer = eos_token, observer
+        self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
+        self.eos_ids, self.observer = frozenset(eos_ids), observer
         self._context = context
         self.compiled = compile or cuda_graphs
         self.buckets = batch_buckets(slots) if bucketed or self.compiled else None
@@ -213,7 +228,8 @@ class GenerationEngine:
 
     def submit(self, prompt: list[int], params: SamplingParams) -> Generation:
         """Queue a request for a slot; raises WaitingFull. Call on the event loop."""
-        generation = Generation(prompt, params, asyncio.get_running_loop())
+        generation = Generation(prompt, params, asyncio.get_running_loop(),
+                                self.tokenizer.detokenizer(prompt))
         with self._lock:
             if len(self._waiting) >= self.max_waiting:
                 raise WaitingFull
@@ -312,11 +328,23 @@ class GenerationEngine:
             generation.slot = min(self._free)  # low slots first, to keep them consecutive
             self._free.remove(generation.slot)
             self._active.append(generation)
-            tokens = torch.tensor([generation.prompt], device=self._device)
-            logits = self.lm.logits(tokens, self.cache, self._slots([generation]),
-                                    torch.zeros(1, dtype=torch.long, device=self._device))
-            self._advance(generation, generation.sampler.choose(logits[0, -1].float().cpu()))
+            self._prefill(generation)
             self._hand_over()  # its first token goes out now, not after the decode step
+
+    def _prefill(self, generation: Generation) -> None:
+        """Run the prompt into its slot and take the first token (and, when asked, the
+        prompt's log-probabilities from the same forward)."""
+        prompt, params = generation.prompt, generation.params
+        tokens = torch.tensor([prompt], device=self._device)
+        logits = self.lm.logits(tokens, self.cache, self._slots([generation]),
+                                torch.zeros(1, dtype=torch.long, device=self._device),
+                                all_positions=params.prompt_logprobs is not None)
+        rows = logits[0].float().cpu()
+        if params.prompt_logprobs is not None:
+            generation.prompt_logprobs = [None, *token_logprobs(
+                rows[:-1], prompt[1:], params.prompt_logprobs)]
+        last = rows[-1:]
+        self._advance(generation, generation.sampler.choose(last[0]), last)
 
     @property
     def _device(self) -> torch.device:
@@ -338,9 +366,10 @@ class GenerationEngine:
             last = torch.tensor([[g.generated[-1]] for g in batch], device=self._device)
             starts = torch.tensor([g.length - 1 for g in batch], device=self._device)
             logits = self.lm.logits(last, self.cache, self._slots(batch), starts)[:, -1]
-        tokens = choose_tokens([g.sampler for g in batch], logits.float().cpu())
-        for generation, token in zip(batch, tokens, strict=True):
-            self._advance(generation, token)
+        logits = logits.float().cpu()
+        tokens = choose_tokens([g.sampler for g in batch], logits)
+        for row, (generation, token) in enumerate(zip(batch, tokens, strict=True)):
+            self._advance(generation, token, logits[row:row + 1])
 
     def _padded(self, batch: list[Generation], size: int) -> torch.Tensor:
         """One decode step of ``batch`` padded to ``size`` rows, the padding rows (token 0
@@ -358,8 +387,9 @@ class GenerationEngine:
         logits = self._decode(tokens[:, None], self.cache, slots, starts)
         return logits[:len(batch)].float().cpu()
 
-    def _advance(self, generation: Generation, token: int) -> None:
-        """Take ``token`` as the sequence's next, send its text, retire when finished."""
+    def _advance(self, generation: Generation, token: int, logits: torch.Tensor) -> None:
+        """Take ``token`` as the sequence's next, send its text, retire when finished.
+        ``logits`` (``[1, V]``, on the CPU) are the model's at the token's position."""
         now = time.monotonic()
         if self.observer is not None:
             if generation.last_token_at is None:
@@ -367,23 +397,34 @@ class GenerationEngine:
             else:
                 self.observer.next_token(now - generation.last_token_at)
         generation.last_token_at = now
-        if token == self.eos_token:
+        params = generation.params
+        if token in self.eos_ids and not params.ignore_eos:
             self._retire(generation, "stop")
             return
         generation.generated.append(token)
-        text = generation.stream.feed(self.lm.token_bytes(token))
+        generation.sampler.observe(token)
+        if params.logprobs is not None:
+            generation.unsent_logprobs += token_logprobs(logits, [token], params.logprobs)
+        text = generation.stream.feed(generation.detokenizer.add(token))
         if text:
-            self._emit(generation, Delta(text))
+            self._emit(generation, self._delta(generation, text))
         if generation.stream.stopped:
             self._retire(generation, "stop")
         elif (len(generation.generated) >= generation.params.max_tokens
               or generation.length >= self.lm.context):
             self._retire(generation, "length")
 
+    @staticmethod
+    def _delta(generation: Generation, text: str) -> Delta:
+        """``text`` with the log-probabilities of the tokens taken since the last delta."""
+        logprobs = tuple(generation.unsent_logprobs)
+        generation.unsent_logprobs.clear()
+        return Delta(text, logprobs)
+
     def _retire(self, generation: Generation, reason: str) -> None:
-        rest = generation.stream.finish()
-        if rest and reason != "cancelled":
-            self._emit(generation, Delta(rest))
+        rest = generation.stream.finish(generation.detokenizer.finish())
+        if (rest or generation.unsent_logprobs) and reason != "cancelled":
+            self._emit(generation, self._delta(generation, rest))
         self._emit(generation, Done(reason, len(generation.prompt), len(generation.generated)))
         self._active.remove(generation)
         assert generation.slot is not None
@@ -445,18 +486,21 @@ def default_cache_budget(device: torch.device) -> int:
 
 
 def build_generator(model: torch.nn.Module, runner: Any, kv_cache_gib: float | None,
-                    max_seqs: int, max_waiting: int,
-                    observer: EngineObserver | None) -> GenerationEngine | None:
+                    max_seqs: int, max_waiting: int, observer: EngineObserver | None,
+                    tokenizer: Tokenizer | None = None, eos_ids: Iterable[int] = (),
+                    context: int | None = None) -> GenerationEngine | None:
     """A generation engine for the served model on the runner's device and precision, its
     decode steps compiled (and on CUDA replayed as graphs) when the runner's model is, or
-    None for a model that does not generate text."""
+    None for a model that does not generate text. ``tokenizer`` (default: bytes) and
+    ``eos_ids`` are the model's; ``context`` caps its sequences' length."""
     dtype = runner.policy.autocast_dtype or torch.float32
-    lm = cached_lm(model, dtype)
+    lm = cached_lm(model, dtype, tokenizer is not None, context)
     if lm is None:
-        log.info("gpuflow serve: no /v1/completions: %s", refusal(model))
+        log.info("gpuflow serve: no /v1/completions: %s", refusal(model, tokenizer is not None))
         return None
     budget = (int(kv_cache_gib * 2**30) if kv_cache_gib is not None
               else default_cache_budget(runner.device))
     slots = cache_slots(lm.bytes_per_slot(), budget, max_seqs, spare=int(runner.compiled))
-    return GenerationEngine(lm, slots, max_waiting, runner.context, observer=observer,
-                            compile=runner.compiled, cuda_graphs=runner.cuda_graphs)
+    return GenerationEngine(lm, slots, max_waiting, runner.context, tokenizer=tokenizer,
+                            eos_ids=eos_ids, observer=observer, compile=runner.compiled,
+                            cuda_graphs=runner.cuda_graphs)

@@ -9,12 +9,18 @@ per-row ``position_ids`` and a 4-D attention mask (row ``b``'s token ``t`` sees 
 slot's positions up to ``starts[b] + t``), one forward decodes every active sequence at its
 own position, as ``GPT.decode`` does for gpuflow's GPT.
 
-Tokens are bytes: ids 0..255 of the model's vocabulary, as gpuflow's text workloads train
-a Hugging Face LM (a larger vocabulary's other ids are never chosen).
+Sliding-window layers (Mistral's, Qwen2's upper layers) keep every position too; their
+mask shows each token only the last ``sliding_window`` positions, as transformers' own
+sliding-window mask does, and a model whose layers differ gets one mask per layer type.
+
+Tokens are the model's own, from its directory's tokenizer; a model gpuflow trained on
+bytes without one has ids 0..255 as the bytes (a larger vocabulary's other ids are never
+chosen).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import weakref
 from dataclasses import dataclass
@@ -23,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import Cache, DynamicCache, PreTrainedModel
-from transformers.cache_utils import CacheLayerMixin, DynamicLayer
+from transformers.cache_utils import CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 from gpuflow.models.gpt import write_positions
 
@@ -120,13 +126,17 @@ class SlotCache(Cache):
 
 @dataclass(frozen=True)
 class CacheShape:
-    """What one slot holds: layers, key/value heads and dims, and the context length."""
+    """What one slot holds: layers, key/value heads and dims, and the context length; each
+    layer's sliding window (None: it sees the whole prefix) and, for a model whose masks
+    are keyed by layer type, the types (``config.layer_types``)."""
 
     layers: int
     heads: int
     key_dim: int
     value_dim: int
     context: int
+    windows: tuple[int | None, ...]
+    layer_types: tuple[str, ...] | None = None
 
     def bytes_per_slot(self, dtype: torch.dtype) -> int:
         return (self.layers * self.heads * self.context * (self.key_dim + self.value_dim)
@@ -134,6 +144,7 @@ class CacheShape:
 
 
 _shapes: weakref.WeakKeyDictionary[nn.Module, CacheShape | str] = weakref.WeakKeyDictionary()
+_LAYERS = {DynamicLayer: False, DynamicSlidingWindowLayer: True}  # layer kind -> sliding
 
 
 def _parameters(model: nn.Module) -> set[str]:
@@ -142,7 +153,7 @@ def _parameters(model: nn.Module) -> set[str]:
 
 def _probe(model: PreTrainedModel, context: int) -> CacheShape | str:
     """The cache a one-token forward fills in transformers' own ``DynamicCache``: its
-    layers, heads and dims; or why it is not one plain attention cache per layer."""
+    layers, heads, dims and windows; or why it is not one attention cache per layer."""
     cache = DynamicCache(config=model.config)
     device = next(model.parameters()).device
     try:
@@ -151,16 +162,23 @@ def _probe(model: PreTrainedModel, context: int) -> CacheShape | str:
                   **{_cache_argument(model): cache, "use_cache": True})
     except Exception as exc:  # a model whose forward takes no cache, or no bare input ids
         return f"its forward with a cache failed ({type(exc).__name__}: {exc})"
-    kinds = {type(layer).__name__ for layer in cache.layers}
-    if kinds != {DynamicLayer.__name__} or not cache.layers:
-        return (f"its cache has {', '.join(sorted(kinds)) or 'no'} layers (sliding-window, "
-                "linear or shared attention), which the engine does not hold")
+    kinds = {type(layer) for layer in cache.layers}
+    if not cache.layers or not kinds <= set(_LAYERS):
+        names = ", ".join(sorted(kind.__name__ for kind in kinds - set(_LAYERS))) or "no"
+        return (f"its cache has {names} layers (linear, chunked or shared attention), which "
+                "the engine does not hold")
     shapes = {(layer.keys.shape[1], layer.keys.shape[-1], layer.values.shape[-1])
               for layer in cache.layers}
     if len(shapes) != 1:
         return "its layers cache keys and values of different shapes"
     (heads, key_dim, value_dim), = shapes
-    return CacheShape(len(cache.layers), heads, key_dim, value_dim, context)
+    windows = tuple(int(layer.sliding_window) if _LAYERS[type(layer)] else None
+                    for layer in cache.layers)
+    layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None)
+    if len(set(windows)) > 1 and (not layer_types or len(layer_types) != len(windows)):
+        return "its layers have different sliding windows and its config names no layer_types"
+    return CacheShape(len(cache.layers), heads, key_dim, value_dim, context, windows,
+                      tuple(layer_types) if len(set(windows)) > 1 else None)
 
 
 def _cache_argument(model: nn.Module) -> str:
@@ -168,23 +186,34 @@ def _cache_argument(model: nn.Module) -> str:
     return "cache" if "cache" in _parameters(model) else "past_key_values"
 
 
-def refusal(model: PreTrainedModel) -> str | None:
-    """Why the engine cannot generate with this Hugging Face model, or None if it can."""
+def context_length(model: PreTrainedModel) -> int | None:
+    """The longest sequence the model's config allows."""
+    text = model.config.get_text_config(decoder=True)
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(text, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def refusal(model: PreTrainedModel, tokenized: bool = False) -> str | None:
+    """Why the engine cannot generate with this Hugging Face model, or None if it can;
+    without a tokenizer (``tokenized``) its ids 0..255 must be the bytes."""
     config = model.config
     text = config.get_text_config(decoder=True)
     if not model.can_generate() or getattr(config, "is_encoder_decoder", False) \
             or getattr(text, "add_cross_attention", False):
         return f"{type(model).__name__} is not a decoder-only causal language model"
     vocab = getattr(text, "vocab_size", None)
-    if not isinstance(vocab, int) or vocab < BYTES:
-        return (f"its vocabulary of {vocab} tokens is not bytes (ids 0..255) and gpuflow has "
-                "no tokenizer for it")
+    if not tokenized and (not isinstance(vocab, int) or vocab < BYTES):
+        return (f"its vocabulary of {vocab} tokens is not bytes (ids 0..255) and it comes "
+                "with no tokenizer")
     attention = getattr(config, "_attn_implementation", None)
     if attention not in ATTENTION:
         return (f"it runs {attention!r} attention, which takes no per-sequence mask; build "
                 "it with attn_implementation='sdpa'")
-    context = getattr(text, "max_position_embeddings", None)
-    if not isinstance(context, int) or context < 1:
+    context = context_length(model)
+    if context is None:
         return "its config gives no context length (max_position_embeddings)"
     if model not in _shapes:
         _shapes[model] = _probe(model, context)
@@ -193,18 +222,23 @@ def refusal(model: PreTrainedModel) -> str | None:
 
 
 class HFCausalLM:
-    """A ``transformers`` causal LM (GPT-2, Llama and their kind) over a ``SlotCache``:
-    byte tokens, per-row positions and a per-row 4-D mask."""
+    """A ``transformers`` causal LM (Llama, Qwen2, Mistral, GPT-2 and their kind) over a
+    ``SlotCache``: per-row positions and per-row 4-D masks."""
 
-    def __init__(self, model: PreTrainedModel, dtype: torch.dtype) -> None:
-        why = refusal(model)
+    def __init__(self, model: PreTrainedModel, dtype: torch.dtype, tokenized: bool = False,
+                 context: int | None = None) -> None:
+        why = refusal(model, tokenized)
         if why is not None:
             raise ValueError(f"{type(model).__name__} cannot generate here: {why}")
         shape = _shapes[model]
         assert isinstance(shape, CacheShape)
+        if context is not None:
+            shape = dataclasses.replace(shape, context=min(context, shape.context))
         self.model, self.dtype, self.shape = model, dtype, shape
         self.context = shape.context
-        self.vocab_size = BYTES
+        self.vocab_size = model.config.get_text_config(decoder=True).vocab_size if tokenized \
+            else BYTES
+        self._windows = sorted(set(shape.windows), key=lambda w: -1 if w is None else w)
         parameters = _parameters(model)
         self._cache_argument = _cache_argument(model)
         self._keep_last = "logits_to_keep" in parameters
@@ -219,54 +253,68 @@ class HFCausalLM:
         return self.shape.bytes_per_slot(self.dtype)
 
     def logits(self, tokens: torch.Tensor, cache: SlotCache, slots: torch.Tensor,
-               starts: torch.Tensor) -> torch.Tensor:
-        """Byte logits ``[B, 1, 256]`` of the last of ``tokens[B, T]``, row ``b`` being the
-        sequence in cache slot ``slots[b]`` whose tokens so far end at ``starts[b]``."""
+               starts: torch.Tensor, all_positions: bool = False) -> torch.Tensor:
+        """Logits ``[B, T', V]`` of ``tokens[B, T]`` (``T'`` 1, the last position, unless
+        ``all_positions``), row ``b`` being the sequence in cache slot ``slots[b]`` whose
+        tokens so far end at ``starts[b]``."""
         length = tokens.shape[1]
         span = int(starts.max()) + length
         if span > self.context:
             raise ValueError(f"a sequence of {span} tokens is longer than the model's context "
                              f"({self.context})")
         cache.at(slots, starts, length, span)
-        return self._forward(tokens, cache)[:, None]
+        return self._forward(tokens, cache, all_positions)
 
     def step(self, tokens: torch.Tensor, cache: SlotCache, slots: torch.Tensor,
              starts: torch.Tensor) -> torch.Tensor:
-        """``logits`` of one new token per row, ``[B, 256]``, in static shapes: every row
+        """``logits`` of one new token per row, ``[B, V]``, in static shapes: every row
         attends over the whole context under its mask, and nothing waits for the device,
         so that ``torch.compile(dynamic=False)`` makes one graph per batch bucket."""
         cache.step = _Step(slots, starts, 1, self.context, None)
-        return self._forward(tokens, cache)
+        return self._forward(tokens, cache, False)[:, -1]
 
-    def _forward(self, tokens: torch.Tensor, cache: SlotCache) -> torch.Tensor:
-        """Byte logits ``[B, 256]`` of the last of ``tokens``, at the rows ``cache.step``
-        holds."""
+    def _forward(self, tokens: torch.Tensor, cache: SlotCache,
+                 all_positions: bool) -> torch.Tensor:
+        """Logits ``[B, T', V]`` of ``tokens`` at the rows ``cache.step`` holds."""
         step = cache.step
         assert step is not None
-        positions = step.starts[:, None] + torch.arange(step.length, device=tokens.device)
-        visible = (torch.arange(step.span, device=tokens.device)[None, None, :]
-                   <= positions[:, :, None])[:, None]  # [B, 1, T, span]
-        mask: torch.Tensor = visible
-        if self._eager:  # eager attention adds its mask to the scores
-            mask = torch.zeros(visible.shape, dtype=self._mask_dtype, device=tokens.device)
-            mask.masked_fill_(~visible, torch.finfo(self._mask_dtype).min)
         extra: dict[str, Any] = {self._cache_argument: cache, "use_cache": True}
-        if self._keep_last:
+        if self._keep_last and not all_positions:
             extra["logits_to_keep"] = 1
+        positions = step.starts[:, None] + torch.arange(step.length, device=tokens.device)
         try:
-            out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions,
-                             **extra)
+            out = self.model(input_ids=tokens, attention_mask=self._mask(positions, step.span),
+                             position_ids=positions, **extra)
         finally:
             cache.step = None
-        return out.logits[:, -1, :BYTES]
+        logits = out.logits if all_positions else out.logits[:, -1:]
+        return logits[..., :self.vocab_size]
+
+    def _mask(self, positions: torch.Tensor, span: int) -> torch.Tensor | dict[str, Any]:
+        """Row ``b``'s token ``t`` sees its own slot's positions up to its own (within the
+        layer's window): ``[B, 1, T, span]``, one per layer type when windows differ."""
+        keys = torch.arange(span, device=positions.device)[None, None, :]
+        at = positions[:, :, None]
+        masks = {window: self._as_mask(((keys <= at) if window is None else
+                                        ((keys <= at) & (keys > at - window)))[:, None])
+                 for window in self._windows}
+        if self.shape.layer_types is None:
+            return masks[self.shape.windows[0]]
+        return {kind: masks[window]
+                for kind, window in zip(self.shape.layer_types, self.shape.windows,
+                                        strict=True)}
+
+    def _as_mask(self, visible: torch.Tensor) -> torch.Tensor:
+        """SDPA takes the boolean mask; eager attention adds its mask to the scores."""
+        if not self._eager:
+            return visible
+        mask = torch.zeros(visible.shape, dtype=self._mask_dtype, device=visible.device)
+        return mask.masked_fill_(~visible, torch.finfo(self._mask_dtype).min)
 
     def written(self, cache: SlotCache) -> list[torch.Tensor]:
         """The tensors ``step`` writes into: each layer's keys and values (views of the
         whole cache's, which the step never touches itself)."""
         return [t for layer in cache.layers for t in (layer.keys, layer.values)]
 
-    def token_bytes(self, token: int) -> bytes:
-        return bytes([token])
-
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str) -> list[int]:  # the completions route's, until it encodes
         return list(text.encode("utf-8"))

@@ -34,8 +34,9 @@ class GPTDecoder:
         return KVCache.bytes_per_slot(self.model.config, self.dtype)
 
     def logits(self, tokens: torch.Tensor, cache: KVCache, slots: torch.Tensor,
-               starts: torch.Tensor) -> torch.Tensor:
-        return self.model.decode(tokens, cache, slots, starts)
+               starts: torch.Tensor, all_positions: bool = False) -> torch.Tensor:
+        logits = self.model.decode(tokens, cache, slots, starts)
+        return logits if all_positions else logits[:, -1:]
 
     def step(self, tokens: torch.Tensor, cache: KVCache, slots: torch.Tensor,
              starts: torch.Tensor) -> torch.Tensor:
@@ -77,36 +78,36 @@ class GPTDecoder:
         """The tensors ``step`` writes into."""
         return [cache.keys, cache.values]
 
-    def token_bytes(self, token: int) -> bytes:
-        return bytes([token])
-
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str) -> list[int]:  # the completions route's, until it encodes
         return list(text.encode("utf-8"))
 
 
-def refusal(model: nn.Module) -> str | None:
+def refusal(model: nn.Module, tokenized: bool = False) -> str | None:
     """Why the engine cannot generate with ``model`` (the server's 404 says it), or None
-    if it can: gpuflow's GPT over bytes, and Hugging Face causal LMs whose tokens 0..255
-    are bytes."""
+    if it can: gpuflow's GPT over bytes, and Hugging Face causal LMs, with the tokenizer
+    of their directory (``tokenized``) or else with tokens 0..255 as bytes."""
     if isinstance(model, GPT):
         if model.config.vocab_size == 256:
             return None
         return (f"its vocabulary of {model.config.vocab_size} tokens is not bytes and "
-                "gpuflow has no tokenizer for it")
+                "its run has no tokenizer")
     if is_hf_model(model):
         from gpuflow.serve.generate import hf_models  # imports transformers
 
-        return hf_models.refusal(model)  # type: ignore[arg-type]
+        return hf_models.refusal(model, tokenized)  # type: ignore[arg-type]
     return f"{type(model).__name__} is not a causal language model"
 
 
-def cached_lm(model: nn.Module, dtype: torch.dtype) -> GPTDecoder | HFCausalLM | None:
+def cached_lm(model: nn.Module, dtype: torch.dtype, tokenized: bool = False,
+              context: int | None = None) -> GPTDecoder | HFCausalLM | None:
     """The engine's view of ``model``, or None for a model it cannot generate with (one
-    whose tokens are not bytes, or that is no causal LM; ``refusal`` says why)."""
-    if refusal(model) is not None:
+    that is no causal LM, or whose tokens are not bytes and that has no tokenizer;
+    ``refusal`` says why). ``context`` caps the sequence length a Hugging Face model's
+    cache holds (``--max-model-len``)."""
+    if refusal(model, tokenized) is not None:
         return None
     if isinstance(model, GPT):
         return GPTDecoder(model, dtype)
     from gpuflow.serve.generate.hf_models import HFCausalLM
 
-    return HFCausalLM(model, dtype)  # type: ignore[arg-type]
+    return HFCausalLM(model, dtype, tokenized, context)  # type: ignore[arg-type]

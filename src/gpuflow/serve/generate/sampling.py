@@ -1,8 +1,11 @@
-"""Choosing each sequence's next token: greedy, or sampled with temperature, top-k, top-p."""
+"""Choosing each sequence's next token: greedy, or sampled with temperature, top-k, top-p,
+after presence, frequency and repetition penalties; and the log-probabilities a request
+asks for, which are the model's own (before penalties and temperature)."""
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -11,7 +14,13 @@ import torch
 @dataclass(frozen=True)
 class SamplingParams:
     """What one request asks for. ``temperature`` 0 is greedy; ``seed`` makes a sampled
-    completion repeatable (each request draws from its own generator)."""
+    completion repeatable (each request draws from its own generator). ``presence_penalty``
+    and ``frequency_penalty`` lower the logits of tokens already generated (once, and per
+    occurrence); ``repetition_penalty`` divides positive logits (multiplies negative ones)
+    of every token in the prompt or generated. ``logprobs``: how many alternatives to
+    report with each generated token's log-probability (None: none reported);
+    ``prompt_logprobs`` the same for the prompt's tokens. ``ignore_eos`` generates past the
+    end-of-sequence ids, up to ``max_tokens``."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -19,6 +28,42 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    ignore_eos: bool = False
+
+    @property
+    def penalized(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the model, and the ``top`` most likely tokens at its
+    position with theirs, most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[TokenLogprob]:
+    """The log-probability of ``tokens[i]`` under ``logits[i]`` (``[N, V]``, fp32) and the
+    ``top`` most likely tokens at each row."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(tokens, dtype=torch.long)[:, None])[:, 0].tolist()
+    if top > 0:
+        values, indices = logprobs.topk(min(top, logprobs.shape[-1]), dim=-1)
+        alternatives = [tuple(zip(i, v, strict=True))
+                        for i, v in zip(indices.tolist(), values.tolist(), strict=True)]
+    else:
+        alternatives = [()] * len(tokens)
+    return [TokenLogprob(token, logprob, alternative) for token, logprob, alternative
+            in zip(tokens, chosen, alternatives, strict=True)]
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -37,19 +82,50 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 
 class Sampler:
-    """One request's token choice, with its own random generator."""
+    """One request's token choice, with its own random generator and the token counts its
+    penalties need."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, prompt: Sequence[int] = ()) -> None:
         self.params = params
         self.generator = torch.Generator()
         # Not torch.seed(): it reseeds torch's global generators on every device backend,
         # which costs more than a greedy request's whole admission.
         self.generator.manual_seed(params.seed if params.seed is not None
                                    else secrets.randbits(63))
+        self.counts: dict[int, int] = {}  # generated tokens, for presence and frequency
+        self.seen: set[int] = set(prompt) if params.repetition_penalty != 1.0 else set()
+
+    @property
+    def simple_greedy(self) -> bool:
+        """Greedy with no penalty: the batch's one argmax chooses for it."""
+        return self.params.temperature == 0.0 and not self.params.penalized
+
+    def observe(self, token: int) -> None:
+        """Count a token the sequence took."""
+        if self.params.penalized:
+            self.counts[token] = self.counts.get(token, 0) + 1
+            self.seen.add(token)
+
+    def penalize(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits[V]`` after the request's penalties."""
+        params = self.params
+        if self.counts and (params.presence_penalty or params.frequency_penalty):
+            ids = torch.tensor(list(self.counts))
+            counts = torch.tensor(list(self.counts.values()), dtype=logits.dtype)
+            logits = logits.clone()
+            logits[ids] -= params.presence_penalty + params.frequency_penalty * counts
+        if self.seen and params.repetition_penalty != 1.0:
+            ids = torch.tensor(sorted(self.seen))
+            picked = logits[ids]
+            logits = logits.clone()
+            logits[ids] = torch.where(picked > 0, picked / params.repetition_penalty,
+                                      picked * params.repetition_penalty)
+        return logits
 
     def choose(self, logits: torch.Tensor) -> int:
         """The next token from ``logits[V]`` (on the CPU, in fp32)."""
         params = self.params
+        logits = self.penalize(logits) if params.penalized else logits
         if params.temperature == 0.0:
             return int(logits.argmax())
         filtered = filter_logits(logits / params.temperature, params.top_k, params.top_p)
@@ -58,10 +134,10 @@ class Sampler:
 
 
 def choose_tokens(samplers: list[Sampler], logits: torch.Tensor) -> list[int]:
-    """The next token of each row of ``logits[B, V]`` (on the CPU, in fp32): greedy rows
-    by one argmax over the batch, sampled rows each from its own generator, so a row's
-    choice does not depend on what it is batched with."""
-    greedy = [s.params.temperature == 0.0 for s in samplers]
-    best = logits.argmax(dim=-1).tolist() if any(greedy) else []
-    return [best[row] if is_greedy else sampler.choose(logits[row])
-            for row, (sampler, is_greedy) in enumerate(zip(samplers, greedy, strict=True))]
+    """The next token of each row of ``logits[B, V]`` (on the CPU, in fp32): plain greedy
+    rows by one argmax over the batch, every other row by its own sampler and generator,
+    so that a row's choice does not depend on what it is batched with."""
+    simple = [sampler.simple_greedy for sampler in samplers]
+    best = logits.argmax(dim=-1).tolist() if any(simple) else []
+    return [best[row] if is_simple else sampler.choose(logits[row])
+            for row, (sampler, is_simple) in enumerate(zip(samplers, simple, strict=True))]
