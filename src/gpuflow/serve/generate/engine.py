@@ -29,23 +29,27 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
-from gpuflow.devices import total_memory
-from gpuflow.errors import UserError
+from gpuflow.serve.generate.budget import cache_slots, default_cache_budget
 from gpuflow.serve.generate.models import cached_lm, refusal
+from gpuflow.serve.generate.requests import (
+    Delta,
+    Done,
+    EngineObserver,
+    Event,
+    Failed,
+    Generation,
+    WaitingFull,
+)
 from gpuflow.serve.generate.sampling import (
-    Sampler,
     SamplingParams,
-    TokenLogprob,
     choose_tokens,
     token_logprobs,
 )
-from gpuflow.serve.generate.text import TextStream
-from gpuflow.serve.generate.tokenizer import ByteTokenizer, Detokenizer, Tokenizer
+from gpuflow.serve.generate.tokenizer import ByteTokenizer, Tokenizer
 from gpuflow.serve.model import batch_buckets
 
 log = logging.getLogger("gpuflow.serve")
@@ -74,72 +78,6 @@ class CachedLM(Protocol):
         ``torch.compile(dynamic=False)`` and CUDA graphs need."""
     def written(self, cache: Any) -> list[torch.Tensor]:
         """The cache tensors ``step`` writes into."""
-
-
-class WaitingFull(Exception):
-    """As many requests wait for a slot as the engine queues."""
-
-
-@dataclass(frozen=True)
-class Delta:
-    """New text, and the log-probabilities of the tokens that made it when asked for."""
-
-    text: str
-    logprobs: tuple[TokenLogprob, ...] = ()
-
-
-@dataclass(frozen=True)
-class Done:
-    finish_reason: str  # "stop" | "length" | "cancelled"
-    prompt_tokens: int
-    completion_tokens: int
-
-
-@dataclass(frozen=True)
-class Failed:
-    message: str
-
-
-Event = Delta | Done | Failed
-
-
-@dataclass(eq=False)
-class Generation:
-    """One request in the engine: its prompt and sampling, what it produced, where its
-    events go."""
-
-    prompt: list[int]
-    params: SamplingParams
-    loop: asyncio.AbstractEventLoop
-    detokenizer: Detokenizer
-    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
-    generated: list[int] = field(default_factory=list)
-    slot: int | None = None
-    cancelled: bool = False
-    submitted: float = field(default_factory=time.monotonic)
-    last_token_at: float | None = None
-    # The prompt's log-probabilities (``params.prompt_logprobs``; None for its first token),
-    # set by the engine thread before the first event is handed over.
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-
-    def __post_init__(self) -> None:
-        self.sampler = Sampler(self.params, self.prompt)
-        self.stream = TextStream(self.params.stop)
-        self.unsent_logprobs: list[TokenLogprob] = []
-
-    def cancel(self) -> None:
-        """Leave at the next step (the client went away, or its deadline passed)."""
-        self.cancelled = True
-
-    @property
-    def length(self) -> int:
-        return len(self.prompt) + len(self.generated)
-
-
-class EngineObserver(Protocol):
-    def first_token(self, seconds: float) -> None: ...
-    def next_token(self, seconds: float) -> None: ...
-    def occupancy(self, active: int, waiting: int, slots: int) -> None: ...
 
 
 class GenerationEngine:
@@ -462,27 +400,6 @@ class GenerationEngine:
 def _deliver(events: list[tuple[Generation, Event]]) -> None:
     for generation, event in events:
         generation.events.put_nowait(event)
-
-
-def cache_slots(bytes_per_slot: int, budget_bytes: int, max_seqs: int, spare: int = 0) -> int:
-    """Sequences the cache holds: as many as ``budget_bytes`` allows beside ``spare`` slots
-    (the scratch slot of bucketed decoding), at most ``max_seqs``."""
-    slots = min(max_seqs, budget_bytes // bytes_per_slot - spare)
-    if slots < 1:
-        beside = " beside the scratch slot that compiled decoding pads with" if spare else ""
-        raise UserError(
-            f"The KV cache budget ({budget_bytes / 2**30:.3g} GiB) holds no sequence of this "
-            f"model{beside}, which needs {bytes_per_slot / 2**20:.1f} MiB per sequence; raise "
-            "--kv-cache-gib.")
-    return slots
-
-
-def default_cache_budget(device: torch.device) -> int:
-    """Half the device's free memory, or a quarter of a CPU's RAM."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free // 2
-    return (total_memory() or 8 << 30) // 4
 
 
 def build_generator(model: torch.nn.Module, runner: Any, kv_cache_gib: float | None,
