@@ -17,6 +17,7 @@ import pytest
 import torch
 from conftest import ROOT, eventually, serving
 from fastapi import FastAPI
+from test_serve import api_error
 
 from gpuflow import TrainConfig, train
 from gpuflow.errors import UserError
@@ -331,14 +332,14 @@ def test_a_model_that_does_not_generate_answers_404_on_completions(tmp_path: Pat
     train(mlp(), TrainConfig(max_steps=1, batch_size=32, progress=False, run_dir=str(run_dir),
                              workload="user_workloads:mlp"))
 
-    async def scenario() -> tuple[int, dict]:
+    async def scenario() -> httpx.Response:
         app = create_app(ServeSettings(str(run_dir), device="cpu", max_batch_size=4))
         async with serving(app) as client:
-            reply = await client.post("/v1/completions", json={"prompt": "x"})
-        return reply.status_code, reply.json()
+            return await client.post("/v1/completions", json={"prompt": "x"})
 
-    status, body = asyncio.run(scenario())
-    assert status == 404 and body["error"]["code"] == "not_a_language_model"
+    reply = asyncio.run(scenario())
+    error = api_error(reply, 404)
+    assert error["code"] == "not_a_language_model" and "is not a causal" in error["message"]
 
 
 def test_compiled_decode_generates_what_eager_does_once_every_bucket_has_run(
@@ -393,25 +394,52 @@ def served_textlm(run_dir: Path, **settings) -> FastAPI:
                                                                    **settings}))
 
 
+BAD_COMPLETIONS = {  # body (a str is sent as it is): status, code, param
+    "negative max_tokens": ({"prompt": "x", "max_tokens": -1}, 400, "invalid_request",
+                            "max_tokens"),
+    "past the context": ({"prompt": "x" * 60, "max_tokens": 8}, 400,
+                         "context_length_exceeded", "max_tokens"),
+    "prompt as long as the context": ({"prompt": "x" * 64, "max_tokens": 1}, 400,
+                                      "context_length_exceeded", "prompt"),
+    "unknown field": ({"prompt": "x", "temprature": 0.5}, 400, "invalid_request",
+                      "temprature"),
+    "wrong type": ({"prompt": "x", "max_tokens": "many"}, 400, "invalid_request",
+                   "max_tokens"),
+    "stream as a string": ({"prompt": "x", "stream": "yes"}, 400, "invalid_request", "stream"),
+    "stream as a number": ({"prompt": "x", "stream": 1}, 400, "invalid_request", "stream"),
+    "include_usage as a string": ({"prompt": "x", "stream_options": {"include_usage": "1"}},
+                                  400, "invalid_request", "stream_options.include_usage"),
+    "temperature NaN": ('{"prompt": "x", "temperature": NaN}', 400, "invalid_request",
+                        "temperature"),
+    "n zero": ({"prompt": "x", "n": 0}, 400, "invalid_request", "n"),
+    "wrong model": ({"prompt": "x", "model": "gpt-4"}, 404, "model_not_found", "model"),
+    "empty prompt": ({"prompt": ""}, 400, "invalid_prompt", "prompt"),
+    "token out of range": ({"prompt": [1, 999]}, 400, "invalid_prompt", "prompt"),
+    "token not an id": ({"prompt": [1, "a"]}, 400, "invalid_request", "prompt.1"),
+    "five stop strings": ({"prompt": "x", "stop": list("abcde")}, 400, "invalid_stop", "stop"),
+    "not JSON": ("{prompt", 400, "invalid_request", None),
+}
+
+
 def test_bad_parameters_are_refused_naming_the_field(textlm_run: tuple[Path, GPT]) -> None:
-    bad = {
-        "negative max_tokens": ({"prompt": "x", "max_tokens": -1}, 422, "max_tokens"),
-        "past the context": ({"prompt": "x" * 60, "max_tokens": 8}, 400, "max_tokens"),
-        "unknown field": ({"prompt": "x", "temprature": 0.5}, 422, "temprature"),
-        "wrong type": ({"prompt": "x", "max_tokens": "many"}, 422, "max_tokens"),
-        "empty prompt": ({"prompt": ""}, 400, "prompt"),
-        "token out of range": ({"prompt": [1, 999]}, 400, "prompt"),
-    }
-
-    async def scenario() -> dict[str, httpx.Response]:
+    """As OpenAI answers them: 400 (404 for a model it does not serve) naming the field,
+    and the server goes on serving."""
+    async def scenario() -> tuple[dict[str, httpx.Response], httpx.Response]:
         async with serving(served_textlm(textlm_run[0])) as client:
-            return {name: await client.post("/v1/completions", json=body)
-                    for name, (body, _, _) in bad.items()}
+            replies = {name: await client.post(
+                "/v1/completions", **({"content": body, "headers": {
+                    "Content-Type": "application/json"}} if isinstance(body, str)
+                    else {"json": body}))
+                for name, (body, *_) in BAD_COMPLETIONS.items()}
+            return replies, await client.post("/v1/completions", json={
+                "prompt": "x", "max_tokens": 2, "stream": False, "temperature": 0})
 
-    replies = asyncio.run(scenario())
-    for name, (_, status, field) in bad.items():
-        assert replies[name].status_code == status, (name, replies[name].text)
-        assert field in replies[name].text, (name, replies[name].text)
+    replies, after = asyncio.run(scenario())
+    for name, (_, status, code, param) in BAD_COMPLETIONS.items():
+        error = api_error(replies[name], status)
+        assert (error["code"], error["param"]) == (code, param), (name, error)
+        assert param is None or param.split(".")[0] in error["message"], (name, error)
+    assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 2
 
 
 def test_waiting_requests_are_bounded_and_dropped_without_a_first_token(
@@ -428,8 +456,9 @@ def test_waiting_requests_are_bounded_and_dropped_without_a_first_token(
             return await waiting, refused
 
     waiting, refused = asyncio.run(scenario())
-    assert refused.status_code == 503 and refused.json()["error"]["code"] == "queue_full"
-    assert waiting.status_code == 504 and waiting.json()["error"]["code"] == "deadline_exceeded"
+    assert api_error(refused, 503)["code"] == "queue_full"
+    assert refused.headers["retry-after"] == "1"
+    assert api_error(waiting, 504)["code"] == "deadline_exceeded"
 
 
 def test_a_client_leaving_mid_stream_frees_its_slot(textlm_run: tuple[Path, GPT],

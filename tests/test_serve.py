@@ -14,7 +14,7 @@ import time
 import wave
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import httpx
 import numpy as np
@@ -23,6 +23,7 @@ import torch
 from conftest import ROOT, eventually, run_cli, serving
 from fastapi import FastAPI
 from PIL import Image
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from safetensors.torch import load_file
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -33,6 +34,7 @@ from gpuflow.models.speech import SpeechClassifier
 from gpuflow.parallel.env import free_port
 from gpuflow.serve.app import ServeSettings, create_app
 from gpuflow.serve.engine import Engine, EngineOptions
+from gpuflow.serve.errors import invalid_body
 from gpuflow.serve.model import LoadedModel, Runner
 from gpuflow.serving import PredictRequest
 from gpuflow.workload import Workload
@@ -94,6 +96,18 @@ async def holding_the_model(probe: Probe, client: httpx.AsyncClient, value: floa
     running = asyncio.create_task(client.post("/v1/predict", json=rows(value)))
     assert await asyncio.to_thread(probe.entered.wait, 10)
     return running
+
+
+def api_error(reply: httpx.Response, status: int) -> dict[str, Any]:
+    """The error of ``reply``, checked to be OpenAI's envelope with ``status``."""
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert {"message", "type", "param", "code"} <= error.keys(), error
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["type"] == ("invalid_request_error" if status in (400, 404, 405, 413, 422)
+                             else "authentication_error" if status == 401 else "server_error")
+    assert error["param"] is None or isinstance(error["param"], str)
+    return error
 
 
 def rows(*first: float) -> dict[str, Any]:
@@ -229,9 +243,8 @@ def test_a_full_queue_answers_503_with_retry_after() -> None:
             refused = await client.post("/v1/predict", json=rows(3))
             probe.gate.set()
             assert (await running).status_code == 200 and (await queued).status_code == 200
-        assert refused.status_code == 503
+        assert api_error(refused, 503)["code"] == "queue_full"
         assert refused.headers["retry-after"] == "1"
-        assert refused.json()["error"]["code"] == "queue_full"
         assert "queue is full" in refused.json()["error"]["message"]
         assert 3.0 not in probe.seen
 
@@ -254,7 +267,7 @@ def test_a_deadline_passing_in_the_queue_gives_504_and_the_model_never_sees_it()
             assert (await running).status_code == 200
             after = await client.post("/v1/predict", json=rows(2))
             text = (await client.get("/metrics")).text
-        assert late.json()["error"]["code"] == "deadline_exceeded"
+        assert api_error(late, 504)["code"] == "deadline_exceeded"
         assert after.status_code == 200
         assert probe.seen == [1.0, 2.0]
         assert metric(text, 'gpuflow_requests_total{status="504"}') == 1
@@ -300,7 +313,7 @@ def test_a_failing_batch_fails_only_its_requests_and_serving_goes_on() -> None:
             after = await client.post("/v1/predict", json=rows(2))
         assert first.status_code == 200 and after.status_code == 200
         assert [r.status_code for r in failed] == [500, 500]
-        body = failed[0].json()["error"]
+        body = api_error(failed[0], 500)
         assert body["code"] == "batch_failed" and "poisoned row" in body["message"]
 
     run(scenario)
@@ -330,16 +343,16 @@ def test_an_error_no_handler_answers_gives_500_and_serving_goes_on() -> None:
             broken[0] = False
             after = await client.post("/v1/predict", json=rows(2))
             text = (await client.get("/metrics")).text
-        assert failed.status_code == 500
-        assert failed.json()["error"] == {
-            "code": "internal", "message": "RuntimeError: the answer could not be written"}
+        assert api_error(failed, 500) == {
+            "message": "RuntimeError: the answer could not be written", "type": "server_error",
+            "param": None, "code": "internal"}
         assert after.status_code == 200
         assert metric(text, 'gpuflow_requests_total{status="500"}') == 1
 
     run(scenario)
 
 
-def test_token_and_body_limit() -> None:
+def test_token_body_limit_unknown_routes_and_methods_answer_in_the_envelope() -> None:
     async def scenario() -> None:
         app = probe_app(Probe(), token="s3cret", max_body_bytes=200)
         async with serving(app) as client:
@@ -356,14 +369,62 @@ def test_token_and_body_limit() -> None:
             chunked = await client.post("/v1/predict", content=chunks(),
                                         headers={**auth, "Content-Type": "application/json"})
             bad = await client.post("/v1/predict", json={"inputs": [[1, 2]]}, headers=auth)
-        assert missing.status_code == 401 and wrong.status_code == 401
-        assert missing.json()["error"]["code"] == "unauthorized"
-        assert good.status_code == 200
-        assert big.status_code == 413 and chunked.status_code == 413
-        assert big.json()["error"]["code"] == "body_too_large"
-        assert bad.status_code == 422 and "[N, 4]" in bad.json()["error"]["message"]
+            invalid = await client.post("/v1/predict", json={"inputs": [[1, 2, 3, 4]],
+                                                             "top_k": "many"}, headers=auth)
+            nowhere = await client.post("/v1/nowhere", json={}, headers=auth)
+            wrong_method = await client.get("/v1/predict", headers=auth)
+            after = await client.post("/v1/predict", json=rows(1), headers=auth)
+        assert api_error(missing, 401)["code"] == "unauthorized"
+        assert api_error(wrong, 401)["code"] == "unauthorized"
+        assert missing.headers["www-authenticate"] == "Bearer"
+        assert good.status_code == 200 and after.status_code == 200
+        assert api_error(big, 413)["code"] == "body_too_large"
+        assert api_error(chunked, 413)["code"] == "body_too_large"
+        assert "[N, 4]" in api_error(bad, 422)["message"]
+        refused = api_error(invalid, 422)
+        assert refused["code"] == "invalid_request" and refused["param"] == "top_k"
+        assert refused["details"][0]["loc"] == ["top_k"]
+        assert api_error(nowhere, 404)["code"] == "not_found"
+        assert "/v1/nowhere" in nowhere.json()["error"]["message"]
+        assert api_error(wrong_method, 405)["code"] == "method_not_allowed"
+        assert wrong_method.headers["allow"] == "POST"
 
     run(scenario)
+
+
+class Part(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    role: Literal["user", "assistant"]
+    content: str | list[Annotated[Part, Field(discriminator="type")]]
+
+
+class Chat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    messages: list[Message]
+
+
+@pytest.mark.parametrize(("body", "param", "said"), [
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role", "'user'"),
+    ({"messages": [{"role": "user"}]}, "messages.0.content", "Field required"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     "messages.0.content.0.text", "valid string"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content",
+     "valid string or Input should be a valid list"),
+    ({"messages": [], "tools": []}, "tools", "Unrecognized request argument supplied: tools"),
+])
+def test_a_body_error_names_the_field_as_the_client_spelled_it(
+        body: dict[str, Any], param: str, said: str) -> None:
+    """The dotted path to the field at fault, without the names pydantic gives a union's
+    alternatives (``content.list[...].0``), the furthest any alternative got."""
+    with pytest.raises(ValidationError) as raised:
+        Chat.model_validate(body)
+    error = invalid_body(raised.value, Chat)
+    assert (error.status, error.param, error.code) == (400, param, "invalid_request")
+    assert said in error.message and param.split(".")[0] in error.message
 
 
 def test_readyz_turns_200_only_after_loading_and_warm_up() -> None:
@@ -387,7 +448,7 @@ def test_readyz_turns_200_only_after_loading_and_warm_up() -> None:
             docs = await client.get("/openapi.json")
         assert alive.status_code == 200
         assert before.status_code == 503 and before.json()["state"] == "loading"
-        assert early.status_code == 503 and early.json()["error"]["code"] == "not_ready"
+        assert api_error(early, 503)["code"] == "not_ready"
         assert after.status_code == 200 and after.json()["warmup_s"] >= 0
         # A batch per bucket (1, 2, 4), all before ready.
         assert len(probe.seen) == 1 + 2 + 4
@@ -520,8 +581,7 @@ def test_a_dict_input_model_is_served_with_the_models_own_answers(masked_run: Pa
                 served[entry["index"]] = entry["probability"]
             torch.testing.assert_close(served, probs, atol=1e-6, rtol=1e-5)
         for name, (_, message) in bad.items():
-            assert refused[name].status_code == 422, name
-            error = refused[name].json()["error"]
+            error = api_error(refused[name], 422)
             assert error["code"] == "invalid_input" and message in error["message"], error
 
     run(scenario)

@@ -1,0 +1,50 @@
+"""What one server process is told: the model to serve and the limits to serve it under."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+from gpuflow.serve.batcher import INLINE_BELOW_MS
+from gpuflow.serve.engine import EngineOptions
+
+SETTINGS_ENV = "GPUFLOW_SERVE_SETTINGS"
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """Everything a server process needs; JSON-able, so uvicorn workers can read it from env."""
+
+    source: str
+    workload: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_batch_size: int = 32
+    max_wait_ms: float = 5.0
+    inline_below_ms: float = INLINE_BELOW_MS
+    max_queue: int = 1024
+    timeout_ms: float = 2000.0
+    max_body_bytes: int = 8 << 20
+    device: str = "auto"
+    precision: str = "fp32"
+    compile: bool = False
+    cuda_graphs: bool = False
+    token: str | None = None
+    threads: int | None = None
+    retry_after_s: int = 1
+    kv_cache_gib: float | None = None
+    workers: int = 1
+    failure_file: str | None = None
+
+    def engine_options(self) -> EngineOptions:
+        return EngineOptions(self.device, self.precision, self.compile, self.cuda_graphs,
+                             self.max_batch_size)
+
+
+def settings_json(settings: ServeSettings) -> str:
+    return json.dumps(dataclasses.asdict(settings))
+
+
+def settings_from_json(text: str) -> ServeSettings:
+    return ServeSettings(**json.loads(text))

@@ -1,0 +1,175 @@
+"""One server's state: the engines it serves with, whether they are ready, and their
+lifetime (load, warm-up, readiness, stop).
+
+The model loads and warms up in the background after start-up, so /healthz answers at
+once and /readyz turns 200 only when every bucket has run (and compiled), the generation
+engine's decode buckets included. A model that cannot be loaded or warmed up stops the
+server (``ServeSettings.failure_file`` says why): /readyz answers 503 only while it is
+still loading or warming up. Route handlers reach the state with ``ServerState.of``
+and the engines through accessors that raise the error a request gets meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import logging
+import os
+import signal
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from starlette.requests import HTTPConnection
+from uvicorn.config import STARTUP_FAILURE
+
+from gpuflow.errors import UserError
+from gpuflow.serve.batcher import Batcher
+from gpuflow.serve.engine import Engine
+from gpuflow.serve.errors import ApiError
+from gpuflow.serve.generate.engine import GenerationEngine, build_generator
+from gpuflow.serve.generate.models import refusal
+from gpuflow.serve.metrics import ServeMetrics
+from gpuflow.serve.settings import ServeSettings
+
+log = logging.getLogger("gpuflow.serve")
+
+
+class ServerState:
+    """The predict ``Engine`` and its ``Batcher``, the ``GenerationEngine`` of a language
+    model (None otherwise), the metrics, and ``ready`` once both engines are warm."""
+
+    def __init__(self, settings: ServeSettings,
+                 load: Callable[[], Engine] | None = None) -> None:
+        self.settings = settings
+        self._load = load or (lambda: Engine.load(settings.source, settings.engine_options(),
+                                                  settings.workload))
+        self.metrics = ServeMetrics(settings.max_batch_size)
+        self.batcher = Batcher(self._run_batch, settings.max_batch_size,
+                               settings.max_wait_ms / 1000, settings.max_queue, self.metrics,
+                               settings.inline_below_ms / 1000)
+        self.engine: Engine | None = None
+        self.generator: GenerationEngine | None = None
+        self.ready = asyncio.Event()
+        self.problem: str | None = None
+        self.warmup_s: float | None = None
+
+    @staticmethod
+    def of(connection: HTTPConnection) -> ServerState:
+        """The state of the app serving ``connection`` (a Request)."""
+        state = connection.app.state.serve
+        assert isinstance(state, ServerState)
+        return state
+
+    @asynccontextmanager
+    async def lifespan(self, app: Any) -> AsyncIterator[None]:
+        """The app's lifespan: loading starts with the server; stopping ends both engines."""
+        self.batcher.start()
+        preparing = asyncio.create_task(self._prepare())
+        yield
+        preparing.cancel()
+        await self.batcher.stop()
+        if self.generator is not None:
+            await asyncio.to_thread(self.generator.stop)
+
+    def _run_batch(self, key: Any, rows: list[Any]) -> list[Any]:
+        assert self.engine is not None
+        return self.engine.run(key, rows)
+
+    @property
+    def model_name(self) -> str:
+        """The name clients call the model by (``/v1/models``, the ``model`` field)."""
+        return self.engine.loaded.workload.name if self.engine else "loading"
+
+    def retry_after(self) -> dict[str, str]:
+        return {"Retry-After": str(self.settings.retry_after_s)}
+
+    def ready_engine(self) -> Engine:
+        """The predict engine; 503 ``not_ready`` until both engines are warm."""
+        if not self.ready.is_set() or self.engine is None:
+            raise ApiError(503, "The model is loading or warming up; see /readyz.",
+                           "not_ready", headers=self.retry_after())
+        return self.engine
+
+    def ready_generator(self) -> GenerationEngine:
+        """The generation engine; 503 while loading, 404 for a model that does not
+        generate text, saying why."""
+        engine = self.ready_engine()
+        if self.generator is None:
+            raise ApiError(404, f"This server's model ({engine.loaded.workload.name}) does "
+                           f"not generate text ({refusal(engine.loaded.model)}); use "
+                           "/v1/predict.", "not_a_language_model")
+        return self.generator
+
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """What /readyz says: what runs and how long warming up took, or the stage."""
+        if not self.ready.is_set() or self.engine is None:
+            return False, {"ready": False, "state": self.problem or
+                           ("warming up" if self.engine else "loading")}
+        generator = self.generator
+        return True, {"ready": True, "warmup_s": self.warmup_s, **self.engine.describe(),
+                      "generation": None if generator is None else {
+                          "slots": generator.slots, "kv_cache_bytes": generator.cache.nbytes(),
+                          "decode": generator.describe(), "warmup_s": generator.warmup_s}}
+
+    async def _prepare(self) -> None:
+        """Load and warm up both engines, then turn ready; on failure, say why and stop."""
+        settings = self.settings
+        if settings.threads:
+            torch.set_num_threads(settings.threads)
+        try:
+            await self._load_and_warm_up()
+        except Exception as exc:
+            self.problem = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, UserError):
+                log.error("gpuflow serve: the model cannot be served: %s", exc)
+            else:
+                log.exception("gpuflow serve: the model failed to load or warm up")
+            if settings.failure_file:
+                _stop_serving(settings, str(exc) if isinstance(exc, UserError)
+                              else self.problem, isinstance(exc, UserError))
+            return
+        assert self.engine is not None
+        generation = ("" if self.generator is None else
+                      f"; {self.generator.describe()}, {self.generator.warmup_s:.1f} s")
+        log.info("gpuflow serve: ready after %.1f s of warm-up (%s%s)", self.warmup_s,
+                 self.engine.runner.describe(), generation)
+        self.ready.set()
+
+    async def _load_and_warm_up(self) -> None:
+        loop = asyncio.get_running_loop()
+        executor = self.batcher.executor
+        self.engine = engine = await loop.run_in_executor(executor, self._load)
+        self.warmup_s = await loop.run_in_executor(executor, engine.warm_up)
+        # What start-up made (torch, the model, the app: ~10^6 objects) is left out of
+        # every later garbage collection: a full one over it stalled all requests for
+        # ~100 ms every few thousand.
+        gc.collect()
+        gc.freeze()
+        self.generator = self._build_generator(engine)
+        if self.generator is not None:  # its thread runs every decode bucket first
+            self.generator.start()
+            await asyncio.to_thread(self.generator.wait_warm)
+
+    def _build_generator(self, engine: Engine) -> GenerationEngine | None:
+        """The one place the generation engine is made from the loaded model."""
+        settings = self.settings
+        return build_generator(engine.loaded.model, engine.runner, settings.kv_cache_gib,
+                               settings.max_batch_size, settings.max_queue, self.metrics)
+
+
+def _stop_serving(settings: ServeSettings, reason: str, user_error: bool) -> None:
+    """Say why in ``failure_file`` and stop: a server that can never become ready must not
+    stay up. One worker asks its own server to shut down as Ctrl-C does (uvicorn re-raises
+    the signal after shutting down, and uvicorn.run returns on that one); a worker among
+    several exits as one that failed to start, which stops uvicorn's supervisor instead of
+    a restart."""
+    assert settings.failure_file is not None
+    Path(settings.failure_file).write_text(json.dumps({"reason": reason,
+                                                       "user_error": user_error}))
+    if settings.workers > 1:
+        os._exit(STARTUP_FAILURE)
+    signal.raise_signal(signal.SIGINT)
