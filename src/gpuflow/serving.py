@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import inspect
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -30,6 +29,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from gpuflow.errors import UserError
+from gpuflow.input_schema import (  # InputError and InputField: for codecs and routes too
+    MASK,
+    InputError,
+    InputSchema,
+    mask_keywords,
+    sequence_schema,
+)
+from gpuflow.input_schema import InputField as InputField
 
 if TYPE_CHECKING:
     from gpuflow.workload import Workload
@@ -39,10 +46,6 @@ TOP_K_DEFAULT = 5
 INPUT_FIELDS = ("inputs", "image", "pixels", "text", "audio")
 SERVING_FILE = "serving.json"  # in a run dir: the codec's state, saved at training time
 RUN_CONFIG_FILE = "gpuflow_run.json"  # beside a Hugging Face export: where it came from
-
-
-class InputError(ValueError):
-    """A request whose inputs do not fit the model (HTTP 422)."""
 
 
 class PredictRequest(BaseModel):
@@ -78,6 +81,11 @@ class Decoded:
 
     key: Hashable
     rows: list[Any]
+
+
+def key_kind(key: Hashable) -> Hashable:
+    """The kind of a batching key: a variable-length input's key is ``(kind, padded length)``."""
+    return key[0] if isinstance(key, tuple) and key else key
 
 
 def length_bucket(length: int, smallest: int, largest: int) -> int:
@@ -146,7 +154,7 @@ class Codec(ABC):
 
     @abstractmethod
     def warmup_rows(self) -> list[tuple[Hashable, Any]]:
-        """One row per batching key, to warm up every bucket before serving."""
+        """One row per batching key, a kind's smallest first, to warm up before serving."""
 
     @abstractmethod
     def run(self, runner: Any, key: Hashable, rows: list[Any]) -> list[Any]:
@@ -166,118 +174,44 @@ def classify(logits: torch.Tensor) -> list[torch.Tensor]:
     return list(torch.softmax(logits.float(), dim=-1).cpu().unbind(0))
 
 
-@dataclass(frozen=True)
-class InputField:
-    """One tensor the model takes: its name, dtype and per-sample shape."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
-    def describe(self) -> str:
-        return f"[N, {', '.join(map(str, self.shape))}] {self.dtype}".replace("[N, ]", "[N]")
-
-
-@dataclass(frozen=True)
-class InputSchema:
-    """How the model is called: one tensor, a tuple (positional) or a dict (keywords)."""
-
-    call: str  # "tensor" | "positional" | "keyword"
-    fields: tuple[InputField, ...]
-
-    @classmethod
-    def of(cls, inputs: Any, model: nn.Module) -> InputSchema:
-        """The schema of an example batch's inputs; positional inputs take the names of the
-        model's ``forward`` parameters."""
-        def field(name: str, tensor: Any) -> InputField:
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"input {name!r} is a {type(tensor).__name__}, not a tensor")
-            return InputField(name, str(tensor.dtype).removeprefix("torch."),
-                              tuple(tensor.shape[1:]))
-
-        if isinstance(inputs, torch.Tensor):
-            return cls("tensor", (field("inputs", inputs),))
-        if isinstance(inputs, Mapping):
-            return cls("keyword", tuple(field(str(k), v) for k, v in inputs.items()))
-        names = _parameter_names(model, len(inputs))
-        return cls("positional", tuple(field(n, v) for n, v in zip(names, inputs, strict=True)))
-
-    def to_json(self) -> dict[str, Any]:
-        return {"call": self.call, "fields": [
-            {"name": f.name, "dtype": f.dtype, "shape": list(f.shape)} for f in self.fields]}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> InputSchema:
-        return cls(data["call"], tuple(InputField(f["name"], f["dtype"], tuple(f["shape"]))
-                                       for f in data["fields"]))
-
-    def inputs(self, tensors: Sequence[torch.Tensor]) -> Any:
-        """What the model is called with, from one tensor per field."""
-        if self.call == "tensor":
-            return tensors[0]
-        if self.call == "positional":
-            return tuple(tensors)
-        return {f.name: t for f, t in zip(self.fields, tensors, strict=True)}
-
-    def tensors(self, inputs: Any) -> list[torch.Tensor]:
-        """One tensor per field from what the model is called with (a packed sample)."""
-        if self.call == "tensor":
-            return [torch.as_tensor(inputs)]
-        if self.call == "positional":
-            return [torch.as_tensor(value) for value in inputs]
-        return [torch.as_tensor(inputs[f.name]) for f in self.fields]
-
-
-def _parameter_names(model: nn.Module, count: int) -> list[str]:
-    try:
-        parameters = list(inspect.signature(model.forward).parameters.values())
-    except (TypeError, ValueError):
-        parameters = []
-    names = [p.name for p in parameters
-             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:count]
-    return names if len(names) == count else [str(i) for i in range(count)]
-
-
-def _as_field(field: InputField, values: Any, where: str) -> torch.Tensor:
-    """``values`` as a tensor of ``field``'s dtype, ``[N, *shape]``, or an InputError."""
-    try:
-        tensor = torch.tensor(values)
-    except (TypeError, ValueError, RuntimeError):
-        raise InputError(f"{where} must be a list of equally shaped numeric samples; this "
-                         f"model takes {field.describe()}.") from None
-    expected = field.torch_dtype
-    if tensor.is_floating_point() and not (expected.is_floating_point or expected.is_complex):
-        raise InputError(f"{where} holds fractional numbers; this model takes integers: "
-                         f"{field.describe()}.")
-    if tensor.ndim == 0 or len(tensor) == 0 or tuple(tensor.shape[1:]) != field.shape:
-        raise InputError(f"{where} has shape {list(tensor.shape)}; this model takes "
-                         f"{field.describe()}.")
-    return tensor.to(expected)
-
-
 class TensorCodec(Codec):
     """Any model: its inputs as tensors (``{"inputs": [...]}``), or for a model taking
     several, one field each (``{"inputs": {"input_ids": [...], "attention_mask": [...]}}``),
     checked against the example batch's dtypes and per-sample shapes.
 
+    A sequence model (``InputSchema.max_length``) takes any length from 1 to its context:
+    requests are batched by padded length (``length_bucket``), rows right-padded with zeros,
+    and a model whose ``forward`` takes an attention mask its inputs do not hold is given one
+    (``keywords``: the names to call it by). Outputs whose second dimension is the padded
+    length (``[N, T, ...]``, e.g. a causal LM's logits) are cut to each sample's own length.
+
     Class logits (``[N, classes]``, alone or as ``.logits``) are answered as the top-k
     labels; any other output as its tensors, by name.
     """
 
-    def __init__(self, schema: InputSchema) -> None:
+    SHORTEST = 16  # the smallest padded length, as for text prompts
+
+    def __init__(self, schema: InputSchema, keywords: tuple[str, ...] | None = None) -> None:
         self.schema = schema
         self.fields = schema.fields
+        self.keywords = keywords
+
+    def _width(self, lengths: Sequence[int]) -> int:
+        """The padded length of sequences this long: part of the batching key."""
+        return length_bucket(max(lengths), self.SHORTEST, self.schema.max_length or 0)
+
+    def _decoded(self, rows: list[tuple[torch.Tensor, ...]]) -> Decoded:
+        """Rows with their batching key: the kind, and for sequences the padded length."""
+        if self.schema.max_length is None:
+            return Decoded(self.kind, rows)
+        return Decoded((self.kind, self._width([self.schema.length(r) for r in rows])), rows)
 
     def _decode_inputs(self, inputs: Any, request: PredictRequest) -> Decoded:
         if self.schema.call == "tensor":
             if not isinstance(inputs, list):
                 raise InputError(f"inputs must be a list of samples; this model takes "
                                  f"{self.fields[0].describe()}.")
-            columns = [_as_field(self.fields[0], inputs, "inputs")]
+            columns = [self.fields[0].samples(inputs, "inputs")]
         else:
             names = [f.name for f in self.fields]
             if not isinstance(inputs, dict):
@@ -290,32 +224,47 @@ class TensorCodec(Codec):
                 raise InputError(f"inputs {problem}; this model takes "
                                  + ", ".join(f"{f.name} {f.describe()}" for f in self.fields)
                                  + ".")
-            columns = [_as_field(f, inputs[f.name], f"inputs.{f.name}") for f in self.fields]
+            columns = [f.samples(inputs[f.name], f"inputs.{f.name}") for f in self.fields]
             if len({len(column) for column in columns}) > 1:
                 raise InputError("every field of inputs must hold the same number of samples.")
-        return Decoded(self.kind, list(zip(*(c.unbind(0) for c in columns), strict=True)))
+        return self._decoded([self.schema.row(r) for r in zip(*columns, strict=True)])
 
     def from_sample(self, inputs: Any, defaults: dict[str, Any]) -> Decoded:
         tensors = self.schema.tensors(inputs)
-        for field, tensor in zip(self.fields, tensors, strict=True):
-            if tuple(tensor.shape) != field.shape:
-                raise InputError(f"a packed sample's {field.name} has shape "
-                                 f"{list(tensor.shape)}; this model takes {list(field.shape)}.")
-        return Decoded(self.kind, [tuple(t.to(f.torch_dtype) for f, t in
-                                         zip(self.fields, tensors, strict=True))])
+        return self._decoded([self.schema.row(
+            [f.sample(t, f"a packed sample's {f.name}")
+             for f, t in zip(self.fields, tensors, strict=True)])])
 
     def warmup_rows(self) -> list[tuple[Hashable, Any]]:
-        return [(self.kind, tuple(torch.zeros(f.shape, dtype=f.torch_dtype)
-                                  for f in self.fields))]
+        """One row per key: for a sequence model one per padded length, smallest first."""
+        limit = self.schema.max_length
+        sizes = [0] if limit is None else length_buckets(self.SHORTEST, limit)
+        rows = [tuple(f.example(size) for f in self.fields) for size in sizes]
+        return [(self._decoded([row]).key, row) for row in rows]
+
+    def _inputs(self, rows: list[Any]) -> tuple[Any, list[int] | None]:
+        """The model's inputs for ``rows`` and, for sequences, each row's length."""
+        if self.schema.max_length is None:
+            return self.schema.inputs([torch.stack(c) for c in zip(*rows, strict=True)]), None
+        lengths = [self.schema.length(row) for row in rows]
+        columns, mask = self.schema.padded(rows, self._width(lengths))
+        if self.keywords is None:
+            return self.schema.inputs(columns), lengths
+        return {**dict(zip(self.keywords, columns, strict=True)), MASK: mask}, lengths
 
     def run(self, runner: Any, key: Hashable, rows: list[Any]) -> list[Any]:
-        columns = [torch.stack(column) for column in zip(*rows, strict=True)]
-        outputs = runner.call(self.schema.inputs(columns))
+        inputs, lengths = self._inputs(rows)
+        outputs = runner.call(inputs)
         logits = _class_logits(outputs)
         if logits is not None:
             return classify(logits)
         named = _named_tensors(outputs)
-        return [{name: tensor[i] for name, tensor in named.items()} for i in range(len(rows))]
+        if lengths is None:
+            return [{name: tensor[i] for name, tensor in named.items()} for i in range(len(rows))]
+        width = self._width(lengths)
+        return [{name: tensor[i, :length] if tensor.ndim >= 3 and tensor.shape[1] == width
+                 else tensor[i] for name, tensor in named.items()}
+                for i, length in enumerate(lengths)]
 
     def format(self, output: Any, request: PredictRequest) -> dict[str, Any]:
         if isinstance(output, torch.Tensor):
@@ -353,9 +302,11 @@ def serving_state(workload: Workload) -> dict[str, Any]:
         return {"spec": dict(workload.serving.state)}
     inputs, _ = workload.get_example_batch()
     try:
-        return {"inputs": InputSchema.of(inputs, workload.model).to_json()}
+        schema = InputSchema.of(inputs, workload.model)
     except TypeError:
         return {}  # not servable by TensorCodec; make_codec says why when asked
+    schema = sequence_schema(schema, workload.model, workload.max_sequence_length)
+    return {"inputs": schema.to_json()}
 
 
 def make_codec(workload: Workload, state: Mapping[str, Any] | None = None) -> Codec:
@@ -369,4 +320,5 @@ def make_codec(workload: Workload, state: Mapping[str, Any] | None = None) -> Co
         raise UserError(f"Workload {workload.name!r} cannot be served: its inputs are a "
                         f"{type(inputs).__name__} with parts that are not tensors; declare "
                         "Workload(serving=ServingSpec(...)) with a codec that decodes them.")
-    return TensorCodec(InputSchema.from_json(state["inputs"]))
+    schema = InputSchema.from_json(state["inputs"])
+    return TensorCodec(schema, mask_keywords(schema, workload.model))

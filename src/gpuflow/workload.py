@@ -102,7 +102,10 @@ class Workload:
     ``default_epochs`` is the run's length when neither ``--epochs`` nor ``--max-steps``
     is given (None: the trainer's default of 10); ``default_ema_decay`` the decay of the
     weight average when ``--ema-decay`` is not given (None: no average,
-    ``gpuflow.train.averaging``).
+    ``gpuflow.train.averaging``). ``max_sequence_length`` is the longest sequence the model
+    takes when its inputs' first per-sample dimension is a sequence; serving takes any length
+    up to it (None: a Hugging Face model's config gives it, any other model takes its example
+    batch's shapes).
     """
 
     name: str
@@ -121,6 +124,7 @@ class Workload:
     augment: Callable[[Any, np.random.Generator], Any] | None = None
     default_epochs: float | None = None
     default_ema_decay: float | None = None
+    max_sequence_length: int | None = None
 
     def blocks(self) -> list[nn.Module]:
         """The modules that repeat in the model, e.g. transformer layers: ``repeated_blocks``,

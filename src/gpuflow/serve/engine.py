@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuflow.serve.model import LoadedModel, Runner, batch_buckets, load_model
-from gpuflow.serving import Codec, make_codec
+from gpuflow.serving import Codec, key_kind, make_codec
 
 
 @dataclass(frozen=True)
@@ -56,10 +56,27 @@ class Engine:
             outputs += self.codec.run(self.runner, key, chunk)[:count]
         return outputs
 
+    def warmup_batches(self) -> list[tuple[Hashable, list[Any]]]:
+        """The batches warm-up runs, by how the runner meets shapes.
+
+        A static-shape runner (``--compile``, CUDA graphs) compiles a graph per input shape,
+        and a shape first met while serving would stall its batch for the whole compile:
+        every (batching key, batch bucket) is run. An eager runner compiles nothing per
+        shape; one small batch per kind of key pays the first-call costs (kernel selection,
+        allocator, lazy initialisation), so a sequence model with a 2,048-token context is
+        not run at every padded length times every batch size before it is ready.
+        """
+        rows = self.codec.warmup_rows()
+        if self.runner.static_shapes:
+            return [(key, [row] * size) for key, row in rows for size in self.buckets]
+        smallest: dict[Hashable, tuple[Hashable, Any]] = {}
+        for key, row in rows:
+            smallest.setdefault(key_kind(key), (key, row))
+        return [(key, [row]) for key, row in smallest.values()]
+
     def warm_up(self) -> float:
-        """Run every (input bucket, batch bucket) once, compiling each shape; seconds taken."""
+        """Run the warm-up batches (``warmup_batches``); seconds taken."""
         start = time.perf_counter()
-        for key, row in self.codec.warmup_rows():
-            for size in self.buckets:
-                self.codec.run(self.runner, key, [row] * size)
+        for key, batch in self.warmup_batches():
+            self.codec.run(self.runner, key, batch)
         return time.perf_counter() - start
