@@ -32,6 +32,15 @@ def test_digits_reaches_95_percent(digits_run: tuple[Path, str]) -> None:
     assert "val_accuracy" in stdout and "MFU" in stdout
 
 
+def test_the_run_saves_what_its_server_needs(digits_run: tuple[Path, str]) -> None:
+    """serving.json holds the codec's state (digits: its normalisation statistics), so a
+    server decodes images without the training data."""
+    run_dir, _ = digits_run
+    state = json.loads((run_dir / "serving.json").read_text())
+    assert state["spec"]["shape"] == [1, 8, 8]
+    assert state["spec"]["stats"] == pytest.approx([0.305, 0.376], abs=0.01)
+
+
 def test_metrics_jsonl_has_every_field_and_sane_values(digits_run: tuple[Path, str]) -> None:
     run_dir, _ = digits_run
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

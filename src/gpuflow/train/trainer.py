@@ -32,6 +32,7 @@ from gpuflow.parallel.dims import ParallelDims
 from gpuflow.parallel.env import init_distributed
 from gpuflow.parallel.strategy import ModelParts, build_strategy, resize_rows
 from gpuflow.precision import make_policy
+from gpuflow.serving import SERVING_FILE, serving_state
 from gpuflow.telemetry.steps import MetricsLog, StepTimer
 from gpuflow.train import fp8, record
 from gpuflow.train.averaging import WeightAverage
@@ -191,6 +192,8 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.json").write_text(json.dumps(self.config.to_dict(),
                                                                  indent=2))
+            # What a server needs to decode requests without the training data or code.
+            (self.run_dir / SERVING_FILE).write_text(json.dumps(serving_state(self.workload)))
         self.metrics = MetricsLog(
             self.run_dir / "metrics.jsonl",
             self.run_dir / "tensorboard" if self.config.tensorboard else None,
