@@ -450,9 +450,13 @@ def test_readyz_turns_200_only_after_loading_and_warm_up() -> None:
         assert before.status_code == 503 and before.json()["state"] == "loading"
         assert api_error(early, 503)["code"] == "not_ready"
         assert after.status_code == 200 and after.json()["warmup_s"] >= 0
-        # A batch per bucket (1, 2, 4), all before ready.
-        assert len(probe.seen) == 1 + 2 + 4
-        assert "/v1/predict" in docs.json()["paths"]
+        # Every warm-up batch ran before ready: eager, one row per kind of input.
+        warmup = app.state.serve.engine.warmup_batches()
+        assert len(probe.seen) == sum(len(batch) for _, batch in warmup) == 1
+        paths = docs.json()["paths"]
+        for path, field in (("/v1/predict", "inputs"), ("/v1/completions", "prompt")):
+            body = paths[path]["post"]["requestBody"]["content"]["application/json"]
+            assert field in body["schema"]["properties"], path
 
     run(scenario)
 

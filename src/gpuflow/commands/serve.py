@@ -84,8 +84,8 @@ def _is_loopback(host: str) -> bool:
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     import uvicorn
 
-    from gpuflow.serve.app import SETTINGS_ENV, ServeSettings, settings_json
     from gpuflow.serve.model import check_source
+    from gpuflow.serve.settings import SETTINGS_ENV, ServeSettings, settings_json
 
     token = args.token or os.environ.get(TOKEN_ENV) or None
     if not _is_loopback(args.host) and token is None:

@@ -15,15 +15,7 @@ from gpuflow.serve.errors import ApiError
 from gpuflow.serve.generate.engine import Delta, Done, GenerationEngine
 from gpuflow.serve.generate.sampling import SamplingParams
 from gpuflow.serve.routes.client import body_schema
-from gpuflow.serve.routes.generation import (
-    Reply,
-    check_model,
-    check_prompt,
-    generate,
-    parse_body,
-    usage,
-)
-from gpuflow.serve.state import ServerState
+from gpuflow.serve.routes.generation import Reply, accept, check_prompt, generate, usage
 
 MAX_STOP = 4
 router = APIRouter()
@@ -60,10 +52,7 @@ class CompletionRequest(BaseModel):
 @router.post("/v1/completions", summary="Complete a prompt (OpenAI-compatible)",
              openapi_extra=body_schema(CompletionRequest))
 async def completions(request: Request) -> Response:
-    state = ServerState.of(request)
-    engine = state.ready_generator()
-    body = await parse_body(request, CompletionRequest)
-    check_model(request, body.model)
+    state, engine, body = await accept(request, CompletionRequest)
     prompt = _prompt_tokens(body, engine)
     return await generate(request, prompt, body.sampling(),
                           _Completion(state.model_name, body), body.stream)

@@ -2,9 +2,10 @@
 the body validated into a pydantic model, the ``model`` and prompt checked, the prompt
 handed to the generation engine, and the answer written whole or streamed.
 
-A route parses its body with ``parse_body``, checks it with ``check_model`` and
-``check_prompt``, and returns ``await generate(request, prompt, params, answer, stream)``
-with an ``Answer`` that writes its own JSON (``text_completion``, ``chat.completion``, ...).
+A route begins with ``accept`` (the engine, the body parsed by ``parse_body``, its
+``model`` checked by ``check_model``), checks its prompt with ``check_prompt``, and
+returns ``await generate(request, prompt, params, answer, stream)`` with an ``Answer``
+that writes its own JSON (``text_completion``, ``chat.completion``, ...).
 ``generate`` handles the rest the same way for all: 503 ``queue_full`` when the engine's
 waiting queue is full, 504 when the first token has not come within ``--timeout-ms``, a
 client that goes away freeing its slot (status 499), server-sent events ending with
@@ -39,6 +40,18 @@ from gpuflow.serve.routes.client import CLIENT_CLOSED, finished_unless_gone, rea
 from gpuflow.serve.state import ServerState
 
 Body = TypeVar("Body", bound=BaseModel)
+
+
+async def accept(request: Request, model: type[Body]
+                 ) -> tuple[ServerState, GenerationEngine, Body]:
+    """How every generation route begins: the engine (503 while loading, 404 for a model
+    that does not generate text), then the body as ``model`` (``parse_body``), its
+    ``model`` field naming the served model (``check_model``)."""
+    state = ServerState.of(request)
+    engine = state.ready_generator()
+    body = await parse_body(request, model)
+    check_model(request, getattr(body, "model", None))
+    return state, engine, body
 
 
 async def parse_body(request: Request, model: type[Body]) -> Body:
