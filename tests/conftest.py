@@ -87,3 +87,17 @@ async def eventually(condition: Callable[[], bool], timeout: float = 10) -> None
     async with asyncio.timeout(timeout):
         while not condition():
             await asyncio.sleep(0.005)
+
+
+if TYPE_CHECKING:
+    from hub_models import HubModels
+
+
+@pytest.fixture(scope="session")
+def hub_models(tmp_path_factory: pytest.TempPathFactory) -> HubModels:
+    """Hugging Face Hub-style model directories by kind (``hub_models.KINDS``: llama,
+    llama-sharded, qwen2, mistral, gpt2), a mapping that builds each on first use, once
+    per session."""
+    from hub_models import HubModels
+
+    return HubModels(tmp_path_factory.mktemp("hub-models"))
