@@ -82,3 +82,27 @@ def test_a_model_without_a_hugging_face_form_is_refused(
     assert main(["export", str(run_dir), "--format", "hf", "--out", str(out)]) == 2
     assert "has no Hugging Face form" in capsys.readouterr().err
     assert not out.exists() and not list(tmp_path.glob(".hf.tmp*"))
+
+
+@pytest.mark.parametrize("model", ["textlm", "hf-gpt2"])
+def test_a_byte_model_export_carries_the_byte_tokenizer(tmp_path: Path, model: str) -> None:
+    """Whether its writer saved the tokenizer (textlm) or only the model (a Hugging Face
+    model over bytes), the export is a whole Hub-style directory: ``AutoTokenizer`` maps
+    any text to its UTF-8 bytes and back."""
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    from gpuflow import Workload
+    from gpuflow.export import write_hf_export
+    from gpuflow.workloads import textlm
+
+    workload = textlm.build(data="synthetic", model_size="layers=1,dim=32,heads=2,seq=32") \
+        if model == "textlm" else Workload(
+            name=model, train_dataset=[], model=GPT2LMHeadModel(GPT2Config(
+                vocab_size=256, n_positions=32, n_embd=32, n_layer=1, n_head=2)))
+    out = tmp_path / "hf"
+    write_hf_export(workload, {"workload": model}, 0, out)
+    assert {"tokenizer.json", "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
+    tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    for text in ("héllo 🚀", "東京の天気 — naïve 👍🏽\n\tx"):
+        assert tokenizer.encode(text) == list(text.encode("utf-8"))
+        assert tokenizer.decode(list(text.encode("utf-8"))) == text

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from gpuflow.workload import Workload
 
 EXPORT_FORMAT_VERSION = "1"
+BYTE_VOCABULARY = 256
 ExportFormat = Literal["safetensors", "hf"]
 
 
@@ -79,17 +80,29 @@ def _export_hf(config: dict[str, Any], serving: dict[str, Any] | None,
     write_hf_export(workload, config, checkpoint.step, out, serving)
 
 
+def _byte_vocabulary(model: torch.nn.Module) -> bool:
+    """Whether the model's tokens are the 256 bytes, as gpuflow's text workloads train
+    language models, Hugging Face ones too: then its tokenizer maps id ``i`` to byte ``i``."""
+    return getattr(getattr(model, "config", None), "vocab_size", None) == BYTE_VOCABULARY
+
+
 def write_hf_export(workload: Workload, config: dict[str, Any], step: int, out: Path,
                     serving: dict[str, Any] | None = None) -> None:
     """Let the workload write its model in the Hugging Face format into ``out``, which
     appears whole or not at all. ``RUN_CONFIG_FILE`` records the run's step, configuration
-    and codec state, so that ``gpuflow serve`` can serve the directory."""
+    and codec state, so that ``gpuflow serve`` can serve the directory. A model over bytes
+    gets the byte tokenizer beside it if its writer saved none, so that the directory is
+    whole for any tool that reads the format (``AutoTokenizer`` included)."""
     writer = workload.hf_writer()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         writer(workload.model, tmp)
+        if _byte_vocabulary(workload.model) and not (tmp / "tokenizer.json").is_file():
+            from gpuflow.models.gpt2_format import byte_tokenizer
+
+            byte_tokenizer().save_pretrained(tmp)
         record = {"step": step, "config": config,
                   **({"serving": serving} if serving is not None else {})}
         (tmp / RUN_CONFIG_FILE).write_text(json.dumps(record, indent=2))
