@@ -41,6 +41,12 @@ NON_ASCII = (
     "🚀🔥 ok 👍🏽",
     "naïve résumé ✓ — “quoted” «texte»",
 )
+# Prompts on which every kind's greedy choices are clear (top-1 minus top-2 logit at least
+# 5e-3 over 32 tokens, plain and through the chat template): tests comparing two
+# implementations token for token use these. Greedy, llama and mistral end some of them at
+# their first EOS id and some at their second (mistral's chat on "Größe": at once).
+PROMPTS = ("Hello, who are you?", "東京の天気", "Größe", "🚀", "naïve", "L'été",
+           "A target occurring", "Assert statements")
 LLAMA3_TEMPLATE = (
     "{{- bos_token }}"
     "{%- for message in messages %}"
@@ -122,6 +128,9 @@ FAMILIES = {
 }
 BPE_VOCAB = 4096 - 8  # learned tokens; each family's specials come on top
 SPM_VOCAB = 2048
+# Characters the SentencePiece-style vocabulary never learns, so that models see and write
+# them as byte-fallback tokens (<0xE4> <0xBA> <0xAC> for 京).
+BYTE_FALLBACK = "京据К🔥"
 
 
 @dataclass(frozen=True)
@@ -194,12 +203,13 @@ def learned_vocabulary(vocab: Literal["bpe", "spm"]) -> str:
         tokenizer.train_from_iterator(corpus(), trainer)
         return tokenizer.to_str()
     # SentencePiece's layout: <unk> <s> </s>, the 256 byte-fallback tokens, the merges.
-    # Words are split while learning, so no merge spans a space, and not at use.
+    # Words are split at spaces while learning, so that no merge spans one; in use the text
+    # stays one piece (split=False), as Llama's and Mistral's tokenizers keep it.
     learner = Tokenizer(models.BPE(unk_token="<unk>"))
     learner.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
-    learner.train_from_iterator(corpus(), trainers.BpeTrainer(
-        vocab_size=SPM_VOCAB - 256, special_tokens=["<unk>", "<s>", "</s>"], limit_alphabet=160,
-        show_progress=False))
+    unseen = str.maketrans(dict.fromkeys(BYTE_FALLBACK))
+    learner.train_from_iterator((text.translate(unseen) for text in corpus()), trainers.BpeTrainer(
+        vocab_size=SPM_VOCAB - 256, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False))
     spec = json.loads(learner.to_str())
     learned = spec["model"]["vocab"]
     ordered = sorted(learned, key=learned.__getitem__)
@@ -275,7 +285,8 @@ def _one_thread() -> Iterator[None]:
 @functools.cache
 def train_model(kind: str) -> Any:
     """The kind's tiny model, built from its config and trained ``STEPS`` steps of AdamW on
-    random windows of its family's token stream (next-token loss), seeded."""
+    random windows of its family's token stream (next-token loss), seeded. Cached and
+    shared (the sharded kinds save it again): do not change it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = SPECS[kind]
