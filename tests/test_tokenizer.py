@@ -259,7 +259,10 @@ def test_the_byte_tokenizer_a_gpuflow_export_carries_maps_ids_to_bytes(tmp_path:
     byte_tokenizer().save_pretrained(tmp_path)
     loaded = load_tokenizer(tmp_path)
     assert loaded.vocab_size == 256
-    for text in TEXTS:
+    rng = random.Random(2)
+    anything = ["".join(chr(rng.choice([rng.randrange(0xD800), rng.randrange(0xE000, 0x110000)]))
+                        for _ in range(12)) for _ in range(50)]
+    for text in [*TEXTS, *anything]:
         assert loaded.encode(text) == list(text.encode())
         assert loaded.decode(list(text.encode())) == text
     assert [loaded.token_bytes(i) for i in range(256)] == [bytes([i]) for i in range(256)]
