@@ -16,20 +16,32 @@ from gpuflow.errors import UserError
 from gpuflow.serve.batcher import INLINE_BELOW_MS
 
 TOKEN_ENV = "GPUFLOW_TOKEN"
+# --dtype as other servers spell it, onto gpuflow's precision names.
+DTYPES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16",
+          "half": "fp16"}
 
 
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "serve", help="serve a model over HTTP with dynamic batching",
-        description="Serve a run dir, an exported .safetensors file or a `gpuflow export "
-                    "--format hf` directory over HTTP "
-                    "(POST /v1/predict, /healthz, /readyz, /metrics; for language models "
-                    "also the OpenAI-compatible POST /v1/completions and GET /v1/models; "
-                    "API docs at /docs).")
+        description="Serve a run dir, an exported .safetensors file, or a Hugging Face model "
+                    "directory (a `gpuflow export --format hf` one, or any causal LM as the "
+                    "Hub lays it out) over HTTP (POST /v1/predict, /healthz, /readyz, "
+                    "/metrics; for language models also the OpenAI-compatible POST "
+                    "/v1/completions, POST /v1/chat/completions and GET /v1/models; API docs "
+                    "at /docs).")
     add = parser.add_argument
-    add("source", metavar="RUN_DIR|MODEL.safetensors|HF_EXPORT_DIR",
-        help="a gpuflow run dir, a `gpuflow export` file, or a `gpuflow export --format hf` "
-             "directory (it holds gpuflow_run.json)")
+    add("source", metavar="RUN_DIR|MODEL.safetensors|MODEL_DIR",
+        help="a gpuflow run dir, a `gpuflow export` file, or a Hugging Face model directory "
+             "(config.json, safetensors weights, tokenizer; read locally, never downloaded)")
+    add("--served-model-name", nargs="+", metavar="NAME",
+        help="the names clients call the model by (the `model` field, /v1/models); the first "
+             "is the one answers give (default: the workload's name, or the directory path)")
+    add("--chat-template", type=Path, metavar="FILE",
+        help="a Jinja chat template for /v1/chat/completions, in place of the model's own")
+    add("--max-model-len", type=int, metavar="TOKENS",
+        help="language models: the longest sequence (prompt and completion) served, at most "
+             "the model's context (default: the model's context)")
     add("--workload", help="rebuild the model with this workload instead of the saved one")
     add("--host", default="127.0.0.1",
         help="address to bind (default 127.0.0.1; any other needs --token)")
@@ -50,8 +62,10 @@ def register(commands: argparse._SubParsersAction) -> None:
     add("--max-body-bytes", type=int, default=8 << 20,
         help="larger request bodies get 413 (default 8 MiB)")
     add("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
-    add("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
-        help="inference autocast dtype (default fp32)")
+    add("--precision", "--dtype", dest="precision", default="fp32",
+        type=lambda name: DTYPES.get(name, name), choices=["fp32", "bf16", "fp16"],
+        help="inference autocast dtype: fp32, bf16 or fp16 (also spelled float32, bfloat16, "
+             "float16, half; default fp32)")
     add("--compile", action="store_true",
         help="torch.compile the model for each batch bucket, and for language models the "
              "decode step of /v1/completions for each bucket of active sequences")
@@ -92,7 +106,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         raise UserError(f"--host {args.host} exposes the server beyond this machine: give "
                         f"--token TOKEN (or set {TOKEN_ENV}) so that every request must carry "
                         "'Authorization: Bearer TOKEN'.")
-    for name in ("max_batch_size", "max_queue", "workers", "max_body_bytes", "threads"):
+    for name in ("max_batch_size", "max_queue", "workers", "max_body_bytes", "threads",
+                 "max_model_len"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1.")
     if args.kv_cache_gib is not None and args.kv_cache_gib <= 0:
@@ -101,13 +116,18 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         raise UserError("--max-wait-ms and --inline-below-ms must be 0 or more and "
                         "--timeout-ms positive.")
     check_source(Path(args.source))  # exit code 2 on a wrong path, before uvicorn starts
+    if args.chat_template is not None and not args.chat_template.is_file():
+        raise UserError(f"--chat-template {args.chat_template} is not a file.")
     settings = ServeSettings(
         source=args.source, workload=args.workload, host=args.host, port=args.port,
         max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms,
         inline_below_ms=args.inline_below_ms, max_queue=args.max_queue, timeout_ms=args.timeout_ms,
         max_body_bytes=args.max_body_bytes, device=args.device, precision=args.precision,
         compile=args.compile or args.cuda_graphs, cuda_graphs=args.cuda_graphs, token=token,
-        threads=args.threads, workers=args.workers, kv_cache_gib=args.kv_cache_gib)
+        threads=args.threads, workers=args.workers, kv_cache_gib=args.kv_cache_gib,
+        served_model_name=tuple(args.served_model_name or ()),
+        chat_template=str(args.chat_template) if args.chat_template else None,
+        max_model_len=args.max_model_len)
     with tempfile.TemporaryDirectory(prefix="gpuflow-serve-") as scratch:
         failure = Path(scratch) / "failure.json"
         settings = dataclasses.replace(settings, failure_file=str(failure))

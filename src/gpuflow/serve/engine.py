@@ -33,9 +33,9 @@ class Engine:
         self.buckets = batch_buckets(options.max_batch_size)
 
     @classmethod
-    def load(cls, source: str | Path, options: EngineOptions,
-             workload: str | None = None) -> Engine:
-        return cls(load_model(source, workload), options)
+    def load(cls, source: str | Path, options: EngineOptions, workload: str | None = None,
+             name: str | None = None, max_model_len: int | None = None) -> Engine:
+        return cls(load_model(source, workload, name, max_model_len), options)
 
     def describe(self) -> dict[str, Any]:
         return {"workload": self.loaded.workload.name, "step": self.loaded.step,

@@ -238,25 +238,29 @@ def load_hf_export(path: Path, workload: str | None = None) -> LoadedModel:
                        ModelDirectory.check(path) if tokenized else None)
 
 
-def load_model_directory(path: Path, name: str | None = None) -> LoadedModel:
+def load_model_directory(path: Path, name: str | None = None,
+                         max_model_len: int | None = None) -> LoadedModel:
     """A Hugging Face causal-LM directory gpuflow did not write, served as a workload named
-    ``name`` (default: the path) whose predict inputs are token ids."""
+    ``name`` (default: the path) whose predict inputs are token ids of any length up to
+    its context (or ``max_model_len``)."""
     directory = ModelDirectory.check(path)
     ids = torch.zeros(1, 16, dtype=torch.long)
     workload = Workload(name=name or str(path), model=directory.load_model(), train_dataset=[],
-                        example_batch=({"input_ids": ids}, ids))
+                        example_batch=({"input_ids": ids}, ids),
+                        max_sequence_length=directory.context_length(max_model_len))
     return LoadedModel(workload, directory.config, 0, path, None, directory)
 
 
-def load_model(path: str | Path, workload: str | None = None,
-               name: str | None = None) -> LoadedModel:
+def load_model(path: str | Path, workload: str | None = None, name: str | None = None,
+               max_model_len: int | None = None) -> LoadedModel:
     """Rebuild the run's model and load its weights; ``workload`` overrides the saved one.
-    ``name``: what a Hugging Face directory gpuflow did not write is served as."""
+    ``name``: what a Hugging Face directory gpuflow did not write is served as;
+    ``max_model_len`` caps the sequences it takes."""
     source = Path(path)
     if is_hf_export(source):
         return load_hf_export(source, workload)
     if is_model_directory(source):
-        return load_model_directory(source, name)
+        return load_model_directory(source, name, max_model_len)
     config, weights, step, serving = read_source(source)
     return LoadedModel(restore_workload(config, weights, source, workload), config, step,
                        source, serving)

@@ -36,6 +36,9 @@ class ServeSettings:
     kv_cache_gib: float | None = None
     workers: int = 1
     failure_file: str | None = None
+    served_model_name: tuple[str, ...] = ()  # the first is the one answers name
+    chat_template: str | None = None  # a Jinja file that replaces the model's own
+    max_model_len: int | None = None
 
     def engine_options(self) -> EngineOptions:
         return EngineOptions(self.device, self.precision, self.compile, self.cuda_graphs,

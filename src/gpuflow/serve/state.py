@@ -27,11 +27,13 @@ from starlette.requests import HTTPConnection
 from uvicorn.config import STARTUP_FAILURE
 
 from gpuflow.errors import UserError
+from gpuflow.model_dir import GenerationDefaults
 from gpuflow.serve.batcher import Batcher
 from gpuflow.serve.engine import Engine
 from gpuflow.serve.errors import ApiError
 from gpuflow.serve.generate.engine import GenerationEngine, build_generator
 from gpuflow.serve.generate.models import refusal
+from gpuflow.serve.generate.tokenizer import HFTokenizer, load_tokenizer
 from gpuflow.serve.metrics import ServeMetrics
 from gpuflow.serve.settings import ServeSettings
 
@@ -45,8 +47,10 @@ class ServerState:
     def __init__(self, settings: ServeSettings,
                  load: Callable[[], Engine] | None = None) -> None:
         self.settings = settings
-        self._load = load or (lambda: Engine.load(settings.source, settings.engine_options(),
-                                                  settings.workload))
+        names = settings.served_model_name
+        self._load = load or (lambda: Engine.load(
+            settings.source, settings.engine_options(), settings.workload,
+            names[0] if names else None, settings.max_model_len))
         self.metrics = ServeMetrics(settings.max_batch_size)
         self.batcher = Batcher(self._run_batch, settings.max_batch_size,
                                settings.max_wait_ms / 1000, settings.max_queue, self.metrics,
@@ -56,6 +60,7 @@ class ServerState:
         self.ready = asyncio.Event()
         self.problem: str | None = None
         self.warmup_s: float | None = None
+        self.chat_template: str | None = None  # --chat-template's, read once
 
     @staticmethod
     def of(connection: HTTPConnection) -> ServerState:
@@ -82,7 +87,20 @@ class ServerState:
     @property
     def model_name(self) -> str:
         """The name clients call the model by (``/v1/models``, the ``model`` field)."""
+        names = self.settings.served_model_name
+        if names:
+            return names[0]
         return self.engine.loaded.workload.name if self.engine else "loading"
+
+    def serves(self, name: str) -> bool:
+        """Whether ``name`` is one of the names the model is served under."""
+        return name in (self.settings.served_model_name or (self.model_name,))
+
+    @property
+    def generation_defaults(self) -> GenerationDefaults:
+        """The sampling a request gets where it sets none (the model's generation config)."""
+        directory = self.engine.loaded.directory if self.engine else None
+        return directory.generation if directory else GenerationDefaults()
 
     def retry_after(self) -> dict[str, str]:
         return {"Retry-After": str(self.settings.retry_after_s)}
@@ -121,6 +139,8 @@ class ServerState:
         if settings.threads:
             torch.set_num_threads(settings.threads)
         try:
+            if settings.chat_template:
+                self.chat_template = _read_template(Path(settings.chat_template))
             await self._load_and_warm_up()
         except Exception as exc:
             self.problem = f"{type(exc).__name__}: {exc}"
@@ -155,10 +175,38 @@ class ServerState:
             await asyncio.to_thread(self.generator.wait_warm)
 
     def _build_generator(self, engine: Engine) -> GenerationEngine | None:
-        """The one place the generation engine is made from the loaded model."""
-        settings = self.settings
-        return build_generator(engine.loaded.model, engine.runner, settings.kv_cache_gib,
-                               settings.max_batch_size, settings.max_queue, self.metrics)
+        """The one place the generation engine is made from the loaded model: with the
+        tokenizer, end-of-sequence ids and context of its directory when it has one (a
+        directory's model that cannot generate is refused: generating is what it is served
+        for), with bytes for a model gpuflow trained on them."""
+        settings, loaded = self.settings, engine.loaded
+        directory = loaded.directory
+        if directory is None:
+            return build_generator(loaded.model, engine.runner, settings.kv_cache_gib,
+                                   settings.max_batch_size, settings.max_queue, self.metrics)
+        tokenizer = load_tokenizer(directory.path)
+        why = refusal(loaded.model, tokenized=True)
+        if why is not None:
+            raise UserError(f"{directory.path} cannot be served: the generation engine "
+                            f"cannot drive it ({why}).")
+        return build_generator(
+            loaded.model, engine.runner, settings.kv_cache_gib, settings.max_batch_size,
+            settings.max_queue, self.metrics, tokenizer,
+            directory.generation.eos_ids or _eos_of(tokenizer),
+            directory.context_length(settings.max_model_len))
+
+
+def _eos_of(tokenizer: HFTokenizer) -> tuple[int, ...]:
+    """The tokenizer's own end-of-sequence id, for a directory whose configs name none."""
+    found = tokenizer.hf.eos_token_id
+    return () if found is None else (int(found),)
+
+
+def _read_template(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"--chat-template {path} cannot be read ({exc}).") from None
 
 
 def _stop_serving(settings: ServeSettings, reason: str, user_error: bool) -> None:

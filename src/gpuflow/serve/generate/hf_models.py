@@ -315,6 +315,3 @@ class HFCausalLM:
         """The tensors ``step`` writes into: each layer's keys and values (views of the
         whole cache's, which the step never touches itself)."""
         return [t for layer in cache.layers for t in (layer.keys, layer.values)]
-
-    def tokenize(self, text: str) -> list[int]:  # the completions route's, until it encodes
-        return list(text.encode("utf-8"))

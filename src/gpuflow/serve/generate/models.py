@@ -78,9 +78,6 @@ class GPTDecoder:
         """The tensors ``step`` writes into."""
         return [cache.keys, cache.values]
 
-    def tokenize(self, text: str) -> list[int]:  # the completions route's, until it encodes
-        return list(text.encode("utf-8"))
-
 
 def refusal(model: nn.Module, tokenized: bool = False) -> str | None:
     """Why the engine cannot generate with ``model`` (the server's 404 says it), or None

@@ -1,6 +1,8 @@
-"""``POST /v1/completions`` (OpenAI-compatible): a prompt, as text or token ids, completed by
-the generation engine and answered whole, or streamed as server-sent events with
-``stream: true``; the answer carries ``usage`` token counts."""
+"""``POST /v1/completions`` (OpenAI-compatible): prompts, as text or token ids, one or a
+list, each completed ``n`` times by the generation engine and answered whole, or streamed
+as server-sent events with ``stream: true``; with ``usage`` token counts, and on request
+the log-probabilities of the generated tokens and, with ``echo``, of the prompt's (as
+evaluation harnesses score text)."""
 
 from __future__ import annotations
 
@@ -8,85 +10,114 @@ from typing import Any
 
 from fastapi import APIRouter
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import Field, StrictBool
 from starlette.requests import Request
 
-from gpuflow.serve.errors import ApiError
-from gpuflow.serve.generate.engine import Delta, Done, GenerationEngine
-from gpuflow.serve.generate.sampling import SamplingParams
+from gpuflow.serve.generate.engine import GenerationEngine
+from gpuflow.serve.generate.requests import Delta, Done
+from gpuflow.serve.generate.tokenizer import Tokenizer
 from gpuflow.serve.routes.client import body_schema
-from gpuflow.serve.routes.generation import Reply, accept, check_prompt, generate, usage
+from gpuflow.serve.routes.generation import Choice, Reply, accept, check_prompt, generate, usage
+from gpuflow.serve.routes.logprobs import completion_logprobs
+from gpuflow.serve.routes.sampling_fields import GenerationFields
 
-MAX_STOP = 4
+MAX_LOGPROBS = 20
 router = APIRouter()
 
 
-class CompletionRequest(BaseModel):
-    """The body of ``POST /v1/completions`` (OpenAI's fields; ``top_k`` as vLLM adds it).
-    Fields it does not know are refused, as OpenAI does; booleans are JSON's true and
-    false; NaN and infinities are refused (JSON has none; Python writes them)."""
+class CompletionRequest(GenerationFields):
+    """The body of ``POST /v1/completions``."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    model: str | None = None
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=10.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, description="0 keeps every token")
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: StrictBool = False
-    stream_options: dict[str, StrictBool] | None = None
-    n: int = Field(1, ge=1, le=1, description="one completion per request")
-    user: str | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                 description="alternatives reported with each token")
+    echo: StrictBool = False
 
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(self.max_tokens, self.temperature, self.top_p, self.top_k,
-                              self.seed, tuple(self.stops()))
-
-    def stops(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+    def prompts(self) -> list[str | list[int]]:
+        """One prompt, or each of a list's."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]  # type: ignore[list-item]
+        return list(prompt)  # type: ignore[arg-type]
 
 
 @router.post("/v1/completions", summary="Complete a prompt (OpenAI-compatible)",
              openapi_extra=body_schema(CompletionRequest))
 async def completions(request: Request) -> Response:
     state, engine, body = await accept(request, CompletionRequest)
-    prompt = _prompt_tokens(body, engine)
-    return await generate(request, prompt, body.sampling(),
-                          _Completion(state.model_name, body), body.stream)
+    body.check_served()
+    prompts = _prompt_tokens(body, engine)
+    prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+    params = [body.sampling(state.generation_defaults, body.max_tokens, choice, body.logprobs,
+                            prompt_logprobs) for choice in range(body.n)]
+    answer = _Completion(state.model_name, engine.tokenizer, body)
+    return await generate(request, prompts, params, answer, body.stream)
 
 
-def _prompt_tokens(body: CompletionRequest, engine: GenerationEngine) -> list[int]:
-    if len(body.stops()) > MAX_STOP:
-        raise ApiError(400, f"stop: at most {MAX_STOP} strings.", "invalid_stop", "stop")
-    prompt = body.prompt
-    tokens = engine.lm.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-    check_prompt(tokens, body.max_tokens, engine)
-    return tokens
+def _prompt_tokens(body: CompletionRequest, engine: GenerationEngine) -> list[list[int]]:
+    """Each prompt's tokens (text through the tokenizer, with the special tokens it adds),
+    checked against the vocabulary and the context."""
+    prompts = body.prompts()
+    found = []
+    for index, prompt in enumerate(prompts):
+        tokens = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        check_prompt(tokens, body.max_tokens, engine,
+                     param="prompt" if len(prompts) == 1 else f"prompt.{index}")
+        found.append(tokens)
+    return found
 
 
 class _Completion(Reply):
-    """A completion's events as OpenAI's ``text_completion``, whole or chunk by chunk."""
+    """Choices' events as OpenAI's ``text_completion``, whole or chunk by chunk; with
+    ``echo`` each choice's text starts with its prompt's."""
 
-    def __init__(self, model: str, body: CompletionRequest) -> None:
+    def __init__(self, model: str, tokenizer: Tokenizer, body: CompletionRequest) -> None:
         super().__init__(model, "cmpl")
-        self.include_usage = bool((body.stream_options or {}).get("include_usage"))
+        self.tokenizer, self.body = tokenizer, body
+        self.echoed: set[int] = set()
+        self.include_usage = body.include_usage
 
-    @staticmethod
-    def _choice(text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}
+    def _prompt_text(self, choice: Choice) -> str:
+        given = self.body.prompts()[choice.prompt_index]
+        if isinstance(given, str):
+            return given
+        detokenizer = self.tokenizer.detokenizer([])
+        return "".join(detokenizer.add(token) for token in given) + detokenizer.finish()
 
-    def whole(self, deltas: list[Delta], done: Done) -> dict[str, Any]:
-        text = "".join(delta.text for delta in deltas)
-        return self.payload("text_completion", [self._choice(text, done.finish_reason)],
-                            usage=usage(done))
+    def _logprobs(self, choice: Choice, deltas: list[Delta],
+                  echo: bool) -> dict[str, Any] | None:
+        if self.body.logprobs is None:
+            return None
+        entries = [entry for delta in deltas for entry in delta.logprobs]
+        tokens = [entry.token for entry in entries]
+        prompt_entries = choice.generation.prompt_logprobs or []
+        if echo:
+            return completion_logprobs(self.tokenizer, [*choice.generation.prompt, *tokens],
+                                       [*prompt_entries, *entries])
+        return completion_logprobs(self.tokenizer, tokens, entries)
 
-    def chunks(self, event: Delta | Done) -> list[dict[str, Any]]:
+    def _choice(self, choice: Choice, text: str, deltas: list[Delta],
+                finish_reason: str | None, echo: bool) -> dict[str, Any]:
+        return {"text": (self._prompt_text(choice) if echo else "") + text,
+                "index": choice.index, "logprobs": self._logprobs(choice, deltas, echo),
+                "finish_reason": finish_reason}
+
+    def whole(self, choices: list[Choice]) -> dict[str, Any]:
+        return self.payload("text_completion", [
+            self._choice(c, c.text, c.deltas, c.done.finish_reason if c.done else None,
+                         self.body.echo) for c in choices], usage=usage(choices))
+
+    def chunks(self, choice: Choice, event: Delta | Done) -> list[dict[str, Any]]:
+        echo = self.body.echo and choice.index not in self.echoed
+        self.echoed.add(choice.index)
         if isinstance(event, Delta):
-            return [self.payload("text_completion", [self._choice(event.text, None)])]
-        finish = [self.payload("text_completion", [self._choice("", event.finish_reason)])]
-        if self.include_usage:
-            finish.append(self.payload("text_completion", [], usage=usage(event)))
-        return finish
+            part = self._choice(choice, event.text, [event], None, echo)
+        else:
+            part = self._choice(choice, "", [], event.finish_reason, echo)
+        return [self.payload("text_completion", [part])]
+
+    def last(self, choices: list[Choice]) -> list[dict[str, Any]]:
+        if not self.include_usage:
+            return []
+        return [self.payload("text_completion", [], usage=usage(choices))]

@@ -19,6 +19,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -66,10 +67,10 @@ async def parse_body(request: Request, model: type[Body]) -> Body:
 
 def check_model(request: Request, requested: str | None) -> None:
     """404 ``model_not_found`` unless ``requested`` is the served model (or not given)."""
-    served = ServerState.of(request).model_name
-    if requested is not None and requested != served:
+    state = ServerState.of(request)
+    if requested is not None and not state.serves(requested):
         raise ApiError(404, f"The model {requested!r} does not exist here: this server "
-                       f"serves {served!r}.", "model_not_found", "model")
+                       f"serves {state.model_name!r}.", "model_not_found", "model")
 
 
 def check_prompt(tokens: list[int], max_tokens: int, engine: GenerationEngine,
@@ -91,14 +92,34 @@ def check_prompt(tokens: list[int], max_tokens: int, engine: GenerationEngine,
                        param if len(tokens) >= lm.context else max_tokens_param)
 
 
+@dataclass(eq=False)
+class Choice:
+    """One choice of an answer: its place among the answer's choices, the prompt it
+    continues (an index into the request's prompts), its generation, the text deltas so
+    far and its finish."""
+
+    index: int
+    prompt_index: int
+    generation: Generation
+    deltas: list[Delta] = field(default_factory=list)
+    done: Done | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(delta.text for delta in self.deltas)
+
+
 class Answer(Protocol):
-    """How a route writes its answer from the engine's events."""
+    """How a route writes its answer from its choices' events."""
 
-    def whole(self, deltas: list[Delta], done: Done) -> dict[str, Any]:
-        """The body of the answer when it is not streamed."""
+    def whole(self, choices: list[Choice]) -> dict[str, Any]:
+        """The body of the answer when it is not streamed, every choice finished."""
 
-    def chunks(self, event: Delta | Done) -> list[dict[str, Any]]:
-        """The stream's chunks for one event (none, one, or e.g. a finish and a usage)."""
+    def chunks(self, choice: Choice, event: Delta | Done) -> list[dict[str, Any]]:
+        """The stream's chunks for one event of one choice."""
+
+    def last(self, choices: list[Choice]) -> list[dict[str, Any]]:
+        """The stream's chunks once every choice has finished (e.g. the usage)."""
 
 
 class Reply:
@@ -113,43 +134,63 @@ class Reply:
                 "choices": choices, **extra}
 
 
-def usage(done: Done) -> dict[str, int]:
-    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-            "total_tokens": done.prompt_tokens + done.completion_tokens}
+def usage(choices: list[Choice]) -> dict[str, int]:
+    """Token counts: each prompt once, however many choices continue it, and every
+    choice's completion."""
+    prompts = {c.prompt_index: len(c.generation.prompt) for c in choices}
+    prompt = sum(prompts.values())
+    completion = sum(c.done.completion_tokens for c in choices if c.done is not None)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
 
 
-async def generate(request: Request, prompt: list[int], params: SamplingParams,
+async def generate(request: Request, prompts: list[list[int]], params: list[SamplingParams],
                    answer: Answer, stream: bool) -> Response:
-    """Generate from ``prompt`` and answer: whole, or as server-sent events."""
+    """Generate one choice for each prompt and each of ``params`` (the choices of one
+    prompt, e.g. ``n`` of them with their own seeds), numbered prompt by prompt, and
+    answer: whole, or as server-sent events."""
     state = ServerState.of(request)
-    generation = _submit(state, prompt, params)
-    first = await _first_event(generation, state.settings.timeout_ms / 1000)
+    choices = _submit(state, [(i, prompt, p) for i, prompt in enumerate(prompts)
+                              for p in params])
+    firsts = await _first_events(choices, state.settings.timeout_ms / 1000)
     if stream:
-        return StreamingResponse(_stream(generation, first, answer),
+        return StreamingResponse(_stream(choices, firsts, answer),
                                  media_type="text/event-stream")
-    collected = asyncio.ensure_future(_collect(generation, first, answer))
-    if not await finished_unless_gone(request, collected):  # free the slot of a client gone
-        generation.cancel()
+    collected = asyncio.ensure_future(_collect(choices, firsts, answer))
+    if not await finished_unless_gone(request, collected):  # free the slots of a client gone
+        _cancel(choices)
         collected.cancel()
         return Response(status_code=CLIENT_CLOSED)
     return collected.result()
 
 
-def _submit(state: ServerState, prompt: list[int], params: SamplingParams) -> Generation:
-    """The one place a request enters the generation engine."""
+def _submit(state: ServerState, jobs: list[tuple[int, list[int], SamplingParams]]
+            ) -> list[Choice]:
+    """The one place requests enter the generation engine: every choice, or none."""
     engine = state.ready_generator()
+    choices: list[Choice] = []
     try:
-        return engine.submit(prompt, params)
+        for prompt_index, prompt, params in jobs:
+            choices.append(Choice(len(choices), prompt_index, engine.submit(prompt, params)))
     except WaitingFull:
+        _cancel(choices)
         raise ApiError(503, f"{engine.max_waiting} requests wait for a slot already; retry "
                        "later.", "queue_full", headers=state.retry_after()) from None
+    return choices
 
 
-async def _first_event(generation: Generation, timeout_s: float) -> Event:
+def _cancel(choices: list[Choice]) -> None:
+    for choice in choices:  # a no-op for one finished; frees the slot of one still running
+        choice.generation.cancel()
+
+
+async def _first_events(choices: list[Choice], timeout_s: float) -> list[Event]:
+    """Every choice's first event, within the deadline (504 otherwise)."""
     try:
-        return await asyncio.wait_for(generation.events.get(), timeout_s)
+        return await asyncio.wait_for(
+            asyncio.gather(*(c.generation.events.get() for c in choices)), timeout_s)
     except TimeoutError:
-        generation.cancel()
+        _cancel(choices)
         raise ApiError(504, f"No token within {timeout_s * 1000:g} ms (--timeout-ms); the "
                        "request was dropped.", "deadline_exceeded") from None
 
@@ -159,41 +200,83 @@ def _failed(event: Failed) -> ApiError:
                     "generation_failed")
 
 
-async def _batches(generation: Generation, first: Event) -> AsyncIterator[list[Event]]:
-    """The events in order, ending with the finish, each time all that are queued: a
-    stream that fell behind the engine catches up in one write."""
-    queue = generation.events
-    batch = [first]
+def _final(event: Event) -> bool:
+    return isinstance(event, Done | Failed)
+
+
+async def _batches(choices: list[Choice], firsts: list[Event]
+                   ) -> AsyncIterator[list[tuple[Choice, Event]]]:
+    """The choices' events in order, until every choice has finished, each time all that
+    are queued: a stream that fell behind the engine catches up in one write. One choice
+    is read from its own queue; several through one queue their events are copied into."""
+    if len(choices) == 1:
+        [choice], queue = choices, choices[0].generation.events
+        batch = [firsts[0]]
+        while True:
+            while not _final(batch[-1]) and not queue.empty():
+                batch.append(queue.get_nowait())
+            yield [(choice, event) for event in batch]
+            if _final(batch[-1]):
+                return
+            batch = [await queue.get()]
+    merged: asyncio.Queue[tuple[Choice, Event]] = asyncio.Queue()
+    for choice, first in zip(choices, firsts, strict=True):
+        merged.put_nowait((choice, first))
+    copies = [asyncio.create_task(_copy(choice, merged))
+              for choice, first in zip(choices, firsts, strict=True) if not _final(first)]
+    running = len(choices)
+    try:
+        while running:
+            items = [await merged.get()]
+            while not merged.empty():
+                items.append(merged.get_nowait())
+            running -= sum(_final(event) for _, event in items)
+            yield items
+    finally:
+        for copy in copies:
+            copy.cancel()
+
+
+async def _copy(choice: Choice, merged: asyncio.Queue[tuple[Choice, Event]]) -> None:
     while True:
-        while not isinstance(batch[-1], Done | Failed) and not queue.empty():
-            batch.append(queue.get_nowait())
-        yield batch
-        if isinstance(batch[-1], Done | Failed):
+        event = await choice.generation.events.get()
+        merged.put_nowait((choice, event))
+        if _final(event):
             return
-        batch = [await queue.get()]
 
 
-async def _collect(generation: Generation, first: Event, answer: Answer) -> Response:
-    deltas: list[Delta] = []
-    async for batch in _batches(generation, first):
-        for event in batch:
+async def _collect(choices: list[Choice], firsts: list[Event], answer: Answer) -> Response:
+    async for items in _batches(choices, firsts):
+        for choice, event in items:
             if isinstance(event, Failed):
+                _cancel(choices)
                 raise _failed(event)
-            if isinstance(event, Delta):
-                deltas.append(event)
-    assert isinstance(event, Done)
-    return JSONResponse(answer.whole(deltas, event))
+            _record(choice, event)
+    return JSONResponse(answer.whole(choices))
 
 
-async def _stream(generation: Generation, first: Event,
+def _record(choice: Choice, event: Delta | Done) -> None:
+    if isinstance(event, Delta):
+        choice.deltas.append(event)
+    else:
+        choice.done = event
+
+
+async def _stream(choices: list[Choice], firsts: list[Event],
                   answer: Answer) -> AsyncIterator[bytes]:
     try:
-        async for batch in _batches(generation, first):
-            yield b"".join(sse(chunk) for event in batch for chunk in (
-                [_failed(event).body()] if isinstance(event, Failed) else answer.chunks(event)))
-        yield b"data: [DONE]\n\n"
+        async for items in _batches(choices, firsts):
+            parts = []
+            for choice, event in items:
+                if isinstance(event, Failed):
+                    parts.append(sse(_failed(event).body()))
+                    continue
+                _record(choice, event)
+                parts += map(sse, answer.chunks(choice, event))
+            yield b"".join(parts)
+        yield b"".join(map(sse, answer.last(choices))) + b"data: [DONE]\n\n"
     finally:
-        generation.cancel()  # a no-op once finished; frees the slot if the client left
+        _cancel(choices)  # frees the slots if the client left
 
 
 def sse(payload: dict[str, Any]) -> bytes:

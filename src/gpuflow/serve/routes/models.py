@@ -1,4 +1,5 @@
-"""``GET /v1/models``: the one model this server serves, as OpenAI lists models."""
+"""``GET /v1/models``: the one model this server serves, under each name it answers to
+(``--served-model-name``), as OpenAI lists models."""
 
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ router = APIRouter()
 
 @router.get("/v1/models", summary="The model this server serves (OpenAI-compatible)")
 async def models(request: Request) -> JSONResponse:
+    state = ServerState.of(request)
+    names = state.settings.served_model_name or (state.model_name,)
+    created = int(time.time())
     return JSONResponse({"object": "list", "data": [
-        {"id": ServerState.of(request).model_name, "object": "model",
-         "created": int(time.time()), "owned_by": "gpuflow"}]})
+        {"id": name, "object": "model", "created": created, "owned_by": "gpuflow",
+         **({"max_model_len": state.generator.lm.context} if state.generator else {})}
+        for name in names]})

@@ -1,0 +1,159 @@
+"""``POST /v1/chat/completions`` (OpenAI-compatible): messages rendered through the model's
+chat template (or ``--chat-template``) with the generation prompt added, tokenized without
+the tokenizer's own special tokens (a template that writes BOS gets no second one), and
+completed by the generation engine: ``n`` choices, whole or streamed as
+``chat.completion.chunk`` events (the role first, then content deltas, then the finish),
+with ``usage`` and, when asked, the tokens' log-probabilities."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import APIRouter
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from starlette.requests import Request
+
+from gpuflow.serve.errors import ApiError
+from gpuflow.serve.generate.requests import Delta, Done
+from gpuflow.serve.generate.tokenizer import ChatTemplateError, NoChatTemplate, Tokenizer
+from gpuflow.serve.routes.client import body_schema
+from gpuflow.serve.routes.generation import Choice, Reply, accept, check_prompt, generate, usage
+from gpuflow.serve.routes.logprobs import chat_logprobs
+from gpuflow.serve.routes.sampling_fields import GenerationFields
+from gpuflow.serve.state import ServerState
+
+router = APIRouter()
+MAX_TOP_LOGPROBS = 20
+
+
+class TextPart(BaseModel):
+    """One part of a message's content, as LangChain and the openai SDK send lists."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "\n".join(part.text for part in self.content)
+        return self.content or ""
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it; ``developer`` is the system prompt of
+        OpenAI's newer models, which templates know as ``system``."""
+        role = "system" if self.role == "developer" else self.role
+        extra = {k: v for k, v in (("name", self.name), ("tool_call_id", self.tool_call_id))
+                 if v is not None}
+        return {"role": role, "content": self.text(), **extra}
+
+
+class ChatRequest(GenerationFields):
+    """The body of ``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI; see below")
+    max_completion_tokens: int | None = Field(
+        None, ge=1, description="tokens to generate at most (default: the rest of the context)")
+    logprobs: StrictBool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def check(self) -> None:
+        self.check_served()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true.", "invalid_value",
+                           "top_logprobs")
+        for index, message in enumerate(self.messages):
+            if message.content is None and message.role != "assistant":
+                raise ApiError(400, f"messages.{index}.content: a {message.role} message "
+                               "needs content.", "invalid_value", f"messages.{index}.content")
+
+
+@router.post("/v1/chat/completions", summary="Answer a conversation (OpenAI-compatible)",
+             openapi_extra=body_schema(ChatRequest))
+async def chat_completions(request: Request) -> Response:
+    state, engine, body = await accept(request, ChatRequest)
+    body.check()
+    prompt = engine.tokenizer.encode(_render(state, engine.tokenizer, body),
+                                     add_special_tokens=False)
+    asked = body.max_completion_tokens or body.max_tokens
+    max_tokens = asked or max(1, engine.lm.context - len(prompt))
+    check_prompt(prompt, max_tokens, engine, param="messages",
+                 max_tokens_param="max_completion_tokens" if body.max_completion_tokens
+                 else "max_tokens")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = [body.sampling(state.generation_defaults, max_tokens, choice, logprobs)
+              for choice in range(body.n)]
+    answer = _ChatAnswer(state.model_name, engine.tokenizer, body.include_usage)
+    return await generate(request, [prompt], params, answer, body.stream)
+
+
+def _render(state: ServerState, tokenizer: Tokenizer, body: ChatRequest) -> str:
+    """The conversation through the chat template; 400 without one, or when the template
+    refuses the conversation (e.g. roles out of order), with its message."""
+    try:
+        return tokenizer.render_chat([m.for_template() for m in body.messages],
+                                     state.chat_template)
+    except NoChatTemplate:
+        raise ApiError(400, "This model has no chat template (none in its tokenizer_config.json "
+                       "or chat_template.jinja): start the server with --chat-template FILE, "
+                       "or use /v1/completions.", "no_chat_template", "messages") from None
+    except ChatTemplateError as exc:
+        raise ApiError(400, f"The chat template refused the messages: {exc}",
+                       "invalid_messages", "messages") from None
+
+
+class _ChatAnswer(Reply):
+    """Choices' events as OpenAI's ``chat.completion``, whole or chunk by chunk."""
+
+    def __init__(self, model: str, tokenizer: Tokenizer, include_usage: bool) -> None:
+        super().__init__(model, "chatcmpl")
+        self.tokenizer, self.include_usage = tokenizer, include_usage
+        self.started: set[int] = set()
+
+    def _logprobs(self, choice: Choice, deltas: list[Delta]) -> dict[str, Any] | None:
+        if choice.generation.params.logprobs is None:
+            return None
+        return chat_logprobs(self.tokenizer, [e for delta in deltas for e in delta.logprobs])
+
+    def whole(self, choices: list[Choice]) -> dict[str, Any]:
+        return self.payload("chat.completion", [
+            {"index": c.index, "message": {"role": "assistant", "content": c.text},
+             "logprobs": self._logprobs(c, c.deltas),
+             "finish_reason": c.done.finish_reason if c.done else None}
+            for c in choices], usage=usage(choices))
+
+    def chunks(self, choice: Choice, event: Delta | Done) -> list[dict[str, Any]]:
+        chunks = []
+        if choice.index not in self.started:  # each choice's first chunk names the role
+            self.started.add(choice.index)
+            chunks.append(self._chunk(choice, {"role": "assistant", "content": ""}))
+        if isinstance(event, Delta):
+            chunks.append(self._chunk(choice, {"content": event.text},
+                                      self._logprobs(choice, [event])))
+        else:
+            chunks.append(self._chunk(choice, {}, finish_reason=event.finish_reason))
+        return chunks
+
+    def _chunk(self, choice: Choice, delta: dict[str, Any],
+               logprobs: dict[str, Any] | None = None,
+               finish_reason: str | None = None) -> dict[str, Any]:
+        extra = {"usage": None} if self.include_usage else {}
+        return self.payload("chat.completion.chunk", [
+            {"index": choice.index, "delta": delta, "logprobs": logprobs,
+             "finish_reason": finish_reason}], **extra)
+
+    def last(self, choices: list[Choice]) -> list[dict[str, Any]]:
+        if not self.include_usage:
+            return []
+        return [self.payload("chat.completion.chunk", [], usage=usage(choices))]
