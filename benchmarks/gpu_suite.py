@@ -443,8 +443,9 @@ def generation_stage(suite: Suite, device: str, name: str, *extra: str) -> None:
     suite.log(f"generation benchmark {' '.join(extra)}")
     # The dry run walks the stage with the engine alone; test_generate's quick run covers the
     # Hugging Face export, whose server would add ~15 s here.
-    flags = (["--quick", "--no-hf"] if suite.dry_run else
-             ["--precision", "bf16", "--no-transformers", "--model-size", "124m",
+    flags = (["--model", "textlm", "--quick", "--no-hf"] if suite.dry_run else
+             ["--model", "textlm", "--precision", "bf16", "--no-transformers",
+              "--model-size", "124m",
               "--concurrency", "1,8,32,64", "--max-batch-size", "64", "--rounds", "1",
               "--warmup-s", "2", "--window-s", "3"])
     limit = 120 if suite.dry_run else 360 if "--cuda-graphs" in extra else 240

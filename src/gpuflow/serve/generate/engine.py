@@ -53,6 +53,7 @@ from gpuflow.serve.generate.tokenizer import ByteTokenizer, Tokenizer
 from gpuflow.serve.model import batch_buckets
 
 log = logging.getLogger("gpuflow.serve")
+PREFILL_TOKENS = 4096  # padded prompt tokens one prefill forward takes, beyond a lone prompt
 
 
 class CachedLM(Protocol):
@@ -66,11 +67,14 @@ class CachedLM(Protocol):
     def new_cache(self, slots: int) -> Any: ...
     def bytes_per_slot(self) -> int: ...
     def logits(self, tokens: torch.Tensor, cache: Any, slots: torch.Tensor,
-               starts: torch.Tensor, all_positions: bool = False) -> torch.Tensor:
-        """Logits ``[B, T', V]`` of ``tokens[B, T]`` (``T'`` is 1, the last position, unless
-        ``all_positions``), row ``b`` being the sequence in cache slot ``slots[b]`` whose
-        tokens so far end at ``starts[b]``; the new tokens' keys and values are written into
-        the cache."""
+               starts: torch.Tensor, lengths: torch.Tensor | None = None,
+               all_positions: bool = False) -> torch.Tensor:
+        """Logits ``[B, V]`` of each row's last token of ``tokens[B, T]`` (token
+        ``lengths[b] - 1`` of a right-padded batch; default the last), or ``[B, T, V]`` of
+        every position with ``all_positions``; row ``b`` is the sequence in cache slot
+        ``slots[b]`` whose tokens so far end at ``starts[b]``. The new tokens' keys and
+        values are written into the cache (a padded row's padding too, past its end, where
+        its next tokens overwrite them before any step can see them)."""
     def step(self, tokens: torch.Tensor, cache: Any, slots: torch.Tensor,
              starts: torch.Tensor) -> torch.Tensor:
         """``logits`` of one new token per row (``tokens[B, 1]``), ``[B, V]``, in shapes
@@ -255,34 +259,57 @@ class GenerationEngine:
         return int(counters["inductor"]["cudagraph_skips"])
 
     def _admit(self) -> None:
+        """Give waiting requests free slots and prefill them: together in one forward, as
+        many as ``PREFILL_TOKENS`` padded tokens hold (a burst of arrivals waits for one
+        prefill, not one each); one asking for its prompt's log-probabilities alone."""
+        batch: list[Generation] = []
         while self._free:
             with self._lock:
                 if not self._waiting:
-                    return
-                generation = self._waiting.popleft()
+                    break
+                generation = self._waiting[0]
+                longest = max([len(generation.prompt), *(len(g.prompt) for g in batch)])
+                if batch and longest * (len(batch) + 1) > PREFILL_TOKENS:
+                    break
+                self._waiting.popleft()
             if generation.cancelled:
                 self._emit(generation, Done("cancelled", len(generation.prompt), 0))
                 continue
             generation.slot = min(self._free)  # low slots first, to keep them consecutive
             self._free.remove(generation.slot)
             self._active.append(generation)
-            self._prefill(generation)
-            self._hand_over()  # its first token goes out now, not after the decode step
+            if generation.params.prompt_logprobs is not None:
+                self._prefill_scored(generation)
+            else:
+                batch.append(generation)
+        if batch:
+            self._prefill(batch)
+        self._hand_over()  # first tokens go out now, not after the decode step
 
-    def _prefill(self, generation: Generation) -> None:
-        """Run the prompt into its slot and take the first token (and, when asked, the
-        prompt's log-probabilities from the same forward)."""
-        prompt, params = generation.prompt, generation.params
-        tokens = torch.tensor([prompt], device=self._device)
-        logits = self.lm.logits(tokens, self.cache, self._slots([generation]),
+    def _prefill(self, batch: list[Generation]) -> None:
+        """Run the prompts, right-padded, into their slots and take each first token."""
+        longest = max(len(g.prompt) for g in batch)
+        tokens = torch.zeros(len(batch), longest, dtype=torch.long)
+        for row, generation in enumerate(batch):
+            tokens[row, :len(generation.prompt)] = torch.tensor(generation.prompt)
+        lengths = torch.tensor([len(g.prompt) for g in batch], device=self._device)
+        logits = self.lm.logits(tokens.to(self._device), self.cache, self._slots(batch),
+                                torch.zeros_like(lengths), lengths).float().cpu()
+        for row, (generation, token) in enumerate(zip(
+                batch, choose_tokens([g.sampler for g in batch], logits), strict=True)):
+            self._advance(generation, token, logits[row:row + 1])
+
+    def _prefill_scored(self, generation: Generation) -> None:
+        """Prefill one prompt and keep its tokens' log-probabilities from the same forward."""
+        prompt = generation.prompt
+        logits = self.lm.logits(torch.tensor([prompt], device=self._device), self.cache,
+                                self._slots([generation]),
                                 torch.zeros(1, dtype=torch.long, device=self._device),
-                                all_positions=params.prompt_logprobs is not None)
+                                all_positions=True)
         rows = logits[0].float().cpu()
-        if params.prompt_logprobs is not None:
-            generation.prompt_logprobs = [None, *token_logprobs(
-                rows[:-1], prompt[1:], params.prompt_logprobs)]
-        last = rows[-1:]
-        self._advance(generation, generation.sampler.choose(last[0]), last)
+        generation.prompt_logprobs = [None, *token_logprobs(
+            rows[:-1], prompt[1:], generation.params.prompt_logprobs or 0)]
+        self._advance(generation, generation.sampler.choose(rows[-1]), rows[-1:])
 
     @property
     def _device(self) -> torch.device:
@@ -303,7 +330,7 @@ class GenerationEngine:
         else:
             last = torch.tensor([[g.generated[-1]] for g in batch], device=self._device)
             starts = torch.tensor([g.length - 1 for g in batch], device=self._device)
-            logits = self.lm.logits(last, self.cache, self._slots(batch), starts)[:, -1]
+            logits = self.lm.logits(last, self.cache, self._slots(batch), starts)
         logits = logits.float().cpu()
         tokens = choose_tokens([g.sampler for g in batch], logits)
         for row, (generation, token) in enumerate(zip(batch, tokens, strict=True)):

@@ -24,7 +24,7 @@ import dataclasses
 import inspect
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -143,6 +143,16 @@ class CacheShape:
                 * dtype.itemsize)
 
 
+Keep = Literal["last", "all"] | torch.Tensor  # the positions whose logits a forward returns
+
+
+def kept(values: torch.Tensor, keep: Keep) -> torch.Tensor:
+    """``values[B, T, ...]`` at the positions ``keep`` names (see ``HFCausalLM._forward``)."""
+    if isinstance(keep, torch.Tensor):
+        return values[torch.arange(values.shape[0], device=values.device), keep]
+    return values if keep == "all" else values[:, -1]
+
+
 _shapes: weakref.WeakKeyDictionary[nn.Module, CacheShape | str] = weakref.WeakKeyDictionary()
 _LAYERS = {DynamicLayer: False, DynamicSlidingWindowLayer: True}  # layer kind -> sliding
 
@@ -253,17 +263,20 @@ class HFCausalLM:
         return self.shape.bytes_per_slot(self.dtype)
 
     def logits(self, tokens: torch.Tensor, cache: SlotCache, slots: torch.Tensor,
-               starts: torch.Tensor, all_positions: bool = False) -> torch.Tensor:
-        """Logits ``[B, T', V]`` of ``tokens[B, T]`` (``T'`` 1, the last position, unless
-        ``all_positions``), row ``b`` being the sequence in cache slot ``slots[b]`` whose
-        tokens so far end at ``starts[b]``."""
+               starts: torch.Tensor, lengths: torch.Tensor | None = None,
+               all_positions: bool = False) -> torch.Tensor:
+        """Logits ``[B, V]`` of each row's last token of ``tokens[B, T]`` (token
+        ``lengths[b] - 1`` of a right-padded batch; default the last), or ``[B, T, V]`` of
+        every position with ``all_positions``; row ``b`` is the sequence in cache slot
+        ``slots[b]`` whose tokens so far end at ``starts[b]``."""
         length = tokens.shape[1]
         span = int(starts.max()) + length
         if span > self.context:
             raise ValueError(f"a sequence of {span} tokens is longer than the model's context "
                              f"({self.context})")
         cache.at(slots, starts, length, span)
-        return self._forward(tokens, cache, all_positions)
+        keep: Keep = "all" if all_positions else "last" if lengths is None else lengths - 1
+        return self._forward(tokens, cache, keep)
 
     def step(self, tokens: torch.Tensor, cache: SlotCache, slots: torch.Tensor,
              starts: torch.Tensor) -> torch.Tensor:
@@ -271,15 +284,16 @@ class HFCausalLM:
         attends over the whole context under its mask, and nothing waits for the device,
         so that ``torch.compile(dynamic=False)`` makes one graph per batch bucket."""
         cache.step = _Step(slots, starts, 1, self.context, None)
-        return self._forward(tokens, cache, False)[:, -1]
+        return self._forward(tokens, cache, "last")
 
-    def _forward(self, tokens: torch.Tensor, cache: SlotCache,
-                 all_positions: bool) -> torch.Tensor:
-        """Logits ``[B, T', V]`` of ``tokens`` at the rows ``cache.step`` holds."""
+    def _forward(self, tokens: torch.Tensor, cache: SlotCache, keep: Keep) -> torch.Tensor:
+        """Logits of ``tokens`` at the rows ``cache.step`` holds, at the positions ``keep``
+        says: each row's last (``[B, V]``), every one (``[B, T, V]``), or row ``b``'s
+        ``keep[b]`` (``[B, V]``)."""
         step = cache.step
         assert step is not None
         extra: dict[str, Any] = {self._cache_argument: cache, "use_cache": True}
-        if self._keep_last and not all_positions:
+        if self._keep_last and isinstance(keep, str) and keep == "last":
             extra["logits_to_keep"] = 1
         positions = step.starts[:, None] + torch.arange(step.length, device=tokens.device)
         try:
@@ -287,8 +301,7 @@ class HFCausalLM:
                              position_ids=positions, **extra)
         finally:
             cache.step = None
-        logits = out.logits if all_positions else out.logits[:, -1:]
-        return logits[..., :self.vocab_size]
+        return kept(out.logits, keep)[..., :self.vocab_size]
 
     def _mask(self, positions: torch.Tensor, span: int) -> torch.Tensor | dict[str, Any]:
         """Row ``b``'s token ``t`` sees its own slot's positions up to its own (within the

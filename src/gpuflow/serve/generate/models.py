@@ -34,9 +34,14 @@ class GPTDecoder:
         return KVCache.bytes_per_slot(self.model.config, self.dtype)
 
     def logits(self, tokens: torch.Tensor, cache: KVCache, slots: torch.Tensor,
-               starts: torch.Tensor, all_positions: bool = False) -> torch.Tensor:
+               starts: torch.Tensor, lengths: torch.Tensor | None = None,
+               all_positions: bool = False) -> torch.Tensor:
         logits = self.model.decode(tokens, cache, slots, starts)
-        return logits if all_positions else logits[:, -1:]
+        if all_positions:
+            return logits
+        if lengths is None:
+            return logits[:, -1]
+        return logits[torch.arange(len(logits), device=logits.device), lengths - 1]
 
     def step(self, tokens: torch.Tensor, cache: KVCache, slots: torch.Tensor,
              starts: torch.Tensor) -> torch.Tensor:
@@ -106,5 +111,7 @@ def cached_lm(model: nn.Module, dtype: torch.dtype, tokenized: bool = False,
     if isinstance(model, GPT):
         return GPTDecoder(model, dtype)
     from gpuflow.serve.generate.hf_models import HFCausalLM
+    from gpuflow.serve.generate.llama import LlamaDecoder, is_llama_like
 
-    return HFCausalLM(model, dtype, tokenized, context)  # type: ignore[arg-type]
+    kind = LlamaDecoder if is_llama_like(model) else HFCausalLM  # type: ignore[arg-type]
+    return kind(model, dtype, tokenized, context)  # type: ignore[arg-type]
