@@ -32,6 +32,7 @@ from gpuflow.serve.generate.engine import (
     cache_slots,
 )
 from gpuflow.serve.generate.models import GPTDecoder
+from gpuflow.serve.generate.runner import DecodeRunner
 from gpuflow.serve.generate.sampling import SamplingParams, filter_logits
 from gpuflow.serve.generate.text import TextStream
 from gpuflow.workloads import textlm
@@ -128,17 +129,17 @@ def test_decode_steps_padded_to_batch_buckets_equal_recomputing_every_prefix() -
                b"class Engine:\n    ", b"0123456789", b"xy"]
     budgets = [12, 5, 20, 9, 14, 3, 17]
     engine = engine_for(model, slots=5, bucketed=True)
-    assert engine.buckets == [1, 2, 4, 5] and engine.slots == 5
+    assert engine.runner.buckets == [1, 2, 4, 5] and engine.slots == 5
     assert engine.cache.keys.shape[1] == 6  # the scratch slot beside the five
     assert engine.describe() == "decode eager over batch buckets 1,2,4,5"
     steps: list[list[int]] = []
-    step = engine._decode
+    step = engine.runner.model_step
 
     def recorded(tokens, cache, slots, starts):
         steps.append(slots.tolist())
         return step(tokens, cache, slots, starts)
 
-    engine._decode = recorded
+    engine.runner.model_step = recorded
     results = greedy_through(engine, prompts, budgets, first=5)
     for prompt, budget, (text, done) in zip(prompts, budgets, results, strict=True):
         assert text == greedy_reference(model, prompt, budget).decode("utf-8", "replace")
@@ -354,13 +355,13 @@ def test_compiled_decode_generates_what_eager_does_once_every_bucket_has_run(
                 for p in prompts]
     monkeypatch.setattr(Engine, "warm_up", lambda self: 0.0)
     release = threading.Event()
-    warm_up = GenerationEngine._warm_up
+    warm_up = DecodeRunner.warm_up
 
-    def held(self: GenerationEngine) -> None:
+    def held(self: DecodeRunner) -> None:
         release.wait(60)
         warm_up(self)
 
-    monkeypatch.setattr(GenerationEngine, "_warm_up", held)
+    monkeypatch.setattr(DecodeRunner, "warm_up", held)
 
     from torch._dynamo.utils import counters
 

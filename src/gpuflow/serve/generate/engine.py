@@ -1,23 +1,16 @@
 """Continuous batching over a KV cache allocated once.
 
 The engine owns ``slots`` cache rows and a thread that loops: admit waiting requests into
-free slots (each prompt is prefilled on its own and yields its first token), then run one
-decode step over every active sequence together, each at its own position. A request
-joins at the next step after a slot frees; a finished one (its ``max_tokens``, a stop
-string, the end-of-sequence token, or the context's end) leaves and frees its slot at once,
-and so does one whose client went away. Events (text deltas, then the finish) are handed
-to the requests' asyncio queues on the server's event loop, all of a step's at once: one
-wake-up of the loop a step, not one a sequence.
-
-Decode steps may run over fixed batch buckets (``bucketed``; always so when compiled): the
-active rows are padded up to the next bucket size, the predict path's ``batch_buckets``
-of the slot count, with rows that point at a scratch slot no request ever holds (their
-writes land there, their logits are dropped), and the step is the model's static-shape
-one (``CachedLM.step``: the whole context under a mask). ``compile`` runs that step
-through ``torch.compile(dynamic=False)``, one graph per bucket, and ``cuda_graphs`` (CUDA
-only) with ``mode="reduce-overhead"``, which replays each bucket's step as a CUDA graph.
-The engine thread runs every bucket before it serves (``wait_warm``). Prefill runs
-eagerly, one prompt at a time, as without buckets.
+free slots (their prompts prefilled together, right-padded, each giving its first token),
+then run one decode step over every active sequence together, each at its own position.
+A request joins at the next step after a slot frees; a finished one (its ``max_tokens``, a
+stop string, an end-of-sequence id, or the context's end) leaves and frees its slot at
+once, and so does one whose client went away. Events (text deltas with the tokens'
+log-probabilities when asked, then the finish) are handed to the requests' asyncio queues
+on the server's event loop, all of a step's at once: one wake-up of the loop a step, not
+one a sequence. How the model runs (eagerly, over batch buckets, compiled, as CUDA graphs)
+is the ``DecodeRunner``'s (``runner.py``); the engine thread runs every bucket before it
+serves (``wait_warm``).
 """
 
 from __future__ import annotations
@@ -44,13 +37,13 @@ from gpuflow.serve.generate.requests import (
     Generation,
     WaitingFull,
 )
+from gpuflow.serve.generate.runner import DecodeRunner
 from gpuflow.serve.generate.sampling import (
     SamplingParams,
     choose_tokens,
     token_logprobs,
 )
 from gpuflow.serve.generate.tokenizer import ByteTokenizer, Tokenizer
-from gpuflow.serve.model import batch_buckets
 
 log = logging.getLogger("gpuflow.serve")
 PREFILL_TOKENS = 4096  # padded prompt tokens one prefill forward takes, beyond a lone prompt
@@ -96,17 +89,7 @@ class GenerationEngine:
         self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
         self.eos_ids, self.observer = frozenset(eos_ids), observer
         self._context = context
-        self.compiled = compile or cuda_graphs
-        self.buckets = batch_buckets(slots) if bucketed or self.compiled else None
-        # The scratch slot, one past the requests' slots, takes the padding rows' writes.
-        self._scratch = slots
-        self.cache = lm.new_cache(slots + 1 if self.buckets else slots)
-        # As the predict path's Runner: no CUDA graphs off CUDA (its describe() says so).
-        self.cuda_graphs = cuda_graphs and self._device.type == "cuda"
-        self._decode = self._decoder()
-        self.compile_failure: str | None = None
-        self.graphs_skipped = False
-        self.warmup_s: float | None = None
+        self.runner = DecodeRunner(lm, slots, bucketed, compile, cuda_graphs)
         self._warm = threading.Event()
         self._warm_error: BaseException | None = None
         self._free = list(range(slots))
@@ -129,21 +112,18 @@ class GenerationEngine:
         """Requests waiting for a slot."""
         return len(self._waiting)
 
+    @property
+    def cache(self) -> Any:
+        return self.runner.cache
+
+    @property
+    def warmup_s(self) -> float | None:
+        """Seconds the decode warm-up took, once done."""
+        return self.runner.warmup_s
+
     def describe(self) -> str:
         """How decode steps run, e.g. ``decode compiled for batch buckets 1,2,4``."""
-        if self.buckets is None:
-            return "decode eager, one row per active sequence"
-        sizes = ",".join(map(str, self.buckets))
-        if not self.compiled:
-            return f"decode eager over batch buckets {sizes}"
-        if self.compile_failure is not None:
-            return (f"decode eager over batch buckets {sizes}: torch.compile failed "
-                    f"({self.compile_failure})")
-        graphs = ""
-        if self.cuda_graphs:
-            graphs = (" with CUDA graphs" if not self.graphs_skipped else
-                      " with CUDA graphs, some skipped by torch.compile (see the log)")
-        return f"decode compiled for batch buckets {sizes}{graphs}"
+        return self.runner.describe()
 
     def start(self) -> None:
         self._thread.start()
@@ -181,27 +161,10 @@ class GenerationEngine:
 
     # --- the engine thread ---------------------------------------------------------------
 
-    def _decoder(self) -> Callable[..., torch.Tensor]:
-        """The decode step over buckets: the model's static-shape step, compiled or not."""
-        if not self.compiled:
-            return self.lm.step
-        # The step writes the new keys and values into the cache, a graph input: held at
-        # a fixed address (allocated once), it may be mutated inside a CUDA graph, which
-        # cudagraph trees otherwise refuse (they would skip the graph).
-        for tensor in self.lm.written(self.cache):
-            torch._dynamo.mark_static_address(tensor)
-        config = torch._dynamo.config
-        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-        assert self.buckets is not None
-        if getattr(config, name) < len(self.buckets):  # one graph per bucket, none eager
-            setattr(config, name, len(self.buckets))
-        mode = "reduce-overhead" if self.cuda_graphs else None
-        return torch.compile(self.lm.step, mode=mode, dynamic=False)  # type: ignore[return-value]
-
     def _run(self) -> None:
         with self._context():
             try:
-                self._warm_up()
+                self.runner.warm_up()
             except BaseException as exc:
                 self._warm_error = exc
                 log.exception("gpuflow serve: the decode warm-up failed")
@@ -220,43 +183,6 @@ class GenerationEngine:
                     self._fail_all(f"{type(exc).__name__}: {exc}")
                 self._hand_over()
                 self._observe()
-
-    def _warm_up(self) -> None:
-        """Every bucket's decode step, all rows in the scratch slot: compiled, and on CUDA
-        with graphs warmed up, recorded and replayed once (cudagraph trees record a
-        function on its second call). In this thread, which serves them: cudagraph trees
-        keep their graphs per thread. A compile that fails falls back to the eager step,
-        saying so."""
-        start = time.perf_counter()
-        skips = self._graph_skips()
-        for size in self.buckets or []:
-            for _ in range(3 if self.cuda_graphs else 1):
-                try:
-                    self._padded([], size)
-                except Exception as exc:
-                    if not self.compiled or self.compile_failure is not None:
-                        raise
-                    self.compile_failure = f"{type(exc).__name__}: {exc}"
-                    log.warning("gpuflow serve: torch.compile of the decode step failed "
-                                "(%s); decoding eagerly over the same buckets",
-                                self.compile_failure)
-                    self._decode, self.cuda_graphs = self.lm.step, False
-                    self._padded([], size)
-                    break
-        if self.cuda_graphs and self._graph_skips() > skips:
-            # Inductor runs a graph it cannot capture (an op on the CPU, a mutated input
-            # that is not static) without CUDA graphs, saying so only in its log.
-            self.graphs_skipped = True
-            log.warning("gpuflow serve: torch.compile did not capture every decode step as "
-                        "a CUDA graph (torch's log says why); those steps run without")
-        self.warmup_s = time.perf_counter() - start
-
-    @staticmethod
-    def _graph_skips() -> int:
-        """Graphs inductor has declined to capture as CUDA graphs in this process."""
-        from torch._dynamo.utils import counters
-
-        return int(counters["inductor"]["cudagraph_skips"])
 
     def _admit(self) -> None:
         """Give waiting requests free slots and prefill them: together in one forward, as
@@ -288,13 +214,7 @@ class GenerationEngine:
 
     def _prefill(self, batch: list[Generation]) -> None:
         """Run the prompts, right-padded, into their slots and take each first token."""
-        longest = max(len(g.prompt) for g in batch)
-        tokens = torch.zeros(len(batch), longest, dtype=torch.long)
-        for row, generation in enumerate(batch):
-            tokens[row, :len(generation.prompt)] = torch.tensor(generation.prompt)
-        lengths = torch.tensor([len(g.prompt) for g in batch], device=self._device)
-        logits = self.lm.logits(tokens.to(self._device), self.cache, self._slots(batch),
-                                torch.zeros_like(lengths), lengths).float().cpu()
+        logits = self.runner.prefill([g.prompt for g in batch], _slots(batch))
         for row, (generation, token) in enumerate(zip(
                 batch, choose_tokens([g.sampler for g in batch], logits), strict=True)):
             self._advance(generation, token, logits[row:row + 1])
@@ -302,21 +222,10 @@ class GenerationEngine:
     def _prefill_scored(self, generation: Generation) -> None:
         """Prefill one prompt and keep its tokens' log-probabilities from the same forward."""
         prompt = generation.prompt
-        logits = self.lm.logits(torch.tensor([prompt], device=self._device), self.cache,
-                                self._slots([generation]),
-                                torch.zeros(1, dtype=torch.long, device=self._device),
-                                all_positions=True)
-        rows = logits[0].float().cpu()
+        rows = self.runner.prefill([prompt], _slots([generation]), all_positions=True)[0]
         generation.prompt_logprobs = [None, *token_logprobs(
             rows[:-1], prompt[1:], generation.params.prompt_logprobs or 0)]
         self._advance(generation, generation.sampler.choose(rows[-1]), rows[-1:])
-
-    @property
-    def _device(self) -> torch.device:
-        return self.cache.keys.device
-
-    def _slots(self, generations: list[Generation]) -> torch.Tensor:
-        return torch.tensor([g.slot for g in generations], device=self._device)
 
     def _step(self) -> None:
         """One decode step of every active sequence."""
@@ -325,32 +234,11 @@ class GenerationEngine:
         if not self._active:
             return
         batch = sorted(self._active, key=lambda g: g.slot)  # consecutive slots: no copies
-        if self.buckets is not None:
-            logits = self._padded(batch, next(b for b in self.buckets if b >= len(batch)))
-        else:
-            last = torch.tensor([[g.generated[-1]] for g in batch], device=self._device)
-            starts = torch.tensor([g.length - 1 for g in batch], device=self._device)
-            logits = self.lm.logits(last, self.cache, self._slots(batch), starts)
-        logits = logits.float().cpu()
+        logits = self.runner.decode([g.generated[-1] for g in batch], _slots(batch),
+                                    [g.length - 1 for g in batch])
         tokens = choose_tokens([g.sampler for g in batch], logits)
         for row, (generation, token) in enumerate(zip(batch, tokens, strict=True)):
             self._advance(generation, token, logits[row:row + 1])
-
-    def _padded(self, batch: list[Generation], size: int) -> torch.Tensor:
-        """One decode step of ``batch`` padded to ``size`` rows, the padding rows (token 0
-        at position 0) in the scratch slot; the batch's logits, on the CPU."""
-        pad = size - len(batch)
-        rows = torch.tensor([[g.generated[-1] for g in batch] + [0] * pad,
-                             [g.slot for g in batch] + [self._scratch] * pad,
-                             [g.length - 1 for g in batch] + [0] * pad])
-        tokens, slots, starts = rows.to(self._device).unbind(0)  # one copy to the device
-        if self.cuda_graphs:
-            # A new step of cudagraph trees: the previous replay's outputs (copied to the
-            # CPU below, before this replay overwrites them) may be reused. The inputs
-            # are fresh tensors, which the trees copy into the graph's own.
-            torch.compiler.cudagraph_mark_step_begin()
-        logits = self._decode(tokens[:, None], self.cache, slots, starts)
-        return logits[:len(batch)].float().cpu()
 
     def _advance(self, generation: Generation, token: int, logits: torch.Tensor) -> None:
         """Take ``token`` as the sequence's next, send its text, retire when finished.
@@ -422,6 +310,12 @@ class GenerationEngine:
     def _observe(self) -> None:
         if self.observer is not None:
             self.observer.occupancy(self.active, self.waiting, self.slots)
+
+
+def _slots(generations: list[Generation]) -> list[int]:
+    slots = [g.slot for g in generations]
+    assert None not in slots
+    return slots  # type: ignore[return-value]
 
 
 def _deliver(events: list[tuple[Generation, Event]]) -> None:
