@@ -21,7 +21,7 @@ waiting (up to a minute) for the CPUs to go idle first. Per contender and concur
 output tokens per second, time to first token and inter-token latency, p50 and p99, the
 median of the rounds; and the issue's targets judged from them.
 
-    .venv/bin/python benchmarks/generation.py --rounds 3      # ~15 minutes on 2 cores
+    .venv/bin/python benchmarks/generation.py                 # ~30 minutes on 2 cores
     .venv/bin/python benchmarks/generation.py --quick         # seconds
     python benchmarks/generation.py --model textlm --device cuda --precision bf16 --cuda-graphs
 """
@@ -115,7 +115,8 @@ def transformers_command(source: Path, port: int) -> list[str] | None:
     executable = shutil.which("transformers", path=str(Path(sys.executable).parent))
     if ARGS.no_transformers or executable is None:
         return None
-    return [executable, "serve", str(source), "--continuous-batching", "--device", "cpu",
+    device = "cuda" if ARGS.device.startswith("cuda") else "cpu"
+    return [executable, "serve", str(source), "--continuous-batching", "--device", device,
             "--host", "127.0.0.1", "--port", str(port)]
 
 
@@ -130,11 +131,14 @@ def vllm_command(source: Path, port: int) -> list[str]:
 
 class Servers:
     """The servers started, each on its own port (on the server cores), and what did not
-    start, as notes."""
+    start, as notes. ``restart`` starts them all afresh, on the same ports: a server that
+    stalled in one round (as `transformers serve` does at 32 clients) is measured again in
+    the next, rather than timing out there too."""
 
     def __init__(self, env: dict[str, str], cores: set[int] | None) -> None:
         self.env, self.cores = env, cores
         self.processes: list[Any] = []
+        self.started: list[tuple[list[str], str, str, float]] = []
         self.notes: list[str] = []
 
     def start(self, name: str, command: list[str], ready: str, timeout: float) -> str | None:
@@ -144,7 +148,13 @@ class Servers:
         except RuntimeError as exc:
             self.notes.append(f"{name} did not start: {exc}")
             return None
+        self.started.append((command, url, ready, timeout))
         return url
+
+    def restart(self) -> None:
+        stop(self.processes)
+        self.processes = [start(command, url, ready, self.env, timeout, self.cores)
+                          for command, url, ready, timeout in self.started]
 
 
 def hub_contenders(servers: Servers, folder: Path) -> tuple[list[Contender], dict[str, Any]]:
@@ -247,10 +257,12 @@ def judge(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return verdicts
 
 
-def measure(contenders: list[Contender]) -> dict[str, dict[str, Any]]:
+def measure(contenders: list[Contender], servers: Servers) -> dict[str, dict[str, Any]]:
     results: dict[str, dict[str, list[dict[str, Any]]]] = {
         c.name: {str(level): [] for level in ARGS.levels} for c in contenders}
     for number in range(ARGS.rounds):
+        if number:
+            servers.restart()
         for level in ARGS.levels:
             for contender in contenders:
                 # A server still generating for requests its clients dropped (as a stalled
@@ -309,7 +321,7 @@ def main() -> int:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # Servers on core 0, the clients (this process) on the others, where there are others.
     cores = usable_cores()
-    server_cores = {0} if cores >= 2 and ARGS.device != "cuda" else None
+    server_cores = {0} if cores >= 2 and not ARGS.device.startswith("cuda") else None
     if server_cores:
         os.sched_setaffinity(0, set(range(1, cores)))
     servers = Servers(env, server_cores)
@@ -317,7 +329,7 @@ def main() -> int:
         try:
             build = hub_contenders if ARGS.model == "hub-llama" else textlm_contenders
             contenders, info = build(servers, Path(scratch))
-            runs = measure(contenders)
+            runs = measure(contenders, servers)
         finally:
             stop(servers.processes)
     write_json(ARGS.out, {

@@ -27,7 +27,7 @@ import torch
 from conftest import cli_env, serving
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from gpuflow.serve.app import ServeSettings, create_app
+import gpuflow
 
 PROMPT = "Café crème, 東京 🚀: the for statement"
 # Prompts the fixture's models answer with accents, CJK or emoji.
@@ -84,12 +84,13 @@ class Reference:
 
 def served(path: Path, test: Callable[[openai.AsyncOpenAI, httpx.AsyncClient],
                                       Awaitable[Any]], **options: Any) -> Any:
-    """Run ``test`` against ``gpuflow serve path``, in this process."""
-    settings = ServeSettings(source=str(path), max_batch_size=4, kv_cache_gib=0.02,
-                             timeout_ms=30000, **options)
+    """Run ``test`` against ``gpuflow serve path``, in this process, through the Python
+    API."""
+    settings = gpuflow.ServeSettings(source=str(path), max_batch_size=4, kv_cache_gib=0.02,
+                                     timeout_ms=30000, **options)
 
     async def scenario() -> Any:
-        async with serving(create_app(settings)) as client:
+        async with serving(gpuflow.create_app(settings)) as client:
             api = openai.AsyncOpenAI(base_url=f"{client.base_url}/v1", api_key="none",
                                      max_retries=0)
             return await test(api, client)

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from gpuflow.config import TrainConfig
     from gpuflow.errors import UserError
+    from gpuflow.serve.app import create_app
+    from gpuflow.serve.settings import ServeSettings
     from gpuflow.serving import ServingSpec
     from gpuflow.train.trainer import RunResult, Trainer, train
     from gpuflow.workload import Workload, accuracy, cross_entropy, resolve_workload
@@ -21,12 +23,14 @@ if TYPE_CHECKING:
 # Each public name and the module that defines it.
 _EXPORTS = {
     "RunResult": "gpuflow.train.trainer",
+    "ServeSettings": "gpuflow.serve.settings",
     "ServingSpec": "gpuflow.serving",
     "TrainConfig": "gpuflow.config",
     "Trainer": "gpuflow.train.trainer",
     "UserError": "gpuflow.errors",
     "Workload": "gpuflow.workload",
     "accuracy": "gpuflow.workload",
+    "create_app": "gpuflow.serve.app",
     "cross_entropy": "gpuflow.workload",
     "resolve_workload": "gpuflow.workload",
     "train": "gpuflow.train.trainer",
@@ -34,12 +38,14 @@ _EXPORTS = {
 
 __all__ = [
     "RunResult",
+    "ServeSettings",
     "ServingSpec",
     "TrainConfig",
     "Trainer",
     "UserError",
     "Workload",
     "accuracy",
+    "create_app",
     "cross_entropy",
     "resolve_workload",
     "train",

@@ -293,7 +293,12 @@ class HFCausalLM:
         step = cache.step
         assert step is not None
         extra: dict[str, Any] = {self._cache_argument: cache, "use_cache": True}
-        if self._keep_last and isinstance(keep, str) and keep == "last":
+        if self._keep_last and isinstance(keep, torch.Tensor):
+            # The head over the rows' last positions only, not over every padded position.
+            wanted = torch.unique(keep)
+            extra["logits_to_keep"] = wanted
+            keep = torch.searchsorted(wanted, keep)
+        elif self._keep_last and isinstance(keep, str) and keep == "last":
             extra["logits_to_keep"] = 1
         positions = step.starts[:, None] + torch.arange(step.length, device=tokens.device)
         try:
