@@ -13,6 +13,7 @@ Any other architecture runs through transformers' forward (``HFCausalLM``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,10 +36,40 @@ def is_llama_like(model: PreTrainedModel) -> bool:
                                                       "rotary_emb")))
 
 
-def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm of the family: in fp32, then the weight in the input's dtype."""
     variance = x.float().pow(2).mean(-1, keepdim=True)
-    return norm.weight * (x.float() * torch.rsqrt(variance + norm.variance_epsilon)).to(x.dtype)
+    return weight * (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One decoder layer's parameters, looked up once rather than through its modules'
+    attributes at every step."""
+
+    norm1: tuple[torch.Tensor, float]
+    q: tuple[torch.Tensor, torch.Tensor | None]
+    k: tuple[torch.Tensor, torch.Tensor | None]
+    v: tuple[torch.Tensor, torch.Tensor | None]
+    o: tuple[torch.Tensor, torch.Tensor | None]
+    scale: float
+    norm2: tuple[torch.Tensor, float]
+    gate: tuple[torch.Tensor, torch.Tensor | None]
+    up: tuple[torch.Tensor, torch.Tensor | None]
+    down: tuple[torch.Tensor, torch.Tensor | None]
+
+    @classmethod
+    def of(cls, layer: nn.Module) -> _Layer:
+        def linear(module: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return module.weight, module.bias
+
+        attention, mlp = layer.self_attn, layer.mlp
+        return cls((layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
+                   linear(attention.q_proj), linear(attention.k_proj),
+                   linear(attention.v_proj), linear(attention.o_proj), attention.scaling,
+                   (layer.post_attention_layernorm.weight,
+                    layer.post_attention_layernorm.variance_epsilon),
+                   linear(mlp.gate_proj), linear(mlp.up_proj), linear(mlp.down_proj))
 
 
 class LlamaDecoder(HFCausalLM):
@@ -48,8 +79,10 @@ class LlamaDecoder(HFCausalLM):
                  context: int | None = None) -> None:
         super().__init__(model, dtype, tokenized, context)
         inner: Any = model.model
-        self._embed, self._layers, self._norm = inner.embed_tokens, inner.layers, inner.norm
-        self._rotary, self._head = inner.rotary_emb, model.lm_head
+        self._embed, self._rotary = inner.embed_tokens.weight, inner.rotary_emb
+        self._layers = [_Layer.of(layer) for layer in inner.layers]
+        self._norm = (inner.norm.weight, inner.norm.variance_epsilon)
+        self._head = model.lm_head.weight
         config = model.config
         self._heads = config.num_attention_heads
         self._kv_heads = config.num_key_value_heads
@@ -61,35 +94,32 @@ class LlamaDecoder(HFCausalLM):
         assert step is not None
         batch, length = tokens.shape
         positions = step.starts[:, None] + torch.arange(length, device=tokens.device)
+        gqa = self._heads != self._kv_heads
         try:
             mask = self._mask(positions, step.span)
-            x = self._embed(tokens)
+            x = F.embedding(tokens, self._embed)
             cos, sin = self._rotary(x, positions)
             for index, layer in enumerate(self._layers):
-                attention = layer.self_attn
-                h = _rms_norm(x, layer.input_layernorm)
-                q = self._split(attention.q_proj, h, self._heads)
-                k = self._split(attention.k_proj, h, self._kv_heads)
-                v = self._split(attention.v_proj, h, self._kv_heads)
+                h = _rms_norm(x, *layer.norm1)
+                q = self._split(F.linear(h, *layer.q), self._heads)
+                k = self._split(F.linear(h, *layer.k), self._kv_heads)
+                v = self._split(F.linear(h, *layer.v), self._kv_heads)
                 q, k = apply_rotary_pos_emb(q, k, cos, sin)
                 keys, values = cache.layers[index].update(k, v)
                 layer_mask = mask if not isinstance(mask, dict) else \
                     mask[self.shape.layer_types[index]]  # type: ignore[index]
-                y = F.scaled_dot_product_attention(
-                    q, keys, values, attn_mask=layer_mask, scale=attention.scaling,
-                    enable_gqa=self._heads != self._kv_heads)
-                out = attention.o_proj
-                x = x + F.linear(y.transpose(1, 2).reshape(batch, length, -1), out.weight,
-                                 out.bias)
-                h = _rms_norm(x, layer.post_attention_layernorm)
-                mlp = layer.mlp
-                x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+                y = F.scaled_dot_product_attention(q, keys, values, attn_mask=layer_mask,
+                                                   scale=layer.scale, enable_gqa=gqa)
+                x = x + F.linear(y.transpose(1, 2).reshape(batch, length, -1), *layer.o)
+                h = _rms_norm(x, *layer.norm2)
+                x = x + F.linear(F.silu(F.linear(h, *layer.gate)) * F.linear(h, *layer.up),
+                                 *layer.down)
         finally:
             cache.step = None
-        return self._head(_rms_norm(kept(x, keep), self._norm))[..., :self.vocab_size]
+        logits = F.linear(_rms_norm(kept(x, keep), *self._norm), self._head)
+        return logits[..., :self.vocab_size]
 
-    def _split(self, projection: nn.Linear, h: torch.Tensor, heads: int) -> torch.Tensor:
-        """``projection(h)`` as ``[B, heads, T, head_dim]``."""
-        batch, length, _ = h.shape
-        out = F.linear(h, projection.weight, projection.bias)
-        return out.view(batch, length, heads, self._head_dim).transpose(1, 2)
+    def _split(self, projected: torch.Tensor, heads: int) -> torch.Tensor:
+        """``[B, T, heads * head_dim]`` as ``[B, heads, T, head_dim]``."""
+        batch, length, _ = projected.shape
+        return projected.view(batch, length, heads, self._head_dim).transpose(1, 2)
