@@ -317,8 +317,22 @@ def parse() -> argparse.Namespace:
     return args
 
 
+def table(runs: dict[str, dict[str, Any]]) -> list[str]:
+    """Each contender's figures by concurrency, as the run prints them."""
+    lines = [f"{'contender':32} {'clients':>7} {'tok/s':>8} {'TTFT p50/p99 ms':>17} "
+             f"{'ITL p50/p99 ms':>15} {'errors':>6}"]
+    for name, by_level in runs.items():
+        for level, got in by_level.items():
+            lines.append(f"{name:32} {level:>7} {got['tokens_per_s']:8.0f} "
+                         f"{got['ttft_p50_ms'] or 0:8.1f}/{got['ttft_p99_ms'] or 0:<8.1f} "
+                         f"{got['itl_p50_ms'] or 0:7.2f}/{got['itl_p99_ms'] or 0:<7.2f} "
+                         f"{got['errors']:6d}")
+    return lines
+
+
 def main() -> int:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    machine = machine_info()  # before the clients are moved off the servers' core
     # Servers on core 0, the clients (this process) on the others, where there are others.
     cores = usable_cores()
     server_cores = {0} if cores >= 2 and not ARGS.device.startswith("cuda") else None
@@ -344,13 +358,11 @@ def main() -> int:
             "compile", "cuda_graphs")} | {"server_cores": sorted(server_cores or [])},
         "runs": runs,
         "targets": judge(runs) if ARGS.model == "hub-llama" else {},
+        "table": table(runs),
         "notes": servers.notes,
-        "machine": machine_info(),
+        "machine": machine,
     })
-    for level in map(str, ARGS.levels):
-        line = ", ".join(f"{name} {by_level[level]['tokens_per_s']:.0f}"
-                         for name, by_level in runs.items())
-        print(f"c{level}: output tokens/s: {line}")
+    print("\n".join(table(runs)))
     print(f"-> {ARGS.out}")
     return 0
 
