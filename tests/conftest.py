@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -56,6 +56,15 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300,
         [sys.executable, "-m", "gpuflow.cli", *args],
         capture_output=True, text=True, timeout=timeout, env=env or cli_env(), cwd=cwd or ROOT,
     )
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """For a module of tiny models (``pytestmark = pytest.mark.usefixtures(...)``)."""
+    from hub_models import one_thread
+
+    with one_thread():
+        yield
 
 
 @asynccontextmanager

@@ -272,8 +272,8 @@ def token_stream(family: str) -> torch.Tensor:
 
 
 @contextmanager
-def _one_thread() -> Iterator[None]:
-    """Models this small train fastest on one thread, and far faster on a busy machine."""
+def one_thread() -> Iterator[None]:
+    """Models this small run fastest on one torch thread, and far faster on a busy machine."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -301,7 +301,7 @@ def train_model(kind: str) -> Any:
     stream = token_stream(spec.family)
     generator = torch.Generator().manual_seed(SEED)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    with _one_thread():
+    with one_thread():
         model.train()
         for _ in range(STEPS):
             starts = torch.randint(len(stream) - WINDOW, (BATCH,), generator=generator)

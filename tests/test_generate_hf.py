@@ -5,7 +5,6 @@ serves /v1/completions for a Hugging Face workload gpuflow trained."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -43,13 +42,7 @@ def llama() -> LlamaForCausalLM:
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)).eval()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny models: one torch thread is fastest, and far faster on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 MODELS = {"gpt2": gpt2, "llama": llama, "gpt2-eager": lambda: gpt2(attention="eager"),

@@ -38,13 +38,7 @@ CHAT = [{"role": "system", "content": "Réponds brièvement."},
 TOKENS = 24
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Any:
-    """Tiny models: one torch thread is fastest, and far faster on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class Reference:
