@@ -84,8 +84,7 @@ class ChatRequest(GenerationFields):
 async def chat_completions(request: Request) -> Response:
     state, engine, body = await accept(request, ChatRequest)
     body.check()
-    prompt = engine.tokenizer.encode(_render(state, engine.tokenizer, body),
-                                     add_special_tokens=False)
+    prompt = _encode(state, engine.tokenizer, body)
     asked = body.max_completion_tokens or body.max_tokens
     max_tokens = asked or max(1, engine.lm.context - len(prompt))
     check_prompt(prompt, max_tokens, engine, param="messages",
@@ -98,11 +97,11 @@ async def chat_completions(request: Request) -> Response:
     return await generate(request, [prompt], params, answer, body.stream)
 
 
-def _render(state: ServerState, tokenizer: Tokenizer, body: ChatRequest) -> str:
-    """The conversation through the chat template; 400 without one, or when the template
-    refuses the conversation (e.g. roles out of order), with its message."""
+def _encode(state: ServerState, tokenizer: Tokenizer, body: ChatRequest) -> list[int]:
+    """The conversation's ids through the chat template; 400 without one, or when the
+    template refuses the conversation (e.g. roles out of order), with its message."""
     try:
-        return tokenizer.render_chat([m.for_template() for m in body.messages],
+        return tokenizer.encode_chat([m.for_template() for m in body.messages],
                                      state.chat_template)
     except NoChatTemplate:
         raise ApiError(400, "This model has no chat template (none in its tokenizer_config.json "

@@ -80,10 +80,7 @@ class _Completion(Reply):
 
     def _prompt_text(self, choice: Choice) -> str:
         given = self.body.prompts()[choice.prompt_index]
-        if isinstance(given, str):
-            return given
-        detokenizer = self.tokenizer.detokenizer([])
-        return "".join(detokenizer.add(token) for token in given) + detokenizer.finish()
+        return given if isinstance(given, str) else self.tokenizer.decode(given)
 
     def _logprobs(self, choice: Choice, deltas: list[Delta],
                   echo: bool) -> dict[str, Any] | None:
