@@ -8,7 +8,6 @@ import dataclasses
 import functools
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -91,16 +90,7 @@ def _fsdp_worker(rank: int, port: int, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def one_thread() -> Iterator[None]:
-    """A tiny model's steps run fastest on one thread, above all on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def gpt_and_data(one_thread: None) -> tuple[GPT, torch.Tensor, list[float]]:
+def gpt_and_data(one_torch_thread: None) -> tuple[GPT, torch.Tensor, list[float]]:
     model = _small_gpt()
     data = torch.randint(0, 256, (64, 33))
     data[:, 1::2] = data[:, 0:-1:2]  # every other byte repeats the one before: learnable
@@ -128,7 +118,7 @@ def test_emulated_fp8_tracks_the_bf16_loss_curve(gpt_and_data: tuple, recipe: st
 
 
 def test_fp8_composes_with_fsdp2_and_gathers_fp8_weights(tmp_path: Path,
-                                                         one_thread: None) -> None:
+                                                         one_torch_thread: None) -> None:
     """2 ranks of FSDP2 with fp8 all-gather follow one process on the whole batches (the
     ranks' mean loss; FSDP averages their gradients). Measured here: within 0.02%."""
     out = str(tmp_path / "fsdp")
@@ -146,7 +136,7 @@ def test_fp8_composes_with_fsdp2_and_gathers_fp8_weights(tmp_path: Path,
 
 
 def test_the_trainer_converts_after_counting_and_records_fp8(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, one_thread: None) -> None:
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, one_torch_thread: None) -> None:
     """The trainer's fp8 path on the CPU, through torchao's emulation; the device check and
     the compile it turns on are left out (a cold compile costs a CPU half a minute; the GPU
     suite compiles)."""

@@ -16,13 +16,15 @@ import torch
 from conftest import serving
 from safetensors.torch import load_file, save_file
 from test_generate import greedy_reference, textlm_run  # noqa: F401 (a fixture)
-from test_generate_hf import gpt2, hf_run, one_thread  # noqa: F401 (fixtures)
+from test_generate_hf import gpt2, hf_run  # noqa: F401 (a fixture)
 from test_generate_hf import greedy_reference as hf_greedy_reference
 
 from gpuflow.errors import UserError
 from gpuflow.export import export_model
 from gpuflow.serve.app import ServeSettings, create_app
 from gpuflow.serve.model import load_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROMPT = "def main():"
 
