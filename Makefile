@@ -21,14 +21,14 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/gpuflow train --workload digits
 
-test: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/lint-imports
+test: lint
 	$(BIN)/python -m pytest -q
 
+# lint-imports keeps packages apart; tools/import_cycles.py, modules inside one package.
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks tools
 	$(BIN)/lint-imports
+	$(BIN)/python tools/import_cycles.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py
