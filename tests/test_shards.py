@@ -19,20 +19,12 @@ from torch.utils.data import DataLoader, default_collate, get_worker_info
 
 from gpuflow import checkpoint as ckpt
 from gpuflow.cli import main
-from gpuflow.data import pack as pack_module
+from gpuflow.data import pack_sources
 from gpuflow.data.loader import batches_per_epoch, train_batches
-from gpuflow.data.shards import (
-    Manifest,
-    RecordShard,
-    RecordShardWriter,
-    SplitReader,
-    decode_record,
-    encode_record,
-    layout_of,
-    load_manifest,
-    write_manifest,
-    write_token_shard,
-)
+from gpuflow.data.manifest import Manifest, load_manifest, write_manifest
+from gpuflow.data.reader import SplitReader
+from gpuflow.data.record_codec import decode_record, encode_record, layout_of
+from gpuflow.data.shard_files import RecordShard, RecordShardWriter, write_token_shard
 from gpuflow.data.streaming import epoch_order, open_packed
 from gpuflow.errors import UserError
 from gpuflow.workloads import digits
@@ -118,7 +110,7 @@ def test_interrupted_pack_continues_and_keeps_verified_shards(
     tmp_path: Path, packed_digits: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     out = tmp_path / "digits"
-    real_encode, written = pack_module.encode_record, []
+    real_encode, written = pack_sources.encode_record, []
 
     def interrupt_after_400(item: object) -> bytes:
         if len(written) == 400:
@@ -126,7 +118,7 @@ def test_interrupted_pack_continues_and_keeps_verified_shards(
         written.append(1)
         return real_encode(item)
 
-    monkeypatch.setattr(pack_module, "encode_record", interrupt_after_400)
+    monkeypatch.setattr(pack_sources, "encode_record", interrupt_after_400)
     with pytest.raises(KeyboardInterrupt):
         pack("digits", None, out, shard_mb=SMALL_SHARDS_MB, progress=False)
     monkeypatch.undo()
@@ -309,7 +301,8 @@ MEMORY_SCRIPT = textwrap.dedent("""
     import gpuflow
     from gpuflow.data.loader import batches_per_epoch, train_batches
     from gpuflow.workloads.packing import pack
-    from gpuflow.data.shards import Manifest, write_manifest, write_token_shard
+    from gpuflow.data.manifest import Manifest, write_manifest
+    from gpuflow.data.shard_files import write_token_shard
     from gpuflow.data.streaming import open_packed
 
     ITEM = 16_384  # float32 values: 64 KiB per record
@@ -380,6 +373,7 @@ PACK_MEMORY_SCRIPT = textwrap.dedent("""
 
     import gpuflow.workloads.mnist_idx  # imported before the baseline, as packing imports them
     import gpuflow.workloads.speech
+    import gpuflow.workloads.textlm
     from gpuflow.data.idx import write_idx
     from gpuflow.workloads.packing import pack
 
@@ -480,7 +474,7 @@ def test_text_pack_streams_the_split_resumes_and_reports_progress(
         packed = b"".join(np.load(whole / s.file).tobytes() for s in manifest.splits[name])
         assert packed == getattr(split, name)
 
-    class InterruptThird(pack_module.TokenShardWriter):
+    class InterruptThird(pack_sources.TokenShardWriter):
         closed = 0
 
         def close(self):  # type: ignore[no-untyped-def]
@@ -490,7 +484,7 @@ def test_text_pack_streams_the_split_resumes_and_reports_progress(
             return super().close()
 
     out = tmp_path / "resumed"
-    monkeypatch.setattr(pack_module, "TokenShardWriter", InterruptThird)
+    monkeypatch.setattr(pack_sources, "TokenShardWriter", InterruptThird)
     with pytest.raises(KeyboardInterrupt):
         pack("textlm", src, out, shard_mb=0.03, progress=False)
     monkeypatch.undo()

@@ -25,7 +25,8 @@ import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
 from gpuflow.data.augment import Augment, sample_rng
-from gpuflow.data.shards import PACK_STATE, SplitReader, is_packed, load_manifest, read_example
+from gpuflow.data.manifest import PACK_STATE, is_packed, load_manifest
+from gpuflow.data.reader import SplitReader, read_example
 from gpuflow.errors import UserError
 
 DEFAULT_BUFFER = 4096

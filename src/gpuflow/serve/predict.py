@@ -44,7 +44,8 @@ Input = Path | PackedSample
 
 
 def _packed_samples(directory: Path, seq_len: int | None) -> list[PackedSample]:
-    from gpuflow.data.shards import SplitReader, load_manifest
+    from gpuflow.data.manifest import load_manifest
+    from gpuflow.data.reader import SplitReader
 
     manifest = load_manifest(directory)
     return [PackedSample(directory, split, index) for split in sorted(manifest.splits)
@@ -55,7 +56,7 @@ def collect_inputs(inputs: Iterable[str], suffixes: tuple[str, ...],
                    seq_len: int | None = None) -> list[Input]:
     """Files as given, the files under folders whose suffix the model can read, and every
     sample of each packed set (token sets cut into windows of ``seq_len``)."""
-    from gpuflow.data.shards import is_packed
+    from gpuflow.data.manifest import is_packed
 
     found: list[Input] = []
     for item in inputs:
@@ -116,7 +117,8 @@ class _Files(Dataset):
 
     def _reader(self, sample: PackedSample) -> Any:
         """The split's reader, opened once per worker process."""
-        from gpuflow.data.shards import SplitReader, load_manifest
+        from gpuflow.data.manifest import load_manifest
+        from gpuflow.data.reader import SplitReader
 
         key = (sample.directory, sample.split)
         if key not in self._readers:

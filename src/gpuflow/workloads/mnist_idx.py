@@ -23,7 +23,7 @@ SYNTHETIC_TRAIN, SYNTHETIC_TEST = 6000, 1000
 EXAMPLE_ITEMS = 8
 
 if TYPE_CHECKING:
-    from gpuflow.data.pack import RecordSource
+    from gpuflow.data.pack_sources import RecordSource
 
 
 def parse_model_size(model_size: str | None) -> tuple[int, int]:
@@ -113,7 +113,7 @@ def _stats(histogram: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
 def pack_source(data_dir: str | None) -> RecordSource:
     """The train and test splits read lazily, for ``gpuflow data pack``: the items the
     raw path trains on, normalised by the training images' statistics (one counting pass)."""
-    from gpuflow.data.pack import RecordSource
+    from gpuflow.data.pack_sources import RecordSource
 
     directory = _locate(data_dir)
     mean, std = _stats(IdxRecords(find_split(directory, "train", "images")).histogram())

@@ -11,22 +11,25 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gpuflow.data.pack import DEFAULT_SHARD_MB, RecordSource, write_pack
+from gpuflow.data.manifest import Manifest
+from gpuflow.data.pack import DEFAULT_SHARD_MB, write_pack
 from gpuflow.data.pack_progress import Mode
-from gpuflow.data.shards import Manifest
+from gpuflow.data.pack_sources import PackSource, RecordSource
 from gpuflow.workload import resolve_workload
 
-# Built-in workloads whose raw readers hold the whole set in memory for training read it
-# lazily for packing instead: "module:function" taking the raw --data-dir.
-LAZY_SOURCES: dict[str, str] = {"mnist-idx": "gpuflow.workloads.mnist_idx:pack_source",
-                                "speech": "gpuflow.workloads.speech:pack_source"}
+# Built-in workloads that read their raw data for packing otherwise than for training
+# (lazily, or as text for token shards): "module:function" taking the raw --data-dir.
+PACK_SOURCES: dict[str, str] = {"mnist-idx": "gpuflow.workloads.mnist_idx:pack_source",
+                                "speech": "gpuflow.workloads.speech:pack_source",
+                                "textlm": "gpuflow.workloads.textlm:pack_source"}
 
 
-def workload_records(workload: str, src: str | None) -> RecordSource:
-    """A workload's train/val items from ``src``: its lazy reader where it has one, else
-    the datasets its factory builds (lazy or not, as the workload wrote them)."""
-    if workload in LAZY_SOURCES:
-        module, _, name = LAZY_SOURCES[workload].partition(":")
+def workload_source(workload: str, src: str | None) -> PackSource:
+    """A workload's data from ``src``: its own pack source where it has one, else the
+    train/val items of the datasets its factory builds (lazy or not, as the workload wrote
+    them)."""
+    if workload in PACK_SOURCES:
+        module, _, name = PACK_SOURCES[workload].partition(":")
         return getattr(importlib.import_module(module), name)(src)
     built = resolve_workload(workload, {} if src is None else {"data_dir": src})
     splits: dict[str, Sequence[Any]] = {"train": built.train_dataset}  # type: ignore[dict-item]
@@ -41,5 +44,5 @@ def pack(workload: str, src: str | Path | None, out: str | Path,
     """Pack ``workload``'s data from ``src`` (its raw --data-dir; None: its default) into
     ``out``, continuing an interrupted pack of the same settings. ``progress``: a live bar
     (True or "bar"), a line per shard ("lines"), or nothing (False or "off")."""
-    return write_pack(workload, src, out, workload_records, shard_mb=shard_mb, force=force,
+    return write_pack(workload, src, out, workload_source, shard_mb=shard_mb, force=force,
                       progress=progress)

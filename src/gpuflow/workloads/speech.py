@@ -27,7 +27,7 @@ from gpuflow.workloads.speech_augment import ClipMixup, WaveAugment
 from gpuflow.workloads.speech_codec import speech_serving
 
 if TYPE_CHECKING:
-    from gpuflow.data.pack import RecordSource
+    from gpuflow.data.pack_sources import RecordSource
 
 SAMPLE_RATE = 8000
 NUM_CLASSES = 10
@@ -274,7 +274,7 @@ def _no_data_dir() -> UserError:
 def pack_source(data_dir: str | None) -> RecordSource:
     """The default split's clips read one at a time, for ``gpuflow data pack``: the items,
     order and example batch that training from the raw folder uses, in bounded memory."""
-    from gpuflow.data.pack import RecordSource
+    from gpuflow.data.pack_sources import RecordSource
 
     if data_dir is None:
         raise _no_data_dir()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import fields, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils.data import Dataset
@@ -25,6 +26,9 @@ from gpuflow.models.gpt2_format import save_as_gpt2
 from gpuflow.parallel.tensor import transformer_plan
 from gpuflow.workload import Workload, cross_entropy
 from gpuflow.workloads.text_codec import text_serving
+
+if TYPE_CHECKING:
+    from gpuflow.data.pack_sources import TokenSource
 
 VOCAB_SIZE = 256
 EXAMPLE_ITEMS = 4
@@ -109,6 +113,15 @@ def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def bits_per_byte(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy in bits: what an ideal coder driven by the model spends per byte."""
     return lm_loss(logits, target) / math.log(2)
+
+
+def pack_source(data_dir: str | None) -> TokenSource:
+    """The split training reads, as spans of the files, for ``gpuflow data pack``: packed as
+    byte tokens a chunk at a time, never held in memory."""
+    from gpuflow.data.pack_sources import TokenSource
+    from gpuflow.data.text import split_spans
+
+    return TokenSource("textlm", split_spans(data_dir))
 
 
 def build(data_dir: str | None = None, data: str = "real",
