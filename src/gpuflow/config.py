@@ -57,7 +57,7 @@ class TrainConfig:
 
     workload: str = option(
         "digits", metavar="NAME|pkg.module:factory",
-        help="a built-in workload (digits, mnist-idx, textlm, speech), or your own: a factory "
+        help="a built-in workload (digits, mnist-idx, textlm, speech, asr), or your own: a factory "
              "returning a Workload",
         details="see [workloads/README.md](workloads/README.md)")
     data_dir: str | None = option(
@@ -76,6 +76,15 @@ class TrainConfig:
         help="speech: speakers held out for validation, comma-separated; none: takes 0-4 of "
              "every speaker",
         details="see [workloads/speech.md](workloads/speech.md)")
+    batch_seconds: float | None = option(
+        None, metavar="S", unset="asr: 60",
+        help="asr: audio seconds per training batch (padded), batches formed by duration",
+        details="see [workloads/asr.md](workloads/asr.md)")
+    max_audio_seconds: float | None = option(
+        None, metavar="S", unset="asr: 30",
+        help="asr: longer utterances are dropped from training (counted), and refused by "
+             "the server",
+        details="see [workloads/asr.md](workloads/asr.md)")
     device: str = option("auto", metavar="auto|cpu|cuda|cuda:N",
                          help="auto picks CUDA when present")
     precision: Precision = option(
@@ -333,6 +342,9 @@ class TrainConfig:
             options["model_size"] = self.model_size
         if self.val_speakers is not None:
             options["val_speakers"] = self.val_speakers
+        for name in ("batch_seconds", "max_audio_seconds"):
+            if getattr(self, name) is not None:
+                options[name] = getattr(self, name)
         return options
 
     def to_dict(self) -> dict[str, Any]:

@@ -7,7 +7,7 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -16,12 +16,20 @@ from torch.utils.data import Dataset, default_collate
 
 from gpuflow import hf
 from gpuflow.data.iterable import is_sized, is_stream, peek
+from gpuflow.data.loader import BatchPlan
 from gpuflow.errors import UserError
 from gpuflow.serving import ServingSpec
 
 Batch = tuple[Any, torch.Tensor]
-MetricFn = Callable[[Any, torch.Tensor], torch.Tensor]
+MetricFn = Callable[[Any, torch.Tensor], Any]  # a tensor, a number or a Ratio
 IGNORE_INDEX = -100  # targets equal to it count in neither the default loss nor accuracy
+
+
+class Ratio(NamedTuple):
+    """A metric's value as parts summed over an evaluation before they are divided."""
+
+    numerator: float
+    denominator: float
 
 
 def call_model(model: nn.Module, inputs: Any) -> Any:
@@ -106,6 +114,11 @@ class Workload:
     takes when its inputs' first per-sample dimension is a sequence; serving takes any length
     up to it (None: a Hugging Face model's config gives it, any other model takes its example
     batch's shapes).
+    ``batch_sampler(seed, rank, world_size)`` forms the training batches itself, e.g. by
+    duration (``gpuflow.data.duration_buckets``): batches of varying size, each rank as many,
+    resumable by ``set_position(epoch, batch)``; ``--batch-size`` then sizes evaluation only.
+    A metric may return a ``Ratio``: evaluation sums its parts over the batches and divides
+    once (word error rate: errors over reference words, not a mean of per-batch rates).
     """
 
     name: str
@@ -125,6 +138,7 @@ class Workload:
     default_epochs: float | None = None
     default_ema_decay: float | None = None
     max_sequence_length: int | None = None
+    batch_sampler: Callable[[int, int, int], BatchPlan] | None = None
 
     def blocks(self) -> list[nn.Module]:
         """The modules that repeat in the model, e.g. transformer layers: ``repeated_blocks``,
@@ -170,6 +184,7 @@ class Workload:
 
 
 BUILTIN_WORKLOADS: dict[str, str] = {
+    "asr": "gpuflow.workloads.asr:build",
     "digits": "gpuflow.workloads.digits:build",
     "mnist-idx": "gpuflow.workloads.mnist_idx:build",
     "speech": "gpuflow.workloads.speech:build",

@@ -10,12 +10,15 @@ would.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from torch.utils.data import Dataset
 
 from gpuflow.data.sampler import ResumableSampler
+
+if TYPE_CHECKING:
+    from gpuflow.data.loader import BatchPlan
 
 Augment = Callable[[Any, np.random.Generator], Any]
 
@@ -46,3 +49,18 @@ class EpochKeys(ResumableSampler):
         epoch = self.epoch
         for index in super().__iter__():
             yield epoch, index
+
+
+class EpochKeyedBatches:
+    """A ``BatchPlan``'s batches as lists of ``(epoch, index)`` keys for ``AugmentedDataset``."""
+
+    def __init__(self, plan: BatchPlan) -> None:
+        self.plan = plan
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        epoch = self.plan.epoch
+        for batch in self.plan:
+            yield [(epoch, index) for index in batch]
+
+    def __len__(self) -> int:
+        return len(self.plan)

@@ -3,16 +3,29 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, TensorDataset
 
-from gpuflow.data.augment import Augment, AugmentedDataset, EpochKeys
+from gpuflow.data.augment import Augment, AugmentedDataset, EpochKeyedBatches, EpochKeys
 from gpuflow.data.iterable import StreamBatches, StreamPosition, is_stream
 from gpuflow.data.sampler import ResumableSampler
 from gpuflow.data.streaming import StreamingDataset
 from gpuflow.errors import UserError
+
+
+class BatchPlan(Protocol):
+    """A workload's own training batches for one rank (``Workload.batch_sampler``)."""
+
+    per_rank: int  # batches this rank takes each epoch, the same on every rank
+    epoch: int  # the epoch its next iteration yields
+
+    def set_position(self, epoch: int, start: int) -> None: ...
+
+    def __iter__(self) -> Iterator[list[int]]: ...
+
+    def __len__(self) -> int: ...
 
 
 def batches_per_epoch(dataset: Dataset, batch_size: int, world_size: int = 1) -> int:
@@ -30,7 +43,8 @@ def train_batches(dataset: Dataset, batch_size: int, collate: Any, seed: int,
                   start_batch: int, num_workers: int, pin_memory: bool, rank: int = 0,
                   world_size: int = 1, batched_indexing: bool = False,
                   augment: Augment | None = None,
-                  stream_start: StreamPosition | None = None) -> Iterable[Any]:
+                  stream_start: StreamPosition | None = None,
+                  plan: BatchPlan | None = None) -> Iterable[Any]:
     """Endless stream of batches across epochs, starting after ``start_batch`` batches.
 
     The last partial batch of each epoch is dropped, so every step sees a full batch and
@@ -45,6 +59,7 @@ def train_batches(dataset: Dataset, batch_size: int, collate: Any, seed: int,
     ``gpuflow.data.augment``), so augmented batches resume exactly too.
     A workload's own stream (an ``IterableDataset``) is split, batched and resumed as
     ``gpuflow.data.iterable`` describes, from ``stream_start`` when one was saved.
+    A workload's ``plan`` (its ``batch_sampler``) forms the batches of an indexed set.
     """
     workers: dict[str, Any] = {
         "num_workers": num_workers,
@@ -59,6 +74,8 @@ def train_batches(dataset: Dataset, batch_size: int, collate: Any, seed: int,
                             "index); augment a stream's samples in the stream itself.")
         return StreamBatches(dataset, batch_size, collate, rank, world_size, workers,
                              start_batch, stream_start)
+    if plan is not None:
+        return _planned_batches(dataset, plan, collate, seed, start_batch, workers, augment)
     per_epoch = batches_per_epoch(dataset, batch_size, world_size)
     if isinstance(dataset, StreamingDataset):
         stream = dataset.batches(seed, batch_size, per_epoch, start_batch, collate, rank,
@@ -90,6 +107,21 @@ def _indexed_batches(dataset: Dataset, batch_size: int, collate: Any, seed: int,
     epoch, offset = divmod(start_batch, per_epoch)
     while True:
         sampler.set_position(epoch, offset * batch_size)
+        yield from loader
+        epoch, offset = epoch + 1, 0
+
+
+def _planned_batches(dataset: Dataset, plan: BatchPlan, collate: Any, seed: int,
+                     start_batch: int, workers: dict[str, Any],
+                     augment: Augment | None) -> Iterator[Any]:
+    sampler: Any = plan
+    if augment is not None:
+        dataset, sampler = AugmentedDataset(dataset, augment, seed), EpochKeyedBatches(plan)
+    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, **workers,
+                        persistent_workers=workers["num_workers"] > 0)
+    epoch, offset = divmod(start_batch, plan.per_rank)
+    while True:
+        plan.set_position(epoch, offset)
         yield from loader
         epoch, offset = epoch + 1, 0
 

@@ -19,18 +19,25 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from gpuflow.config import TrainConfig
 from gpuflow.data.eval_set import eval_set
 from gpuflow.data.iterable import StreamBatches, is_sized, is_stream
-from gpuflow.data.loader import batches_per_epoch, supports_batched_indexing, train_batches
+from gpuflow.data.loader import (
+    BatchPlan,
+    batches_per_epoch,
+    supports_batched_indexing,
+    train_batches,
+)
 from gpuflow.data.prefetch import DevicePrefetcher, move_to_device
 from gpuflow.devices import peak_flops, resolve_device
 from gpuflow.errors import NonFiniteLossError, UserError
+from gpuflow.parallel import build_strategy
 from gpuflow.parallel.dims import ParallelDims
 from gpuflow.parallel.env import init_distributed
-from gpuflow.parallel.strategy import ModelParts, build_strategy, resize_rows
+from gpuflow.parallel.strategy import ModelParts, resize_rows
 from gpuflow.precision import make_policy
 from gpuflow.serving import SERVING_FILE, serving_state
 from gpuflow.telemetry.steps import MetricsLog, StepTimer
@@ -43,7 +50,7 @@ from gpuflow.train.optim import build_optimizer, build_scheduler, optimizer_step
 from gpuflow.train.probe import step_flops
 from gpuflow.train.progress import ProgressDisplay
 from gpuflow.train.state import Position, RunState
-from gpuflow.workload import Batch, Workload
+from gpuflow.workload import Batch, Workload, call_model
 
 if TYPE_CHECKING:
     from gpuflow.planner.search import Plan
@@ -111,10 +118,9 @@ class Trainer:
         self.fp8 = (fp8.convert(self.model, workload.blocks(), config.fp8_recipe,
                                 fsdp_all_gather=self.dims.sharded)
                     if config.precision == "fp8" else None)
-        self.strategy.setup(self.model, ModelParts(workload.blocks, workload.loss_fn,
-                                                   workload.parallel_plan,
-                                                   config.activation_checkpointing),
-                            example[0], config.batch_size)
+        parts = ModelParts(workload.blocks, workload.loss_fn, workload.parallel_plan,
+                           call_model, config.activation_checkpointing)
+        self.strategy.setup(self.model, parts, example[0], config.batch_size)
         self.model = self.strategy.model
         self.compiled: Compiled | None = self._compile(example) if config.compile else None
         self.optimizer = build_optimizer(self.model, config, self.device)
@@ -155,8 +161,11 @@ class Trainer:
         """Steps to run, batches per epoch and the evaluation set."""
         dataset = self.workload.train_dataset
         # None for a stream without a length: it has no epochs.
-        self.per_epoch_batches = (batches_per_epoch(dataset, config.batch_size, self.dims.dp)
-                                  if is_sized(dataset) else None)
+        plan = self._batch_plan(rank=0)
+        self.per_epoch_batches = (
+            plan.per_rank if plan is not None else
+            batches_per_epoch(dataset, config.batch_size, self.dims.dp) if is_sized(dataset)
+            else None)
         self.eval_set = (eval_set(self.workload.val_dataset, config.batch_size,
                                   config.eval_batches)
                          if self.workload.val_dataset is not None else None)
@@ -174,8 +183,27 @@ class Trainer:
         """FLOPs of one optimizer step over all data-parallel replicas."""
         flops = step_flops(self.model, example, self.workload.loss_fn, self.policy,
                            self.device, self.workload.name)
+        # A workload that forms its own batches gives an example of a typical one.
+        rows = (self.config.batch_size if self.workload.batch_sampler is None
+                else int(example[1].shape[0]))
         per_sample = flops / int(example[1].shape[0])
-        return round(per_sample * self.config.batch_size * self.config.grad_accum) * self.dims.dp
+        return round(per_sample * rows * self.config.grad_accum) * self.dims.dp
+
+    def _batch_plan(self, rank: int) -> BatchPlan | None:
+        """The workload's own batches for data-parallel ``rank``, if it forms them."""
+        sampler = self.workload.batch_sampler
+        return None if sampler is None else sampler(self.config.seed, rank, self.dims.dp)
+
+    def _samples_in(self, targets: list[torch.Tensor]) -> int:
+        """Samples in a step over all replicas: the global batch, or counted when the
+        workload forms batches of varying size (ranks within a replica share a batch)."""
+        if self.workload.batch_sampler is None:
+            return self.global_batch
+        count = torch.tensor(float(sum(int(t.shape[0]) for t in targets)), device=self.device)
+        if self.dims.world > 1:
+            dist.all_reduce(count)
+            count = count * self.dims.dp / self.dims.world
+        return round(count.item())
 
     def _compile(self, example: Batch) -> Compiled | None:
         compiled = compile_step(self.strategy.forward_model, self.model,
@@ -235,6 +263,7 @@ class Trainer:
                 batched_indexing=supports_batched_indexing(dataset, self.workload.collate_fn,
                                                            self.workload.augment),
                 augment=self.workload.augment,
+                plan=self._batch_plan(self.strategy.dp_rank),
             )
             self._stream = source if isinstance(source, StreamBatches) else None
             self._batches = DevicePrefetcher(source, self.device,
@@ -244,11 +273,12 @@ class Trainer:
     def train_step(self) -> float:
         """One optimizer step over ``grad_accum`` micro-batches; returns the mean loss."""
         timer, batches, accum = self.timer, self._batch_stream(), self.config.grad_accum
-        losses = []
+        losses, targets = [], []
         for micro in range(accum):
             timer.wait_begin()
             inputs, target = next(batches)
             timer.wait_end()
+            targets.append(target)
             timer.compute.begin()
             losses.append(self.strategy.forward_backward(
                 inputs, target, self.workload.loss_fn, micro, accum, self.scaler))
@@ -262,10 +292,11 @@ class Trainer:
         self._optimizer_step(math.isfinite(loss_value))
         timer.optimizer.end()
         self.position.step += 1
-        self.position.samples_seen += self.global_batch
+        samples = self._samples_in(targets)
+        self.position.samples_seen += samples
         window = timer.window
         window.steps += 1
-        window.samples += self.global_batch
+        window.samples += samples
         window.loss_sum += loss_value
         return loss_value
 
