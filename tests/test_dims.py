@@ -7,10 +7,11 @@ import torch
 
 from gpuflow.config import build_config
 from gpuflow.errors import UserError
+from gpuflow.parallel import build_strategy
 from gpuflow.parallel.dims import ParallelDims
 from gpuflow.parallel.replicated import Replicated
 from gpuflow.parallel.sharded import Sharded
-from gpuflow.parallel.strategy import Strategy, build_strategy
+from gpuflow.parallel.single import Single
 from gpuflow.precision import make_policy
 from gpuflow.telemetry.steps import StepTimer
 
@@ -75,7 +76,7 @@ def test_global_batch_mesh_and_pipeline_microbatches() -> None:
 
 
 @pytest.mark.parametrize(("dims", "family"), [
-    (ParallelDims(strategy="single"), Strategy),
+    (ParallelDims(strategy="single"), Single),
     (ParallelDims(strategy="ddp", dp=2), Replicated),
     (ParallelDims(strategy="fsdp", dp=2), Sharded),
 ])

@@ -133,6 +133,19 @@ class ParallelDims:
         return self.strategy == "fsdp"
 
     @property
+    def family(self) -> str:
+        """The strategy family that runs this layout (:data:`gpuflow.parallel.STRATEGIES`):
+        pipelines first (alone or under FSDP), then FSDP (with TP inside or not), TP alone,
+        DDP, and one process's whole model."""
+        if self.pipelined:
+            return "pp"
+        if self.sharded:
+            return "fsdp"
+        if self.tp > 1:
+            return "tp"
+        return "ddp" if self.strategy == "ddp" else "single"
+
+    @property
     def resharded_blocks(self) -> bool:
         """FSDP frees each block's gathered parameters after forward and gathers them again."""
         return self.sharded and self.reshard_after_forward and self.fsdp_wrap == "block"

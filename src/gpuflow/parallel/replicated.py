@@ -12,10 +12,11 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from gpuflow.parallel.strategy import ModelParts, Strategy
+from gpuflow.parallel.single import Single
+from gpuflow.parallel.strategy import ModelParts
 
 
-class Replicated(Strategy):
+class Replicated(Single):
     """DDP: the step's exposed communication is what is left of the last bucket's
     all-reduce when backward ends, timed from the bucket hook."""
 

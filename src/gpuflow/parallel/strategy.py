@@ -4,12 +4,15 @@ A strategy is built from a :class:`~gpuflow.parallel.dims.ParallelDims` before t
 wrapped (the data loader and the batch probe need its ranks), then :meth:`Strategy.setup`
 wraps the model. From there the trainer asks it to run a micro-batch's forward and backward,
 to skip gradient sync on accumulation steps, to clip, to evaluate, to save and load its state,
-and which collective waits it times; it never asks which strategy it holds.
+and which collective waits it times; it never asks which strategy it holds. This module
+knows none of the layouts: :func:`gpuflow.parallel.build_strategy` picks the one that runs
+a run's dims.
 """
 
 from __future__ import annotations
 
 import contextlib
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,15 +38,6 @@ Loss = Callable[[Any, torch.Tensor], torch.Tensor]
 State = tuple[dict[str, torch.Tensor], dict[str, Any]]
 
 
-def call_model(model: nn.Module, inputs: Any) -> Any:
-    """Call ``model`` with a batch's inputs: a dict as keywords, a tuple as arguments."""
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    if isinstance(inputs, tuple | list):
-        return model(*inputs)
-    return model(inputs)
-
-
 def resize_rows(tree: Any, rows: int) -> Any:
     """Every tensor in ``tree`` cut or padded (repeating its last row) to ``rows`` rows.
 
@@ -61,11 +55,16 @@ def resize_rows(tree: Any, rows: int) -> Any:
 
 @dataclass(frozen=True)
 class ModelParts:
-    """What a strategy needs to know of a workload's model, and nothing of its data."""
+    """What a strategy needs to know of a workload's model, and nothing of its data.
+
+    ``call_model(model, inputs)`` is the workload's one rule for calling its model with a
+    batch's inputs (:func:`gpuflow.workload.call_model`): the inputs stay opaque here.
+    """
 
     blocks: Callable[[], list[nn.Module]]
     loss_fn: Loss
     tensor_plan: Callable[[int], Mapping[str, ParallelStyle] | None]
+    call_model: Callable[[nn.Module, Any], Any]
     activation_checkpointing: bool = False
 
 
@@ -84,12 +83,13 @@ def apply_activation_checkpointing(model: nn.Module, blocks: list[nn.Module]) ->
     return len(parents)
 
 
-class Strategy:
+class Strategy(ABC):
     """How one parallel layout holds the model and runs micro-batches through it.
 
-    The base class is the whole model on each rank with nothing to synchronise: it is
-    ``--strategy single``, and every family overrides only what it does differently.
-    ``compile`` says whether the step will be compiled, which hides some waits from timing.
+    Each layout says how it holds the model (:meth:`setup`) and where it waits for
+    collectives (:meth:`untimed_waits`); the rest is what a whole model on each rank does,
+    and a layout overrides only what it does differently. ``compile`` says whether the step
+    will be compiled, which hides some waits from timing.
     """
 
     supports_loss_scaling = True  # fp16's GradScaler
@@ -115,18 +115,13 @@ class Strategy:
 
     # --- set-up ---------------------------------------------------------------------------
 
+    @abstractmethod
     def setup(self, model: nn.Module, parts: ModelParts, example: Any, batch_size: int
               ) -> None:
         """Wrap ``model`` for this layout: PP split, TP, activation checkpointing, then DDP or
-        FSDP, in PyTorch's order. ``example`` is a batch's inputs, for tracing."""
-        self.model = model
-        self.forward_model = self.wrap(model, parts)
-
-    def wrap(self, model: nn.Module, parts: ModelParts) -> nn.Module:
-        """The module the step calls; the base only checkpoints activations."""
-        if parts.activation_checkpointing:
-            apply_activation_checkpointing(model, parts.blocks())
-        return model
+        FSDP, in PyTorch's order, and set :attr:`model` (what holds the parameters) and
+        :attr:`forward_model` (what the step calls). ``example`` is a batch's inputs, for
+        tracing."""
 
     def describe(self) -> str:
         """The layout for the run's banner: empty for one process."""
@@ -141,21 +136,13 @@ class Strategy:
 
     # --- the step -------------------------------------------------------------------------
 
-    def no_backward_sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
-        """Skip gradient synchronisation unless this is an optimizer step's last
-        micro-batch; nothing to skip here."""
-        return contextlib.nullcontext()
-
+    @abstractmethod
     def forward_backward(self, inputs: Any, target: torch.Tensor, loss_fn: Loss,
                          micro: int, accum: int, scaler: GradScaler | None) -> torch.Tensor:
-        """Forward and backward of micro-batch ``micro`` of ``accum``; the detached loss."""
-        with self.no_backward_sync(micro == accum - 1), self._collective_waits:
-            with self.policy.autocast():
-                loss = loss_fn(call_model(self.forward_model, inputs), target)
-            scaled = loss / accum if accum > 1 else loss
-            (scaler.scale(scaled) if scaler is not None else scaled).backward()
-        return loss.detach()
+        """Forward and backward of micro-batch ``micro`` of ``accum``; the detached loss.
+        The loss is divided by ``accum`` before backward and scaled by ``scaler`` (fp16)."""
 
+    @abstractmethod
     def finish_backward(self) -> None:
         """Whatever the gradients still need before the optimizer may read them."""
 
@@ -177,9 +164,9 @@ class Strategy:
 
     # --- evaluation -----------------------------------------------------------------------
 
+    @abstractmethod
     def eval_outputs(self, inputs: Any, target: torch.Tensor) -> Any:
         """The model's outputs for one batch; None on ranks that hold none."""
-        return call_model(self.model, inputs)
 
     def share_eval(self, result: dict[str, float]) -> dict[str, float]:
         """Every rank's copy of the evaluation's result."""
@@ -231,8 +218,10 @@ class Strategy:
             return None
         return waits if timed_waits.timeable(waits) else None
 
+    @abstractmethod
     def untimed_waits(self) -> list[timed_waits.Wait] | None:
-        return []
+        """Where this layout waits for collectives that no other timer sees: [] where there
+        are none, None where they cannot be timed."""
 
     @property
     def comm_measured(self) -> bool:
@@ -249,17 +238,3 @@ class Strategy:
         return self.timer.exposed_comm if self.comm_measured else contextlib.nullcontext
 
 
-def build_strategy(dims: ParallelDims, device: torch.device, policy: PrecisionPolicy,
-                   timer: StepTimer, compile: bool = False) -> Strategy:
-    """The family that runs ``dims``. Imported on demand: each pulls in only its own part
-    of torch.distributed (pipelining and FSDP add tens of MB to a process)."""
-    family: type[Strategy] = Strategy
-    if dims.pipelined:
-        from gpuflow.parallel.pipelined import Pipelined as family
-    elif dims.sharded:
-        from gpuflow.parallel.sharded import Sharded as family
-    elif dims.tp > 1:
-        from gpuflow.parallel.tensor import TensorParallel as family
-    elif dims.strategy == "ddp":
-        from gpuflow.parallel.replicated import Replicated as family
-    return family(dims, device, policy, timer, compile)

@@ -32,7 +32,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from gpuflow.errors import UserError
-from gpuflow.parallel.strategy import ModelParts, Strategy
+from gpuflow.parallel.single import Single
+from gpuflow.parallel.strategy import ModelParts
 from gpuflow.telemetry import waits as timed_waits
 
 
@@ -114,7 +115,7 @@ def _check_splittable(block: nn.Module, plan: Mapping[str, ParallelStyle], degre
                             f"{degree} cannot split evenly; pick a degree that divides it.")
 
 
-class TensorParallel(Strategy):
+class TensorParallel(Single):
     """``--strategy tp``: each block's linear layers split over the ``tp`` ranks by the
     workload's plan (and the base for FSDP, which runs TP inside when ``tp`` > 1)."""
 

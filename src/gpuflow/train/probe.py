@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 from gpuflow.errors import UserError
-from gpuflow.parallel.strategy import Loss, call_model
+from gpuflow.parallel.strategy import Loss
 from gpuflow.precision import PrecisionPolicy
 from gpuflow.telemetry.flops import count_flops, count_training_flops
+from gpuflow.workload import call_model
 
 
 @contextlib.contextmanager
