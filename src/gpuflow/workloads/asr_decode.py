@@ -59,23 +59,25 @@ class Lexicon:
 
 
 def beam_search(log_probs: torch.Tensor, frames: int, width: int,
-                lexicon: Lexicon | None = None) -> list[int]:
+                lexicon: Lexicon | None = None, prune: float = 12.0) -> list[int]:
     """The best-scoring prefix found by a CTC prefix beam of ``width`` over ``frames``.
 
     Each prefix keeps its best alignment's score ending in a blank and ending in its last
-    label; a label that repeats the last one extends the prefix only after a blank.
+    label; a label that repeats the last one extends the prefix only after a blank. A frame
+    extends prefixes only by labels within ``prune`` nats of its most probable one.
     """
     table = log_probs[:frames].float().cpu().numpy()
     beams: dict[Prefix, list[float]] = {(): [0.0, NEG_INF]}
     for row in table:
         grown: dict[Prefix, list[float]] = {}
+        likely = [label for label in range(1, len(row)) if row[label] > row.max() - prune]
         for prefix, (blank, label_end) in beams.items():
             best = max(blank, label_end)
             _keep(grown, prefix, 0, best + row[0])
             last = prefix[-1] if prefix else None
             if last is not None:
                 _keep(grown, prefix, 1, label_end + row[last])
-            for label in range(1, len(row)):
+            for label in likely:
                 if lexicon is not None and not lexicon.allows(prefix, label):
                     continue
                 start = blank if label == last else best
