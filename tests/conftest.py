@@ -12,12 +12,13 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 if TYPE_CHECKING:
     import httpx
+    import torch
     from fastapi import FastAPI
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,6 +92,18 @@ async def serving(app: FastAPI, ready: bool = True) -> AsyncIterator[httpx.Async
         sock.close()
 
 
+def api_error(reply: httpx.Response, status: int) -> dict[str, Any]:
+    """The error of ``reply``, checked to be OpenAI's envelope with ``status``."""
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert {"message", "type", "param", "code"} <= error.keys(), error
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["type"] == ("invalid_request_error" if status in (400, 404, 405, 413, 422)
+                             else "authentication_error" if status == 401 else "server_error")
+    assert error["param"] is None or isinstance(error["param"], str)
+    return error
+
+
 async def eventually(condition: Callable[[], bool], timeout: float = 10) -> None:
     """Wait for a state the server reaches on its own (e.g. a queue depth)."""
     async with asyncio.timeout(timeout):
@@ -110,3 +123,35 @@ def hub_models(tmp_path_factory: pytest.TempPathFactory) -> HubModels:
     from hub_models import HubModels
 
     return HubModels(tmp_path_factory.mktemp("hub-models"))
+
+
+TEXTLM_SIZE = "layers=2,dim=32,heads=4,seq=64"
+
+
+@pytest.fixture(scope="session")
+def textlm_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    """A textlm GPT (``TEXTLM_SIZE``) trained 3 steps, once per session: its run dir and
+    the trained model, for the tests that serve it."""
+    from gpuflow import TrainConfig, train
+    from gpuflow.workloads import textlm
+
+    run_dir = tmp_path_factory.mktemp("generate") / "textlm"
+    result = train(textlm.build(model_size=TEXTLM_SIZE),
+                   TrainConfig(max_steps=3, batch_size=8, progress=False, eval_every=0,
+                               run_dir=str(run_dir), workload="textlm", model_size=TEXTLM_SIZE))
+    return run_dir, result.model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    """The Hugging Face GPT-2 workload (user_workloads.hf_models:gpt2) trained 2 steps, once
+    per session: its run dir and the trained model."""
+    from user_workloads import hf_models
+
+    from gpuflow import TrainConfig, train
+
+    run_dir = tmp_path_factory.mktemp("generate-hf") / "gpt2"
+    result = train(hf_models.gpt2(),
+                   TrainConfig(max_steps=2, batch_size=8, progress=False, eval_every=0,
+                               run_dir=str(run_dir), workload="user_workloads.hf_models:gpt2"))
+    return run_dir, result.model.eval()

@@ -15,9 +15,9 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import ROOT, eventually, serving
+from conftest import ROOT, api_error, eventually, serving
 from fastapi import FastAPI
-from test_serve import api_error
+from generation import completion, greedy, greedy_text, through_engine
 
 from gpuflow import TrainConfig, train
 from gpuflow.errors import UserError
@@ -25,7 +25,6 @@ from gpuflow.models.gpt import GPT, GPTConfig
 from gpuflow.serve.app import ServeSettings, create_app
 from gpuflow.serve.engine import Engine
 from gpuflow.serve.generate.engine import (
-    Delta,
     Done,
     GenerationEngine,
     WaitingFull,
@@ -35,33 +34,11 @@ from gpuflow.serve.generate.models import GPTDecoder
 from gpuflow.serve.generate.runner import DecodeRunner
 from gpuflow.serve.generate.sampling import SamplingParams, filter_logits
 from gpuflow.serve.generate.text import TextStream
-from gpuflow.workloads import textlm
-
-SIZE = "layers=2,dim=32,heads=4,seq=64"
 
 
 def tiny_gpt() -> GPT:
     torch.manual_seed(0)
     return GPT(GPTConfig(vocab_size=256, seq_len=64, layers=2, dim=32, heads=4)).eval()
-
-
-def greedy_reference(model: GPT, prompt: bytes, count: int) -> bytes:
-    """Greedy decoding that recomputes the whole prefix at every token."""
-    tokens = list(prompt)
-    with torch.inference_mode():
-        for _ in range(count):
-            tokens.append(int(model(torch.tensor([tokens]))[0, -1].argmax()))
-    return bytes(tokens[len(prompt):])
-
-
-async def completion(generation) -> tuple[str, Done]:
-    parts = []
-    while True:
-        event = await generation.events.get()
-        if isinstance(event, Done):
-            return "".join(parts), event
-        assert isinstance(event, Delta), event
-        parts.append(event.text)
 
 
 def engine_for(model: GPT, slots: int, max_waiting: int = 64,
@@ -78,45 +55,12 @@ def test_continuous_batching_generates_what_recomputing_every_prefix_does() -> N
                b"class Engine:\n    ", b"0123456789"]
     budgets = [12, 5, 20, 9, 14, 3]
 
-    async def scenario() -> list[tuple[str, Done]]:
-        engine = engine_for(model, slots=3)
-        engine.start()
-        try:
-            first = [engine.submit(list(p), SamplingParams(max_tokens=n, temperature=0.0))
-                     for p, n in zip(prompts[:4], budgets[:4], strict=True)]
-            await asyncio.sleep(0.01)  # the rest join a running batch
-            later = [engine.submit(list(p), SamplingParams(max_tokens=n, temperature=0.0))
-                     for p, n in zip(prompts[4:], budgets[4:], strict=True)]
-            return await asyncio.gather(*(completion(g) for g in first + later))
-        finally:
-            engine.stop()
-
-    results = asyncio.run(scenario())
-    for prompt, budget, (text, done) in zip(prompts, budgets, results, strict=True):
-        expected = greedy_reference(model, prompt, budget).decode("utf-8", errors="replace")
+    results = through_engine(engine_for(model, slots=3), greedy(prompts, budgets), first=4)
+    for prompt, budget, (text, _, done) in zip(prompts, budgets, results, strict=True):
+        expected = greedy_text(model, prompt, budget)
         assert text == expected, prompt
         assert done.finish_reason == "length" and done.completion_tokens == budget
         assert done.prompt_tokens == len(prompt)
-
-
-def greedy_through(engine: GenerationEngine, prompts: list[bytes], budgets: list[int],
-                   first: int) -> list[tuple[str, Done]]:
-    """Greedy completions: ``first`` requests before the engine starts, the rest joining
-    a running batch."""
-    async def scenario() -> list[tuple[str, Done]]:
-        engine.start()
-        try:
-            await asyncio.to_thread(engine.wait_warm, 120)
-            requests = [(list(p), SamplingParams(max_tokens=n, temperature=0.0))
-                        for p, n in zip(prompts, budgets, strict=True)]
-            generations = [engine.submit(*r) for r in requests[:first]]
-            await asyncio.sleep(0.01)
-            generations += [engine.submit(*r) for r in requests[first:]]
-            return await asyncio.gather(*(completion(g) for g in generations))
-        finally:
-            engine.stop()
-
-    return asyncio.run(scenario())
 
 
 def test_decode_steps_padded_to_batch_buckets_equal_recomputing_every_prefix() -> None:
@@ -140,9 +84,9 @@ def test_decode_steps_padded_to_batch_buckets_equal_recomputing_every_prefix() -
         return step(tokens, cache, slots, starts)
 
     engine.runner.model_step = recorded
-    results = greedy_through(engine, prompts, budgets, first=5)
-    for prompt, budget, (text, done) in zip(prompts, budgets, results, strict=True):
-        assert text == greedy_reference(model, prompt, budget).decode("utf-8", "replace")
+    results = through_engine(engine, greedy(prompts, budgets), first=5)
+    for prompt, budget, (text, _, done) in zip(prompts, budgets, results, strict=True):
+        assert text == greedy_text(model, prompt, budget)
         assert done.completion_tokens == budget
     assert steps[:4] == [[5], [5, 5], [5] * 4, [5] * 5]  # the warm-up: scratch rows only
     served = steps[4:]
@@ -164,8 +108,8 @@ def test_a_decode_compile_that_fails_falls_back_to_eager_saying_so(
     model = tiny_gpt()
     engine = engine_for(model, slots=2, compile=True)
     with caplog.at_level("WARNING", logger="gpuflow.serve"):
-        (text, _), = greedy_through(engine, [b"abc"], [6], first=1)
-    assert text == greedy_reference(model, b"abc", 6).decode("utf-8", "replace")
+        (text, _, _), = through_engine(engine, greedy([b"abc"], [6]), first=1)
+    assert text == greedy_text(model, b"abc", 6)
     assert "torch.compile of the decode step failed (RuntimeError: no backend" in caplog.text
     assert engine.describe() == ("decode eager over batch buckets 1,2: torch.compile failed "
                                  "(RuntimeError: no backend for this model)")
@@ -191,13 +135,13 @@ def test_sampling_is_repeatable_by_seed_and_stop_strings_end_a_completion() -> N
         finally:
             engine.stop()
 
-    greedy = greedy_reference(model, b"x = ", 24).decode("utf-8", errors="replace")
+    expected = greedy_text(model, b"x = ", 24)
     (a, _), (b, _), (c, _), (top1, _), (argmax, _) = asyncio.run(scenario([
         seeded, seeded, SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=8),
         SamplingParams(max_tokens=24, temperature=1.0, top_k=1, seed=9),
         SamplingParams(max_tokens=24, temperature=0.0)]))
     assert a == b and a != c
-    assert top1 == greedy and argmax == greedy
+    assert top1 == expected and argmax == expected
     [(alone, _)] = asyncio.run(scenario([seeded]))  # batched with nothing else
     assert alone == a
     stop = a[5:7]  # a stop string that the seeded completion reaches
@@ -261,20 +205,11 @@ def test_top_k_and_top_p_keep_the_most_probable_tokens() -> None:
     assert probs[:2].sum() >= 0.8
 
 
-@pytest.fixture(scope="module")
-def textlm_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, GPT]:
-    run_dir = tmp_path_factory.mktemp("generate") / "textlm"
-    result = train(textlm.build(model_size=SIZE),
-                   TrainConfig(max_steps=3, batch_size=8, progress=False, eval_every=0,
-                               run_dir=str(run_dir), workload="textlm", model_size=SIZE))
-    return run_dir, result.model.eval()
-
-
 def test_the_openai_client_completes_and_streams_through_the_server(
     textlm_run: tuple[Path, GPT]
 ) -> None:
     run_dir, model = textlm_run
-    expected = greedy_reference(model, b"def main():", 12).decode("utf-8", errors="replace")
+    expected = greedy_text(model, b"def main():", 12)
 
     async def scenario() -> dict:
         app = create_app(ServeSettings(str(run_dir), device="cpu", max_batch_size=4,
@@ -351,7 +286,7 @@ def test_compiled_decode_generates_what_eager_does_once_every_bucket_has_run(
     warm-up (its own compile, tested elsewhere) is left out to keep this to one compile."""
     run_dir, model = textlm_run
     prompts = ["def main():", "import os", "x"]
-    expected = [greedy_reference(model, p.encode(), 10).decode("utf-8", "replace")
+    expected = [greedy_text(model, p.encode(), 10)
                 for p in prompts]
     monkeypatch.setattr(Engine, "warm_up", lambda self: 0.0)
     release = threading.Event()

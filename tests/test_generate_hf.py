@@ -11,10 +11,9 @@ import httpx
 import pytest
 import torch
 from conftest import serving
-from test_generate import completion
+from generation import greedy, greedy_reference, greedy_text, through_engine
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from gpuflow import TrainConfig, train
 from gpuflow.export import export_model
 from gpuflow.serve.app import ServeSettings, create_app
 from gpuflow.serve.generate.engine import Done, GenerationEngine
@@ -49,32 +48,12 @@ MODELS = {"gpt2": gpt2, "llama": llama, "gpt2-eager": lambda: gpt2(attention="ea
           "gpt2-50257": lambda: gpt2(vocab_size=50257)}
 
 
-def greedy_reference(model: torch.nn.Module, prompt: bytes, count: int) -> list[int]:
-    """Greedy bytes from the model's own forward over the whole prefix, at every token."""
-    tokens = list(prompt)
-    with torch.inference_mode():
-        for _ in range(count):
-            tokens.append(int(model(torch.tensor([tokens])).logits[0, -1, :256].argmax()))
-    return tokens[len(prompt):]
-
-
 def generate(lm: HFCausalLM, requests: list[tuple[bytes, SamplingParams]], slots: int,
              stagger: int = 0, bucketed: bool = False) -> list[tuple[list[int], Done]]:
-    """Each request's generated tokens; the first ``stagger`` go in before the engine runs,
-    the rest once it has started, joining a running batch."""
-    async def scenario() -> list[tuple[list[int], Done]]:
-        engine = GenerationEngine(lm, slots, 64, torch.inference_mode, bucketed=bucketed)
-        engine.start()
-        try:
-            generations = [engine.submit(list(p), params) for p, params in requests[:stagger]]
-            await asyncio.sleep(0.005)
-            generations += [engine.submit(list(p), params) for p, params in requests[stagger:]]
-            done = await asyncio.gather(*(completion(g) for g in generations))
-            return [(g.generated, d) for g, (_, d) in zip(generations, done, strict=True)]
-        finally:
-            engine.stop()
-
-    return asyncio.run(scenario())
+    """Each request's generated tokens; the first ``stagger`` go in first, the rest once
+    the engine runs, joining a running batch."""
+    engine = GenerationEngine(lm, slots, 64, torch.inference_mode, bucketed=bucketed)
+    return [(tokens, done) for _, tokens, done in through_engine(engine, requests, stagger)]
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -94,8 +73,7 @@ def test_continuous_batching_equals_recomputing_every_prefix(
         return at(self, slots, starts, length, span)
 
     monkeypatch.setattr(SlotCache, "at", recorded)
-    requests = [(p, SamplingParams(max_tokens=n, temperature=0.0))
-                for p, n in zip(PROMPTS, BUDGETS, strict=True)]
+    requests = greedy(PROMPTS, BUDGETS)
     results = generate(lm, requests, slots=3, stagger=4)
     for prompt, budget, (tokens, done) in zip(PROMPTS, BUDGETS, results, strict=True):
         assert tokens == greedy_reference(model, prompt, budget), prompt
@@ -119,8 +97,7 @@ def test_bucketed_decode_steps_equal_recomputing_every_prefix(name: str) -> None
         return step(tokens, cache, slots, starts)
 
     lm.step = recorded  # type: ignore[method-assign]
-    requests = [(p, SamplingParams(max_tokens=n, temperature=0.0))
-                for p, n in zip(PROMPTS, BUDGETS, strict=True)]
+    requests = greedy(PROMPTS, BUDGETS)
     results = generate(lm, requests, slots=5, stagger=5, bucketed=True)
     for prompt, budget, (tokens, done) in zip(PROMPTS, BUDGETS, results, strict=True):
         assert tokens == greedy_reference(model, prompt, budget), prompt
@@ -167,23 +144,12 @@ def test_the_cache_is_allocated_once_and_sized_by_the_model() -> None:
     assert cache.keys.shape == (2, 5, 2, 128, 16) and cache.keys.dtype == torch.bfloat16
 
 
-@pytest.fixture(scope="module")
-def hf_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
-    from user_workloads import hf_models
-
-    run_dir = tmp_path_factory.mktemp("generate-hf") / "gpt2"
-    result = train(hf_models.gpt2(),
-                   TrainConfig(max_steps=2, batch_size=8, progress=False, eval_every=0,
-                               run_dir=str(run_dir), workload="user_workloads.hf_models:gpt2"))
-    return run_dir, result.model.eval()
-
-
 def test_a_trained_hf_workload_completes_through_the_server(
         hf_run: tuple[Path, torch.nn.Module]) -> None:
     """From its run dir and from its safetensors export: concurrent requests through fewer
     slots each get the trained model's greedy completion."""
     run_dir, model = hf_run
-    expected = bytes(greedy_reference(model, b"def main():", 12)).decode("utf-8", "replace")
+    expected = greedy_text(model, b"def main():", 12)
     exported, _ = export_model(run_dir, run_dir.parent / "gpt2.safetensors")
 
     async def scenario(source: Path) -> tuple[list[dict], httpx.Response, dict]:

@@ -14,10 +14,8 @@ from typing import Any
 import pytest
 import torch
 from conftest import serving
+from generation import greedy_text
 from safetensors.torch import load_file, save_file
-from test_generate import greedy_reference, textlm_run  # noqa: F401 (a fixture)
-from test_generate_hf import gpt2, hf_run  # noqa: F401 (a fixture)
-from test_generate_hf import greedy_reference as hf_greedy_reference
 
 from gpuflow.errors import UserError
 from gpuflow.export import export_model
@@ -70,7 +68,7 @@ def serve_both(run_dir: Path, export: Path, predict: dict[str, Any]) -> dict[str
 
 
 def test_a_textlm_export_serves_what_its_run_does(
-        textlm_run: tuple[Path, torch.nn.Module], tmp_path: Path) -> None:  # noqa: F811
+        textlm_run: tuple[Path, torch.nn.Module], tmp_path: Path) -> None:
     """textlm's export is a GPT2LMHeadModel; served in place of the GPT, /v1/completions runs
     through the engine's Hugging Face path and /v1/predict through textlm's codec."""
     run_dir, model = textlm_run
@@ -78,8 +76,7 @@ def test_a_textlm_export_serves_what_its_run_does(
     loaded = load_model(export)
     assert type(loaded.model).__name__ == "GPT2LMHeadModel" and loaded.workload.name == "textlm"
     answers = serve_both(run_dir, export, {"text": PROMPT, "max_new_tokens": 6, "top_k": 256})
-    assert answers["text"] == greedy_reference(model, PROMPT.encode(), 12).decode(
-        "utf-8", errors="replace")
+    assert answers["text"] == greedy_text(model, PROMPT.encode(), 12)
     with torch.inference_mode():
         probs = torch.softmax(model(torch.tensor([list(PROMPT.encode())]))[0, -1], dim=-1)
     [prediction] = answers["predictions"]
@@ -91,14 +88,14 @@ def test_a_textlm_export_serves_what_its_run_does(
 
 
 @pytest.fixture(scope="module")
-def gpt2_export(hf_run: tuple[Path, torch.nn.Module],  # noqa: F811
+def gpt2_export(hf_run: tuple[Path, torch.nn.Module],
                 tmp_path_factory: pytest.TempPathFactory) -> Path:
     export, _ = export_model(hf_run[0], tmp_path_factory.mktemp("hf-export") / "gpt2", "hf")
     return export
 
 
 def test_a_hugging_face_workload_export_serves_what_its_run_does(
-        hf_run: tuple[Path, torch.nn.Module], gpt2_export: Path) -> None:  # noqa: F811
+        hf_run: tuple[Path, torch.nn.Module], gpt2_export: Path) -> None:
     """The export is the model's save_pretrained, without the head tied to the embedding:
     reopened as the workload's own class, every weight is the trained one, the head tied."""
     run_dir, model = hf_run
@@ -111,8 +108,7 @@ def test_a_hugging_face_workload_export_serves_what_its_run_does(
         assert torch.equal(tensor, trained[name]), name
     window = list((PROMPT * 4).encode())[:32]  # the workload's inputs: [N, 32] token ids
     answers = serve_both(run_dir, gpt2_export, {"inputs": [window], "top_k": 3})
-    expected = hf_greedy_reference(model, PROMPT.encode(), 12)
-    assert answers["text"] == bytes(expected).decode("utf-8", errors="replace")
+    assert answers["text"] == greedy_text(model, PROMPT.encode(), 12)
 
 
 def broken(export: Path, tmp_path: Path, name: str, content: bytes | None) -> Path:
