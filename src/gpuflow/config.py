@@ -29,6 +29,7 @@ FsdpWrap = Literal["block", "model"]
 # DistributedDataParallel's gradient bucket size when --bucket-mb is not given.
 DDP_DEFAULT_BUCKET_MIB = 25.0
 DataSource = Literal["real", "synthetic"]
+Decode = Literal["auto", "cpu", "gpu"]
 DEFAULT_BATCH_SIZE = 64
 DEFAULT_EVAL_BATCHES = 20  # see gpuflow.data.eval_set
 DISTRIBUTED = "distributed (torch.distributed, elastic launcher)"  # the flags' help group
@@ -57,8 +58,8 @@ class TrainConfig:
 
     workload: str = option(
         "digits", metavar="NAME|pkg.module:factory",
-        help="a built-in workload (digits, mnist-idx, textlm, speech, asr), or your own: a factory "
-             "returning a Workload",
+        help="a built-in workload (digits, mnist-idx, textlm, speech, asr, images), or your "
+             "own: a factory returning a Workload",
         details="see [workloads/README.md](workloads/README.md)")
     data_dir: str | None = option(
         None, metavar="DIR",
@@ -85,6 +86,17 @@ class TrainConfig:
         help="asr: longer utterances are dropped from training (counted), and refused by "
              "the server",
         details="see [workloads/asr.md](workloads/asr.md)")
+    image_size: int | None = option(
+        None, metavar="PX", unset="images: 224",
+        help="images: the side of the square crops the model trains and serves on",
+        details="see [workloads/images.md](workloads/images.md)")
+    strict_data: bool = option(
+        False, help="images: stop at the first file that does not decode, naming it (default: "
+                    "skip and count it)")
+    decode: Decode | None = option(
+        None, unset="auto",
+        help="images: where JPEGs are decoded; auto falls back to the CPU and says why",
+        details="see [workloads/images.md](workloads/images.md)")
     device: str = option("auto", metavar="auto|cpu|cuda|cuda:N",
                          help="auto picks CUDA when present")
     precision: Precision = option(
@@ -342,9 +354,11 @@ class TrainConfig:
             options["model_size"] = self.model_size
         if self.val_speakers is not None:
             options["val_speakers"] = self.val_speakers
-        for name in ("batch_seconds", "max_audio_seconds"):
+        for name in ("batch_seconds", "max_audio_seconds", "image_size", "decode"):
             if getattr(self, name) is not None:
                 options[name] = getattr(self, name)
+        if self.strict_data:
+            options["strict_data"] = True
         return options
 
     def to_dict(self) -> dict[str, Any]:

@@ -119,6 +119,8 @@ class Workload:
     resumable by ``set_position(epoch, batch)``; ``--batch-size`` then sizes evaluation only.
     A metric may return a ``Ratio``: evaluation sums its parts over the batches and divides
     once (word error rate: errors over reference words, not a mean of per-batch rates).
+    ``data_report()`` says what the loader met in the data, e.g. files skipped for not
+    decoding; the run's summary records it under ``data``.
     """
 
     name: str
@@ -139,6 +141,7 @@ class Workload:
     default_ema_decay: float | None = None
     max_sequence_length: int | None = None
     batch_sampler: Callable[[int, int, int], BatchPlan] | None = None
+    data_report: Callable[[], Mapping[str, Any]] | None = None
 
     def blocks(self) -> list[nn.Module]:
         """The modules that repeat in the model, e.g. transformer layers: ``repeated_blocks``,
@@ -186,6 +189,7 @@ class Workload:
 BUILTIN_WORKLOADS: dict[str, str] = {
     "asr": "gpuflow.workloads.asr:build",
     "digits": "gpuflow.workloads.digits:build",
+    "images": "gpuflow.workloads.images:build",
     "mnist-idx": "gpuflow.workloads.mnist_idx:build",
     "speech": "gpuflow.workloads.speech:build",
     "textlm": "gpuflow.workloads.textlm:build",

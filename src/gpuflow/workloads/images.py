@@ -1,0 +1,122 @@
+"""Images as users keep them: class folders or tar shards of JPEG/PNG/WebP files.
+
+``--data-dir`` is a class-folder tree or a folder of tar shards (``gpuflow.data.image_sources``);
+files are decoded and cropped in the loader's workers (``gpuflow.data.image_batches``), and
+the model, a ResNet of ``gpuflow.models.resnet``, takes the uint8 pixels and normalises them
+on the device. See docs/workloads/images.md.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+from gpuflow.data.image_batches import (
+    DataIssues,
+    EncodedImages,
+    EvalImages,
+    TrainCrops,
+    collate_images,
+)
+from gpuflow.data.image_decoder import choose_decoder
+from gpuflow.data.image_sources import scan
+from gpuflow.errors import UserError
+from gpuflow.models.pixels import IMAGENET_MEAN, IMAGENET_STD, UInt8Images
+from gpuflow.models.resnet import LAYOUTS, ResNet
+from gpuflow.workload import Workload
+from gpuflow.workloads.images_codec import images_serving
+
+DEFAULT_IMAGE_SIZE = 224
+DEFAULT_MODEL = "resnet18"
+VAL_PERCENT = 10.0
+EXAMPLE_ITEMS = 8
+SYNTHETIC_COUNT, SYNTHETIC_CLASSES = 512, 10
+
+
+def parse_model(model_size: str | None) -> tuple[str, int]:
+    """``resnet18`` or ``resnet50``, optionally with a base width: ``resnet18,width=16``."""
+    kind, _, rest = (model_size or DEFAULT_MODEL).partition(",")
+    width = 64
+    try:
+        if rest:
+            name, _, value = rest.partition("=")
+            if name != "width":
+                raise ValueError
+            width = int(value)
+        if kind not in LAYOUTS or width < 1:
+            raise ValueError
+    except ValueError:
+        raise UserError(f"--model-size {model_size!r} for images: use one of "
+                        f"{', '.join(LAYOUTS)}, optionally with a width "
+                        "(e.g. resnet18,width=32).") from None
+    return kind, width
+
+
+def image_model(kind: str, width: int, classes: int, size: int) -> nn.Module:
+    """The ResNet behind the uint8 input layer."""
+    net = ResNet(kind, num_classes=classes, in_channels=3, image_size=size, width=width)
+    return UInt8Images(net, IMAGENET_MEAN, IMAGENET_STD)
+
+
+def _example(dataset: Dataset) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first images that decode, as one batch."""
+    items = []
+    for index in range(len(dataset)):  # type: ignore[arg-type]
+        pixels, label = dataset[index]
+        if pixels is not None:
+            items.append((pixels, label))
+        if len(items) == EXAMPLE_ITEMS:
+            break
+    return collate_images(items)
+
+
+def _resnet_blocks(model: nn.Module) -> list[nn.Module]:
+    return list(model.net.blocks)  # type: ignore[union-attr,arg-type]
+
+
+def _synthetic(size: int, seed: int) -> TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (SYNTHETIC_COUNT, size, size, 3), dtype=torch.uint8,
+                           generator=generator)
+    return TensorDataset(pixels, torch.randint(0, SYNTHETIC_CLASSES, (SYNTHETIC_COUNT,),
+                                               generator=generator))
+
+
+def build(data_dir: str | None = None, data: str = "real", model_size: str | None = None,
+          image_size: int | None = None, strict_data: bool = False,
+          decode: str | None = None) -> Workload:
+    """The `images` workload: a ResNet trained on encoded image files."""
+    kind, width = parse_model(model_size)
+    size = image_size or DEFAULT_IMAGE_SIZE
+    if size < 8:
+        raise UserError(f"--image-size {size}: images need at least 8 pixels a side.")
+    if data == "synthetic":
+        classes = [str(i) for i in range(SYNTHETIC_CLASSES)]
+        return Workload(name="images", model=image_model(kind, width, len(classes), size),
+                        train_dataset=_synthetic(size, 0), val_dataset=_synthetic(size, 1),
+                        repeated_blocks=_resnet_blocks, serving=images_serving(classes, size))
+    if data_dir is None:
+        raise UserError("images reads --data-dir DIR: class folders (DIR/CLASS/*.jpg, or "
+                        "DIR/train/CLASS and DIR/val/CLASS) or tar shards (DIR/*.tar with "
+                        "classes.json). `python scripts/fashion_mnist_jpeg.py --out DIR` "
+                        "writes one from Fashion-MNIST.")
+    choose_decoder(decode)
+    splits = scan(data_dir, VAL_PERCENT)
+    issues = DataIssues(strict_data)
+    train = EncodedImages(splits.train)
+    val = EvalImages(EncodedImages(splits.val), size, "RGB", issues) if splits.val else None
+    return Workload(
+        name="images",
+        model=image_model(kind, width, max(len(splits.classes), 2), size),
+        train_dataset=train,
+        val_dataset=val,
+        collate_fn=partial(collate_images, issues=issues),
+        example_batch=_example(EvalImages(train, size, "RGB", DataIssues(strict_data))),
+        repeated_blocks=_resnet_blocks,
+        serving=images_serving(splits.classes, size),
+        augment=TrainCrops(size, "RGB", issues),
+        data_report=issues.report,
+    )
