@@ -1,6 +1,7 @@
 """The HTTP API: POST /v1/predict, GET /healthz, /readyz and /metrics (FastAPI, OpenAPI at
-/docs), and for language models the OpenAI-compatible POST /v1/completions,
-POST /v1/chat/completions and GET /v1/models.
+/docs), for language models the OpenAI-compatible POST /v1/completions,
+POST /v1/chat/completions and GET /v1/models, and for speech recognisers
+POST /v1/audio/transcriptions.
 
 This module only assembles the server: the state (``state.py``: the engines, their
 loading, warm-up and readiness), the routes (``routes/``, one module per API area), the
@@ -19,12 +20,13 @@ from fastapi import FastAPI
 from gpuflow.serve import errors
 from gpuflow.serve.engine import Engine
 from gpuflow.serve.gate import Gate
-from gpuflow.serve.routes import chat, completions, health, models, predict
+from gpuflow.serve.routes import chat, completions, health, models, predict, transcriptions
 from gpuflow.serve.settings import SETTINGS_ENV, ServeSettings, settings_from_json, settings_json
 from gpuflow.serve.state import ServerState
 
 __all__ = ["SETTINGS_ENV", "ServeSettings", "app_from_env", "create_app", "settings_json"]
-ROUTERS = (health.router, predict.router, models.router, completions.router, chat.router)
+ROUTERS = (health.router, predict.router, models.router, completions.router, chat.router,
+           transcriptions.router)
 
 
 def create_app(settings: ServeSettings, load: Callable[[], Engine] | None = None) -> FastAPI:

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.requests import Request
 
-from gpuflow.serve.batcher import BatchFailed, DeadlineExceeded, QueueFull
+from gpuflow.serve.batcher import BatchFailed, DeadlineExceeded, QueueFull, Result
 from gpuflow.serve.errors import ApiError, invalid_body
 from gpuflow.serve.routes.client import (
     CLIENT_CLOSED,
@@ -52,10 +52,31 @@ async def predict(request: Request) -> Response:
     with batcher.incoming():
         parsed, decoded = await _decode(request, state)
         timeout_ms = min(parsed.timeout_ms or settings.timeout_ms, settings.timeout_ms)
-        try:
-            submitted = batcher.submit(decoded.key, decoded.rows, timeout_ms / 1000)
-        except QueueFull:
-            raise queue_full(state) from None
+        submitted = submit(state, decoded, timeout_ms)
+    result = await outcome(request, state, submitted, timeout_ms)
+    if isinstance(result, Response):
+        return result
+    return JSONResponse({
+        "predictions": [engine.codec.format(out, parsed) for out in result.outputs],
+        "queue_ms": round(result.queue_s * 1000, 3),
+        "compute_ms": round(result.compute_s * 1000, 3),
+        "batch_rows": result.batch_rows,
+        "model": {"workload": engine.loaded.workload.name, "step": engine.loaded.step},
+    })
+
+
+def submit(state: ServerState, decoded: Decoded, timeout_ms: float) -> asyncio.Future[Result]:
+    """Queue a request's rows (inside ``batcher.incoming()``); 503 when the queue is full."""
+    try:
+        return state.batcher.submit(decoded.key, decoded.rows, timeout_ms / 1000)
+    except QueueFull:
+        raise queue_full(state) from None
+
+
+async def outcome(request: Request, state: ServerState, submitted: asyncio.Future[Result],
+                  timeout_ms: float) -> Result | Response:
+    """The rows' outputs with their times (observed in the metrics), or the empty answer
+    to a client that left; 504 past the deadline, 500 when the batch failed."""
     await asyncio.sleep(0)  # one turn of the loop: a lone request run inline is done
     if not await finished_unless_gone(request, submitted):  # the client left: drop it
         submitted.cancel()
@@ -72,13 +93,7 @@ async def predict(request: Request) -> Response:
                        "serving.", "batch_failed") from None
     state.metrics.queue_time.observe(result.queue_s)
     state.metrics.compute_time.observe(result.compute_s)
-    return JSONResponse({
-        "predictions": [engine.codec.format(out, parsed) for out in result.outputs],
-        "queue_ms": round(result.queue_s * 1000, 3),
-        "compute_ms": round(result.compute_s * 1000, 3),
-        "batch_rows": result.batch_rows,
-        "model": {"workload": engine.loaded.workload.name, "step": engine.loaded.step},
-    })
+    return result
 
 
 async def _decode(request: Request, state: ServerState) -> tuple[PredictRequest, Decoded]:
