@@ -158,7 +158,7 @@ def test_the_trainer_converts_after_counting_and_records_fp8(
     summary = trainer.fit().summary
     assert summary["fp8"]["converted"] == 8 and summary["fp8"]["outside_blocks"] == 1
     assert "MFU against the bf16 peak" in summary["precision_description"]
-    assert "fp8 tensorwise in 8 of 9 linear layers" in record.banner(trainer)
+    assert "fp8 tensorwise in 8 of 9 linear layers" in record.banner(trainer.description)
     assert summary["median"]["mfu"] > 0
 
 

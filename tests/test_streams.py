@@ -135,7 +135,7 @@ def test_a_stream_without_state_resumes_from_a_fresh_iterator_and_says_so(
     train(endless_counter(), config)
     resumed = Trainer(endless_counter(), gpuflow.TrainConfig(
         max_steps=5, batch_size=4, progress=False, run_dir=str(tmp_path), resume=True))
-    banner = record.banner(resumed)
+    banner = record.banner(resumed.description)
     resumed.close()
     assert "resumed at step 3" in banner
     assert "cannot be resumed exactly (it has no state_dict/load_state_dict)" in banner
@@ -164,7 +164,7 @@ def test_eval_batches_reads_the_same_spread_subset_every_time(tmp_path: Path) ->
         max_steps=6, eval_every=3, eval_batches=3, batch_size=16, progress=False,
         run_dir=str(tmp_path)))
     assert "evaluates 3 of 63 validation batches (48 of 1,000 samples, the same each time)" \
-        in record.banner(trainer)
+        in record.banner(trainer.description)
     trainer.fit()
     assert len(val.reads) == 2 * 48  # at step 3, then the final evaluation at step 6
     first, second = val.reads[:48], val.reads[48:]

@@ -105,12 +105,12 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
 def _launch(config: Any, argv: Sequence[str]) -> int:
     """This process becomes the elastic agent; workers rerun the same command line."""
     from gpuflow.parallel.launch import LaunchSpec, launch
-    from gpuflow.train.trainer import default_run_dir
+    from gpuflow.train.record import run_dir
 
-    run_dir = config.run_dir or str(default_run_dir(config.workload))
+    directory = str(run_dir(config.run_dir, config.workload))
     spec = LaunchSpec(config.nproc, config.nnodes, config.node_rank, config.rdzv_endpoint,
                       config.max_restarts)
-    launch(spec, [*argv, "--run-dir", run_dir])
+    launch(spec, [*argv, "--run-dir", directory])
     return 0
 
 

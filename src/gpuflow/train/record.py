@@ -1,79 +1,149 @@
 """What a run says of itself: the banner it opens with, a record per logging window in
-metrics.jsonl, and summary.json at the end (the run dir's contract, docs/run-dir.md)."""
+metrics.jsonl, and summary.json at the end (the run dir's contract, docs/run-dir.md).
+
+Everything here reads one :class:`RunDescription`, fixed once the run is set up, and the
+figures that move (its position, the learning rate, the timings) handed in as they are.
+"""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import platform
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gpuflow.data.iterable import is_stream, resume_note
-from gpuflow.devices import device_memory_bytes, device_name, native_bf16
-from gpuflow.telemetry.steps import medians, peak_memory_bytes
+from gpuflow.devices import PeakFlops, device_memory_bytes, device_name, native_bf16
+from gpuflow.parallel.dims import ParallelDims
+from gpuflow.serving import SERVING_FILE
+from gpuflow.telemetry.steps import peak_memory_bytes
 
 if TYPE_CHECKING:
-    from gpuflow.train.trainer import Trainer
+    from gpuflow.planner.search import Plan
+    from gpuflow.train.auto import BatchProbe
+    from gpuflow.train.compile import Compiled
+    from gpuflow.train.fp8 import Fp8Conversion
+    from gpuflow.train.state import Position
 
 RUN_FORMAT_VERSION = 1
 
 
-def banner(trainer: Trainer) -> str:
+@dataclass(frozen=True)
+class RunDescription:
+    """A run as set up: what runs where and how, what was chosen for it, and its figures
+    that do not change while it runs. ``config`` is the run's configuration as saved;
+    ``evaluated`` what each evaluation reads (None: no validation set);
+    ``layout`` and ``precision`` the strategy's and the precision policy's descriptions;
+    ``started`` a ``time.perf_counter()`` reading; ``resume_note`` what a resumed stream
+    says of its position."""
+
+    workload: str
+    tokens_per_sample: int | None
+    device: torch.device
+    dims: ParallelDims
+    layout: str
+    precision: str
+    config: Mapping[str, Any]
+    global_batch: int
+    total_steps: int
+    start_step: int
+    per_epoch_batches: int | None
+    flops_per_step: int
+    trainable_params: int
+    peak: PeakFlops
+    comm_measured: bool
+    run_dir: Path
+    is_main: bool
+    started: float
+    evaluated: str | None = None
+    compiled: Compiled | None = None
+    fp8: Fp8Conversion | None = None
+    ema_decay: float | None = None
+    resume_note: str | None = None
+    plan: Plan | None = None
+    batch_probe: BatchProbe | None = None
+
+
+def run_dir(given: str | None, workload: str) -> Path:
+    """``--run-dir``, or ``runs/<workload>-<timestamp>``."""
+    if given:
+        return Path(given)
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    safe = workload.replace(":", "-").replace("/", "-").replace(".", "-")
+    return Path("runs") / f"{safe}-{stamp}"
+
+
+def write_run_files(run: RunDescription, serving_state: Mapping[str, Any]) -> None:
+    """config.json, and serving.json: what a server needs to decode requests without the
+    training data or code (main process only)."""
+    if not run.is_main:
+        return
+    run.run_dir.mkdir(parents=True, exist_ok=True)
+    (run.run_dir / "config.json").write_text(json.dumps(dict(run.config), indent=2))
+    (run.run_dir / SERVING_FILE).write_text(json.dumps(dict(serving_state)))
+
+
+def banner(run: RunDescription) -> str:
     """One line: what runs where, how, for how long, and what was chosen for it."""
-    config, dims, step = trainer.config, trainer.dims, trainer.position.step
+    config, dims, step = run.config, run.dims, run.start_step
     resumed = f", resumed at step {step}" if step else ""
-    if step and is_stream(trainer.workload.train_dataset):
-        resumed += f" ({resume_note(trainer.workload.train_dataset, trainer.exact_stream_resume)})"
-    compiled = f", compiled ({trainer.compiled.scope})" if trainer.compiled else ""
-    fp8 = f"{trainer.fp8.describe()}; " if trainer.fp8 else ""
-    averaged = (f"weights averaged (EMA {trainer.average.decay:g} a step), "
-                if trainer.average is not None else "")
+    if step and run.resume_note:
+        resumed += f" ({run.resume_note})"
+    compiled = f", compiled ({run.compiled.scope})" if run.compiled else ""
+    fp8 = f"{run.fp8.describe()}; " if run.fp8 else ""
+    averaged = (f"weights averaged (EMA {run.ema_decay:g} a step), "
+                if run.ema_decay is not None else "")
     return (
-        f"gpuflow: {trainer.workload.name} on {device_name(trainer.device)} ({trainer.device})"
-        f"{trainer.strategy.describe()}, {trainer.policy.describe()}, global batch "
-        f"{trainer.global_batch} = micro-batch {config.batch_size} x accum {config.grad_accum}"
-        f" x data-parallel {dims.dp}, {fp8}{averaged}{trainer.total_steps} steps{resumed}"
-        f"{compiled}; "
-        f"{_eval_plan(trainer)}; run dir {trainer.run_dir}{_choices(trainer)}"
+        f"gpuflow: {run.workload} on {device_name(run.device)} ({run.device})"
+        f"{run.layout}, {run.precision}, global batch "
+        f"{run.global_batch} = micro-batch {config['batch_size']} x accum "
+        f"{config['grad_accum']} x data-parallel {dims.dp}, {fp8}{averaged}{run.total_steps} "
+        f"steps{resumed}{compiled}; "
+        f"{_eval_plan(run)}; run dir {run.run_dir}{_choices(run)}"
     )
 
 
-def _choices(trainer: Trainer) -> str:
+def _choices(run: RunDescription) -> str:
     """What --strategy auto and --batch-size auto chose."""
-    chosen, dims, plan, probe = "", trainer.dims, trainer.plan, trainer.batch_probe
+    chosen, dims, plan, probe = "", run.dims, run.plan, run.batch_probe
     if plan is not None:
         chosen += (f"; --strategy auto chose {dims.strategy} (dp {dims.dp} x tp {dims.tp} x "
                    f"pp {dims.pp}), predicted {plan.predicted_peak_bytes / 2**30:.2f} "
                    f"GiB and {plan.predicted_step_s * 1e3:.1f} ms per step")
     if probe is not None:
         chosen += (f"; --batch-size auto: {probe.largest_fitting} fit, running "
-                   f"{trainer.config.batch_size} x accum {trainer.config.grad_accum}")
+                   f"{run.config['batch_size']} x accum {run.config['grad_accum']}")
     return chosen
 
 
-def _eval_plan(trainer: Trainer) -> str:
-    if trainer.eval_set is None:
+def _eval_plan(run: RunDescription) -> str:
+    if run.evaluated is None:
         return "no validation set"
-    every = trainer.config.eval_every
+    every = run.config["eval_every"]
     when = f"every {every} steps and at the end" if every else "at the end"
-    return f"evaluates {trainer.eval_set.describe()} {when}"
+    return f"evaluates {run.evaluated} {when}"
 
 
-def window_record(trainer: Trainer, window: dict[str, float]) -> dict[str, Any]:
-    """One logging window's line of metrics.jsonl."""
-    achieved = trainer.flops_per_step / window["step_time_s"] if window["step_time_s"] else 0.0
-    peak_mem, _ = peak_memory_bytes(trainer.device)
-    tokens = trainer.workload.tokens_per_sample
-    measured = trainer.strategy.comm_measured
-    position, world, peak = trainer.position, trainer.dims.world, trainer.peak.flops
+def window_record(run: RunDescription, window: dict[str, float], position: Position,
+                  lr: float) -> dict[str, Any]:
+    """One logging window's line of metrics.jsonl, at ``position`` with learning rate
+    ``lr``."""
+    achieved = run.flops_per_step / window["step_time_s"] if window["step_time_s"] else 0.0
+    peak_mem, _ = peak_memory_bytes(run.device)
+    tokens = run.tokens_per_sample
+    measured = run.comm_measured
+    world, peak = run.dims.world, run.peak.flops
     return {
         "step": position.step,
-        "epoch": (position.batches_consumed / trainer.per_epoch_batches
-                  if trainer.per_epoch_batches else None),
+        "epoch": (position.batches_consumed / run.per_epoch_batches
+                  if run.per_epoch_batches else None),
         "loss": window["loss"],
-        "lr": trainer.optimizer.param_groups[0]["lr"],
+        "lr": lr,
         "samples_per_s": window["samples_per_s"],
         "tokens_per_s": window["samples_per_s"] * tokens if tokens else None,
         "step_time_s": window["step_time_s"],
@@ -84,20 +154,21 @@ def window_record(trainer: Trainer, window: dict[str, float]) -> dict[str, Any]:
         "host_s": window["host_s"],
         "data_wait_frac": window["data_wait_frac"],
         "comm_frac": window["comm_frac"] if measured else None,
-        "flops_per_step": trainer.flops_per_step,
+        "flops_per_step": run.flops_per_step,
         "achieved_flops": achieved,
         "mfu": achieved / (peak * world) if peak else None,
         "peak_mem_bytes": peak_mem,
         "skipped_steps": position.skipped_steps,
         "world_size": world,
         "window_steps": window["window_steps"],
-        "elapsed_s": time.perf_counter() - trainer.started,
+        "elapsed_s": time.perf_counter() - run.started,
     }
 
 
-def _plan_record(trainer: Trainer, peak_mem: int | None) -> dict[str, Any] | None:
+def _plan_record(run: RunDescription, peak_mem: int | None, median: Mapping[str, float]
+                 ) -> dict[str, Any] | None:
     """What --strategy auto and --batch-size auto chose, predicted next to measured."""
-    plan, probe = trainer.plan, trainer.batch_probe
+    plan, probe = run.plan, run.batch_probe
     if plan is None and probe is None:
         return None
     record: dict[str, Any] = {
@@ -105,51 +176,52 @@ def _plan_record(trainer: Trainer, peak_mem: int | None) -> dict[str, Any] | Non
         "batch_size_auto": probe.as_dict() if probe else None,
     }
     if plan is not None:
-        measured_step = medians(trainer.metrics.step_records()).get("step_time_s")
         # The planner predicts tensor memory: a CPU process's RSS, which also holds the
         # interpreter and its libraries, is no measurement of that.
-        tensors = peak_mem if trainer.device.type == "cuda" else None
+        tensors = peak_mem if run.device.type == "cuda" else None
         record["predicted_vs_measured"] = {
             "peak_mem_bytes": [plan.predicted_peak_bytes, tensors],
-            "step_time_s": [plan.predicted_step_s, measured_step],
+            "step_time_s": [plan.predicted_step_s, median.get("step_time_s")],
         }
     return record
 
 
-def write_summary(trainer: Trainer, final: dict[str, float]) -> dict[str, Any]:
-    """summary.json, written atomically by the main process; every rank gets the dict."""
-    peak_mem, mem_kind = peak_memory_bytes(trainer.device)
-    config, dims, position, device = trainer.config, trainer.dims, trainer.position, \
-        trainer.device
+def write_summary(run: RunDescription, final: dict[str, float], position: Position,
+                  median: Mapping[str, float], eval_time_s: float,
+                  checkpoint: Path | None) -> dict[str, Any]:
+    """summary.json, written atomically by the main process; every rank gets the dict.
+    ``median`` holds the step records' medians, ``checkpoint`` the last one saved."""
+    peak_mem, mem_kind = peak_memory_bytes(run.device)
+    config, dims, device = run.config, run.dims, run.device
     summary = {
         "format_version": RUN_FORMAT_VERSION,
-        "workload": trainer.workload.name,
+        "workload": run.workload,
         "steps": position.step,
         "samples_seen": position.samples_seen,
         "skipped_steps": position.skipped_steps,
-        "wall_time_s": time.perf_counter() - trainer.started,
-        "eval_time_s": trainer.eval_time_s,
-        "evaluated": trainer.eval_set.describe() if trainer.eval_set is not None else None,
+        "wall_time_s": time.perf_counter() - run.started,
+        "eval_time_s": eval_time_s,
+        "evaluated": run.evaluated,
         "final_metrics": final,
-        "median": medians(trainer.metrics.step_records()),
-        "precision": config.precision,
-        "precision_description": trainer.policy.describe(),
-        "compiled": trainer.compiled is not None,
-        "compile_scope": trainer.compiled.scope if trainer.compiled else None,
-        "fp8": trainer.fp8.as_dict() if trainer.fp8 else None,
-        "activation_checkpointing": config.activation_checkpointing,
-        "ema_decay": trainer.average.decay if trainer.average is not None else None,
+        "median": dict(median),
+        "precision": config["precision"],
+        "precision_description": run.precision,
+        "compiled": run.compiled is not None,
+        "compile_scope": run.compiled.scope if run.compiled else None,
+        "fp8": run.fp8.as_dict() if run.fp8 else None,
+        "activation_checkpointing": config["activation_checkpointing"],
+        "ema_decay": run.ema_decay,
         "device": str(device),
         "device_name": device_name(device),
-        "flops_per_step": trainer.flops_per_step,
-        "trainable_params": trainer.trainable_params,
-        "peak_flops": trainer.peak.flops,
-        "peak_flops_source": trainer.peak.source,
+        "flops_per_step": run.flops_per_step,
+        "trainable_params": run.trainable_params,
+        "peak_flops": run.peak.flops,
+        "peak_flops_source": run.peak.source,
         "peak_mem_bytes": peak_mem,
         "peak_mem_kind": mem_kind,
         "device_memory_bytes": device_memory_bytes(device),
         "native_bf16": native_bf16(device),
-        "global_batch": trainer.global_batch,
+        "global_batch": run.global_batch,
         "strategy": dims.strategy,
         "world_size": dims.world,
         "mesh": {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp},
@@ -158,13 +230,13 @@ def write_summary(trainer: Trainer, final: dict[str, float]) -> dict[str, Any]:
             "cuda": torch.version.cuda,
             "python": platform.python_version(),
         },
-        "plan": _plan_record(trainer, peak_mem),
-        "checkpoint": str(trainer.state.last.path) if trainer.state.last else None,
-        "run_dir": str(trainer.run_dir),
-        "config": config.to_dict(),
+        "plan": _plan_record(run, peak_mem, median),
+        "checkpoint": str(checkpoint) if checkpoint is not None else None,
+        "run_dir": str(run.run_dir),
+        "config": dict(config),
     }
-    if trainer.is_main:
-        tmp = trainer.run_dir / "summary.json.tmp"
+    if run.is_main:
+        tmp = run.run_dir / "summary.json.tmp"
         tmp.write_text(json.dumps(summary, indent=2))
-        tmp.replace(trainer.run_dir / "summary.json")
+        tmp.replace(run.run_dir / "summary.json")
     return summary

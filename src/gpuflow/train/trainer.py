@@ -8,13 +8,12 @@ Strategy`; what a run saves, in :mod:`gpuflow.train.state`; what it reports, in
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
-import json
 import math
 import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -24,7 +23,7 @@ from torch import nn
 
 from gpuflow.config import TrainConfig
 from gpuflow.data.eval_set import eval_set
-from gpuflow.data.iterable import StreamBatches, is_sized, is_stream
+from gpuflow.data.iterable import StreamBatches, is_sized, is_stream, resume_note
 from gpuflow.data.loader import (
     BatchPlan,
     batches_per_epoch,
@@ -39,8 +38,8 @@ from gpuflow.parallel.dims import ParallelDims
 from gpuflow.parallel.env import init_distributed
 from gpuflow.parallel.strategy import ModelParts, resize_rows
 from gpuflow.precision import make_policy
-from gpuflow.serving import SERVING_FILE, serving_state
-from gpuflow.telemetry.steps import MetricsLog, StepTimer
+from gpuflow.serving import serving_state
+from gpuflow.telemetry.steps import MetricsLog, StepTimer, medians
 from gpuflow.train import fp8, record
 from gpuflow.train.averaging import WeightAverage
 from gpuflow.train.batch import fit_batch
@@ -75,12 +74,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def default_run_dir(workload: str) -> Path:
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    safe = workload.replace(":", "-").replace("/", "-").replace(".", "-")
-    return Path("runs") / f"{safe}-{stamp}"
-
-
 class Trainer:
     """Owns one run: set-up, the step loop, evaluation, checkpoints and telemetry."""
 
@@ -101,7 +94,7 @@ class Trainer:
         self.timer = StepTimer(self.device)
         self.strategy = build_strategy(self.dims, self.device, self.policy, self.timer,
                                        compile=config.compile)
-        self.run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(workload.name)
+        self.run_dir = record.run_dir(config.run_dir, workload.name)
         self.model = workload.model.to(self.device)
         self.model.train()
         # Counted whole, before any strategy shards or splits the model.
@@ -216,12 +209,9 @@ class Trainer:
         return compiled
 
     def _open_records(self, progress: ProgressDisplay | None, resumed: bool) -> None:
-        if self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.json").write_text(json.dumps(self.config.to_dict(),
-                                                                 indent=2))
-            # What a server needs to decode requests without the training data or code.
-            (self.run_dir / SERVING_FILE).write_text(json.dumps(serving_state(self.workload)))
+        self.started = time.perf_counter()
+        self.description = self._describe()
+        record.write_run_files(self.description, serving_state(self.workload))
         self.metrics = MetricsLog(
             self.run_dir / "metrics.jsonl",
             self.run_dir / "tensorboard" if self.config.tensorboard else None,
@@ -233,8 +223,27 @@ class Trainer:
         self.nonfinite_streak = 0
         self._batches: DevicePrefetcher | None = None
         self._stream: StreamBatches | None = None
-        self.started = time.perf_counter()
         self.timer.start_window()
+
+    def _describe(self) -> record.RunDescription:
+        """What the run's records say of it, fixed now that it is set up."""
+        workload, step = self.workload, self.position.step
+        exact = self.state.stream_start is not None and self.config.num_workers == 0
+        return record.RunDescription(
+            workload=workload.name, tokens_per_sample=workload.tokens_per_sample,
+            device=self.device, dims=self.dims, layout=self.strategy.describe(),
+            precision=self.policy.describe(), config=MappingProxyType(self.config.to_dict()),
+            global_batch=self.global_batch, total_steps=self.total_steps, start_step=step,
+            per_epoch_batches=self.per_epoch_batches, flops_per_step=self.flops_per_step,
+            trainable_params=self.trainable_params, peak=self.peak,
+            comm_measured=self.strategy.comm_measured, run_dir=self.run_dir,
+            is_main=self.is_main, started=self.started,
+            evaluated=self.eval_set.describe() if self.eval_set is not None else None,
+            compiled=self.compiled, fp8=self.fp8,
+            ema_decay=self.average.decay if self.average is not None else None,
+            resume_note=(resume_note(workload.train_dataset, exact)
+                         if step and is_stream(workload.train_dataset) else None),
+            plan=self.plan, batch_probe=self.batch_probe)
 
     @property
     def position(self) -> Position:
@@ -243,11 +252,6 @@ class Trainer:
     @property
     def step(self) -> int:
         return self.state.position.step
-
-    @property
-    def exact_stream_resume(self) -> bool:
-        """A stream resumes exactly from its saved position when loaded in this process."""
-        return self.state.stream_start is not None and self.config.num_workers == 0
 
     # --- the loop -----------------------------------------------------------------------
 
@@ -331,7 +335,7 @@ class Trainer:
     def fit(self) -> RunResult:
         """Train to ``total_steps``, evaluate, save the final checkpoint and the summary."""
         if self.is_main:
-            self.progress.announce(record.banner(self))
+            self.progress.announce(record.banner(self.description))
         try:
             self.run_steps(self.total_steps - self.step)
             final = self.evaluate()
@@ -340,7 +344,10 @@ class Trainer:
                 self.save_checkpoint()
         finally:
             self.close()
-        summary = record.write_summary(self, final)
+        last = self.state.last
+        summary = record.write_summary(self.description, final, self.position,
+                                       medians(self.metrics.step_records()), self.eval_time_s,
+                                       last.path if last else None)
         return RunResult(self.run_dir, self.step, final, summary, self.model)
 
     def close(self) -> None:
@@ -364,7 +371,8 @@ class Trainer:
             "--clip-grad 1.0, a longer --warmup-steps, or --precision bf16 instead of fp16.")
 
     def _log_window(self) -> None:
-        line = record.window_record(self, self.timer.close_window())
+        line = record.window_record(self.description, self.timer.close_window(),
+                                    self.position, self.optimizer.param_groups[0]["lr"])
         self.metrics.write(line)
         self.progress.update(self.step, line)
 
