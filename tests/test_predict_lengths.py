@@ -21,8 +21,8 @@ from gpuflow.input_schema import InputField, InputSchema, sequence_schema
 from gpuflow.serve.app import ServeSettings, create_app
 from gpuflow.serve.engine import Engine, EngineOptions
 from gpuflow.serve.model import LoadedModel, Runner
-from gpuflow.serving import InputError, PredictRequest, TensorCodec, make_codec, serving_state
-from gpuflow.workload import Workload
+from gpuflow.serving import InputError, PredictRequest, TensorCodec
+from gpuflow.workload import Workload, make_codec, serving_state
 
 CONTEXT = 64
 

@@ -22,24 +22,18 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from gpuflow.errors import UserError
 from gpuflow.input_schema import (  # InputError and InputField: for codecs and routes too
     MASK,
     InputError,
     InputSchema,
-    mask_keywords,
-    sequence_schema,
 )
 from gpuflow.input_schema import InputField as InputField
-
-if TYPE_CHECKING:
-    from gpuflow.workload import Workload
 
 MAX_NEW_TOKENS = 512
 TOP_K_DEFAULT = 5
@@ -294,31 +288,3 @@ class ServingSpec:
 
     codec: Callable[[nn.Module, Mapping[str, Any]], Codec]
     state: Mapping[str, Any]
-
-
-def serving_state(workload: Workload) -> dict[str, Any]:
-    """What the workload's codec needs from training, JSON-able, to save with the run."""
-    if workload.serving is not None:
-        return {"spec": dict(workload.serving.state)}
-    inputs, _ = workload.get_example_batch()
-    try:
-        schema = InputSchema.of(inputs, workload.model)
-    except TypeError:
-        return {}  # not servable by TensorCodec; make_codec says why when asked
-    schema = sequence_schema(schema, workload.model, workload.max_sequence_length)
-    return {"inputs": schema.to_json()}
-
-
-def make_codec(workload: Workload, state: Mapping[str, Any] | None = None) -> Codec:
-    """The workload's codec, from the state saved at training (or, for a run saved before
-    gpuflow saved it, from the rebuilt workload)."""
-    state = serving_state(workload) if state is None else state
-    if workload.serving is not None:
-        return workload.serving.codec(workload.model, state.get("spec", workload.serving.state))
-    if "inputs" not in state:
-        inputs, _ = workload.get_example_batch()
-        raise UserError(f"Workload {workload.name!r} cannot be served: its inputs are a "
-                        f"{type(inputs).__name__} with parts that are not tensors; declare "
-                        "Workload(serving=ServingSpec(...)) with a codec that decodes them.")
-    schema = InputSchema.from_json(state["inputs"])
-    return TensorCodec(schema, mask_keywords(schema, workload.model))

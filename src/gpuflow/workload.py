@@ -18,7 +18,8 @@ from gpuflow import hf
 from gpuflow.data.iterable import is_sized, is_stream, peek
 from gpuflow.data.loader import BatchPlan
 from gpuflow.errors import UserError
-from gpuflow.serving import ServingSpec
+from gpuflow.input_schema import InputSchema, mask_keywords, sequence_schema
+from gpuflow.serving import Codec, ServingSpec, TensorCodec
 
 Batch = tuple[Any, torch.Tensor]
 MetricFn = Callable[[Any, torch.Tensor], Any]  # a tensor, a number or a Ratio
@@ -33,8 +34,9 @@ class Ratio(NamedTuple):
 
 
 def call_model(model: nn.Module, inputs: Any) -> Any:
-    """Call ``model`` on a batch's inputs: a tensor, a tuple (positional) or a dict
-    (keyword arguments)."""
+    """Call ``model`` on a batch's inputs: a tensor, a tuple or list (positional) or any
+    mapping (keyword arguments). The one rule for training (through the strategy's
+    ``ModelParts``) and serving."""
     if isinstance(inputs, Mapping):
         return model(**inputs)
     if isinstance(inputs, tuple | list):
@@ -96,7 +98,9 @@ class Workload:
     """A model, its data and its objective.
 
     Datasets yield ``(inputs, target)`` pairs. ``inputs`` is a tensor, a tuple of tensors
-    (passed to the model positionally) or a dict of tensors (passed as keyword arguments).
+    (passed to the model positionally) or a mapping of tensors (passed as keyword arguments:
+    a dict, or a ``UserDict`` such as transformers' ``BatchEncoding``), in training and in
+    serving alike (:func:`call_model`).
     ``repeated_blocks`` names the modules activation checkpointing wraps and FSDP shards;
     ``tensor_parallel_plan`` maps module names relative to each block to DTensor parallel
     styles (``ColwiseParallel``/``RowwiseParallel``) for ``--strategy tp``. A Hugging Face
@@ -289,3 +293,31 @@ def _check_stream(workload: Workload, label: str, dataset: Any) -> None:
             f"(inputs, target) batch; its collate_fn gave a {type(batch).__name__}. Yield "
             "(inputs, target) pairs, or give the Workload a collate_fn that builds them."
         )
+
+
+def serving_state(workload: Workload) -> dict[str, Any]:
+    """What the workload's codec needs from training, JSON-able, to save with the run."""
+    if workload.serving is not None:
+        return {"spec": dict(workload.serving.state)}
+    inputs, _ = workload.get_example_batch()
+    try:
+        schema = InputSchema.of(inputs, workload.model)
+    except TypeError:
+        return {}  # not servable by TensorCodec; make_codec says why when asked
+    schema = sequence_schema(schema, workload.model, workload.max_sequence_length)
+    return {"inputs": schema.to_json()}
+
+
+def make_codec(workload: Workload, state: Mapping[str, Any] | None = None) -> Codec:
+    """The workload's codec (``gpuflow.serving``), from the state saved at training (or, for
+    a run saved before gpuflow saved it, from the rebuilt workload)."""
+    state = serving_state(workload) if state is None else state
+    if workload.serving is not None:
+        return workload.serving.codec(workload.model, state.get("spec", workload.serving.state))
+    if "inputs" not in state:
+        inputs, _ = workload.get_example_batch()
+        raise UserError(f"Workload {workload.name!r} cannot be served: its inputs are a "
+                        f"{type(inputs).__name__} with parts that are not tensors; declare "
+                        "Workload(serving=ServingSpec(...)) with a codec that decodes them.")
+    schema = InputSchema.from_json(state["inputs"])
+    return TensorCodec(schema, mask_keywords(schema, workload.model))

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from gpuflow.serve.model import LoadedModel, Runner, batch_buckets, load_model
-from gpuflow.serving import Codec, key_kind, make_codec
+from gpuflow.serving import Codec, key_kind
+from gpuflow.workload import make_codec
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,6 @@ from gpuflow.parallel.dims import ParallelDims
 from gpuflow.parallel.env import init_distributed
 from gpuflow.parallel.strategy import ModelParts, resize_rows
 from gpuflow.precision import make_policy
-from gpuflow.serving import serving_state
 from gpuflow.telemetry.steps import MetricsLog, StepTimer, medians
 from gpuflow.train import fp8, record
 from gpuflow.train.averaging import WeightAverage
@@ -49,7 +48,7 @@ from gpuflow.train.optim import build_optimizer, build_scheduler, optimizer_step
 from gpuflow.train.probe import step_flops
 from gpuflow.train.progress import ProgressDisplay
 from gpuflow.train.state import Position, RunState
-from gpuflow.workload import Batch, Workload, call_model
+from gpuflow.workload import Batch, Workload, call_model, serving_state
 
 if TYPE_CHECKING:
     from gpuflow.planner.search import Plan
