@@ -44,16 +44,24 @@ def fill_batches(durations: Sequence[float], members: Sequence[int],
     return batches
 
 
+def bucket_count(durations: Sequence[float], batch_seconds: float,
+                 most: int = DEFAULT_BUCKETS) -> int:
+    """Buckets that each hold about four batches or more (at most ``most``), so the part-full
+    batch each bucket ends with stays a small share of the epoch."""
+    return max(1, min(most, round(sum(durations) / (4 * batch_seconds))))
+
+
 def bucket_batches(durations: Sequence[float], batch_seconds: float, seed: int,
-                   buckets: int = DEFAULT_BUCKETS) -> list[list[int]]:
-    """Every utterance in one batch: ``buckets`` equal-count duration buckets, each
-    shuffled by ``seed`` and filled to ``batch_seconds``."""
+                   buckets: int | None = None) -> list[list[int]]:
+    """Every utterance in one batch: ``buckets`` (default ``bucket_count``) equal-count
+    duration buckets, each shuffled by ``seed`` and filled to ``batch_seconds``."""
     if batch_seconds <= 0:
         raise ValueError("batch_seconds must be positive")
     order = np.argsort(np.asarray(durations, dtype=np.float64), kind="stable")
     rng = np.random.default_rng([seed, 0x0B0C])
     batches: list[list[int]] = []
-    for bucket in np.array_split(order, min(buckets, max(1, len(order)))):
+    count = buckets or bucket_count(durations, batch_seconds)
+    for bucket in np.array_split(order, min(count, max(1, len(order)))):
         members = rng.permutation(bucket).tolist()
         batches.extend(fill_batches(durations, members, batch_seconds))
     return batches
@@ -71,7 +79,7 @@ class DurationBuckets(Sampler[list[int]]):
     ``set_position(epoch, start_batch)``; ``len()`` is what is left of the epoch."""
 
     def __init__(self, durations: Sequence[float], batch_seconds: float, seed: int,
-                 rank: int = 0, world_size: int = 1, buckets: int = DEFAULT_BUCKETS) -> None:
+                 rank: int = 0, world_size: int = 1, buckets: int | None = None) -> None:
         self.batches = bucket_batches(durations, batch_seconds, seed, buckets)
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.per_rank = len(self.batches) // world_size
