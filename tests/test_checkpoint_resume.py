@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, cli_env, sigkill_at_gate
+from runs import step_records
 from safetensors.torch import load_file
 from user_workloads import gated_digits, mlp
 
@@ -51,10 +52,7 @@ def test_resume_in_process_is_bitwise_exact_with_grad_accum(tmp_path: Path) -> N
     assert result.steps == 12
     assert_same_weights(weights(tmp_path / "full" / "checkpoints"),
                         weights(tmp_path / "split" / "checkpoints"))
-    steps = [json.loads(line)["step"] for line in
-             (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()
-             if "event" not in json.loads(line)]
-    assert steps == [3, 6, 9, 12]
+    assert [r["step"] for r in step_records(tmp_path / "split")] == [3, 6, 9, 12]
 
 
 def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path: Path) -> None:

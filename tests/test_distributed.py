@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, cli_env, run_cli
+from runs import events, losses, step_records
 from safetensors.torch import load_file
 
 from gpuflow import checkpoint as ckpt
@@ -25,12 +26,6 @@ COMMON = ["train", "--workload", "user_workloads:mlp", "--schedule", "constant",
           "--no-progress"]
 
 
-def step_records(run_dir: Path) -> list[dict]:
-    """The per-window training records of metrics.jsonl (not its events)."""
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if "event" not in r]
-
-
 def assert_exposed_comm_measured(records: list[dict]) -> None:
     """Some communication was left exposed, and the breakdown's parts add up to the step."""
     assert records and all(0 <= r["comm_frac"] <= 1 for r in records)
@@ -39,10 +34,6 @@ def assert_exposed_comm_measured(records: list[dict]) -> None:
         parts = (r["data_wait_s"] + r["compute_s"] + r["comm_s"] + r["optimizer_s"]
                  + r["host_s"])
         assert parts == pytest.approx(r["step_time_s"], rel=1e-6), r
-
-
-def losses(run_dir: Path) -> list[float]:
-    return [r["loss"] for r in step_records(run_dir)]
 
 
 def train(run_dir: Path, *args: str, env: dict[str, str] | None = None) -> dict:
@@ -296,11 +287,6 @@ def test_fsdp_by_tensor_parallel_on_a_2x2_mesh(gpt_single: list[float], tmp_path
     assert_exposed_comm_measured(step_records(tmp_path))
 
 
-def eval_loss(run_dir: Path) -> float:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r.get("event") == "eval"][-1]["val_loss"]
-
-
 def test_pipeline_matches_one_process_and_resumes_in_one(
     gpt_single: list[float], tmp_path: Path
 ) -> None:
@@ -351,7 +337,7 @@ def test_an_untraceable_model_is_cut_into_manual_stages_and_resumes_in_one(
     assert "micro-batches, manual stages)" in result.stdout + result.stderr
     # Measured here: max |difference| about 3e-7.
     assert losses(tmp_path) == pytest.approx(gpt_single[:10], abs=1e-4)
-    assert eval_loss(tmp_path) > 0
+    assert events(tmp_path, "eval")[-1]["val_loss"] > 0
     assert resumed_in_one_process(tmp_path) == pytest.approx(gpt_single, abs=1e-4)
 
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from runs import losses
 from user_workloads import mlp
 
 from gpuflow import TrainConfig, Trainer, train
@@ -19,11 +19,6 @@ def config(run_dir: Path, **overrides) -> TrainConfig:
                   run_dir=str(run_dir), warmup_steps=2)
     values.update(overrides)
     return TrainConfig(**values)
-
-
-def losses(run_dir: Path) -> list[float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r["loss"] for r in map(json.loads, lines) if "event" not in r]
 
 
 def fresh_mlp():

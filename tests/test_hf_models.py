@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import run_cli, serving
+from runs import losses
 from safetensors.torch import load_file
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from transformers import (
@@ -23,7 +24,7 @@ from user_workloads import hf_models
 
 import gpuflow
 from gpuflow.errors import UserError
-from gpuflow.planner.profile import tensor_parallel_plan
+from gpuflow.planner.workload_profile import tensor_parallel_plan
 from gpuflow.serve.app import ServeSettings, create_app
 from gpuflow.workload import accuracy, cross_entropy, model_logits
 
@@ -80,11 +81,6 @@ def test_a_plan_style_gpuflow_cannot_apply_names_the_layer() -> None:
     llama.model.config.base_model_tp_plan = {"layers.*.mlp.gate_up_proj": "packed_colwise"}
     with pytest.raises(UserError, match="layers.0.mlp.gate_up_proj as 'packed_colwise'"):
         llama.parallel_plan(2)
-
-
-def losses(run_dir: Path) -> list[float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r["loss"] for r in map(json.loads, lines) if "event" not in r]
 
 
 def train(run_dir: Path, workload: str, *args: str) -> list[float]:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, cli_env, run_cli, sigkill_at_gate
+from runs import events, step_records
 from safetensors.torch import load_file
 from stream_workloads import Counter, endless_counter, write_jsonl_shards
 from torch.utils.data import Dataset
@@ -30,11 +31,6 @@ def hf_env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 def seen_ids(folder: Path, rank: int) -> list[int]:
     return [int(word) for word in (folder / f"seen-{rank}.txt").read_text().split()]
-
-
-def step_records(run_dir: Path) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [record for record in map(json.loads, lines) if "event" not in record]
 
 
 def test_endless_stream_on_two_ranks_sees_every_sample_once(tmp_path: Path) -> None:
@@ -170,8 +166,7 @@ def test_eval_batches_reads_the_same_spread_subset_every_time(tmp_path: Path) ->
     first, second = val.reads[:48], val.reads[48:]
     assert first == second
     assert first == [*range(0, 16), *range(333, 349), *range(666, 682)]
-    events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in events if e.get("event") == "eval"] == [3, 6]
+    assert [e["step"] for e in events(tmp_path, "eval")] == [3, 6]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert 0 < summary["eval_time_s"] < summary["wall_time_s"]
 

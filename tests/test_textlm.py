@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import run_cli
+from runs import events, step_records
 
 from gpuflow.data.text import (
     ByteWindows,
@@ -208,9 +208,7 @@ def test_cli_run_learns_and_reports_tokens_per_s(tmp_path: Path) -> None:
                      "--warmup-steps", "10", "--eval-every", "30", "--log-every", "10",
                      "--no-progress", "--run-dir", str(run_dir), timeout=400)
     assert result.returncode == 0, result.stderr
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "event" not in r]
-    evals = [r for r in records if r.get("event") == "eval"]
+    steps, evals = step_records(run_dir), events(run_dir, "eval")
     assert all(r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * 64) for r in steps)
     assert all(r["tokens_per_s"] > 0 for r in steps)
     assert steps[-1]["loss"] < steps[0]["loss"] - 1.0

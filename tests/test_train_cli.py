@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from conftest import cli_env, run_cli
+from runs import events, step_records
 
 from gpuflow.cli import main
 
@@ -43,9 +44,7 @@ def test_the_run_saves_what_its_server_needs(digits_run: tuple[Path, str]) -> No
 
 def test_metrics_jsonl_has_every_field_and_sane_values(digits_run: tuple[Path, str]) -> None:
     run_dir, _ = digits_run
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "event" not in r]
-    evals = [r for r in records if r.get("event") == "eval"]
+    steps, evals = step_records(run_dir), events(run_dir, "eval")
     assert steps and evals
     assert [e["step"] for e in evals][:2] == [50, 100]
     assert {"val_loss", "val_accuracy"} <= set(evals[-1])
