@@ -8,6 +8,7 @@ Strategy`; what a run saves, in :mod:`gpuflow.train.state`; what it reports, in
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import random
 import time
@@ -87,6 +88,7 @@ class Trainer:
         self.workload = workload
         seed_everything(config.seed)
         config = self._join_processes(config)
+        config = self._planned_batch_size(config)
         self.policy = make_policy(config.precision, self.device)
         config = turn_on_compile_for_step_modes(config, self.dims, self.device, workload)
         # The timer before the strategy: DDP's bucket hook reports to it.
@@ -175,16 +177,22 @@ class Trainer:
         """FLOPs of one optimizer step over all data-parallel replicas."""
         flops = step_flops(self.model, example, self.workload.loss_fn, self.policy,
                            self.device, self.workload.name)
-        # A workload that forms its own batches gives an example of a typical one.
-        rows = (self.config.batch_size if self.workload.batch_sampler is None
-                else int(example[1].shape[0]))
         per_sample = flops / int(example[1].shape[0])
-        return round(per_sample * rows * self.config.grad_accum) * self.dims.dp
+        return round(per_sample * self.config.batch_size * self.config.grad_accum) * self.dims.dp
 
-    def _batch_plan(self, rank: int) -> BatchPlan | None:
+    def _planned_batch_size(self, config: TrainConfig) -> TrainConfig:
+        """A workload that forms its own batches sets the micro-batch to their mean size
+        (rounded): what the banner, FLOPs per step and evaluation batches go by."""
+        plan = self._batch_plan(rank=0, config=config)
+        if plan is None:
+            return config
+        sizes = [len(batch) for batch in plan]
+        return dataclasses.replace(config, batch_size=max(1, round(sum(sizes) / len(sizes))))
+
+    def _batch_plan(self, rank: int, config: TrainConfig | None = None) -> BatchPlan | None:
         """The workload's own batches for data-parallel ``rank``, if it forms them."""
-        sampler = self.workload.batch_sampler
-        return None if sampler is None else sampler(self.config.seed, rank, self.dims.dp)
+        sampler, seed = self.workload.batch_sampler, (config or self.config).seed
+        return None if sampler is None else sampler(seed, rank, self.dims.dp)
 
     def _samples_in(self, targets: list[torch.Tensor]) -> int:
         """Samples in a step over all replicas: the global batch, or counted when the
