@@ -117,7 +117,7 @@ class EvalImages(Dataset):
     def __getitem__(self, index: int) -> Item:
         (name, data), label = self.images[index]
         pixels = _decoded(self.issues, name, data, centre_crop, self.size, self.mode)
-        return (None if pixels is None else torch.from_numpy(pixels.copy()), label)
+        return (None if pixels is None else torch.from_numpy(pixels), label)
 
 
 def collate_images(items: Sequence[Item], issues: DataIssues | None = None

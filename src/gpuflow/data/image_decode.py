@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import math
+import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -35,7 +36,9 @@ def open_image(data: bytes) -> Image.Image:
     """The image's header read (no pixels yet), refused when it is not an image or holds
     more than ``MAX_PIXELS`` pixels."""
     try:
-        image = Image.open(io.BytesIO(data))
+        with warnings.catch_warnings():  # refused below, at a lower bound, as an error
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
     except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError,
             SyntaxError) as exc:
         raise ImageDecodeError(f"not a readable image ({exc})") from None
@@ -105,18 +108,22 @@ def decode_crop(data: bytes, box_fn: BoxFn, out: int, mode: str = "RGB",
         turned = orientation(image)
         width, height = oriented_size(image, turned)
         box = box_fn(width, height)
+        factor = 1.0
         if draft and image.format == "JPEG":
             request = draft_request((width, height), box, out)
-            image.draft(mode if image.mode in ("RGB", "L") else None,
-                        request[::-1] if turned in _SWAPPED else request)
+            stored_width = image.width
+            drafted = image.draft(mode if image.mode in ("RGB", "L") else None,
+                                  request[::-1] if turned in _SWAPPED else request)
+            if drafted is not None:  # the reduced image's exact extent: 1/2, 1/4 or 1/8
+                factor = drafted[1][2] / stored_width
         if turned != 1:
             image = ImageOps.exif_transpose(image)
         if image.mode != mode:
             image = image.convert(mode)
-        factor = image.width / width
-        scaled = tuple(edge * factor for edge in box)
+        scaled = (box[0] * factor, box[1] * factor, min(box[2] * factor, image.width),
+                  min(box[3] * factor, image.height))
         resized = image.resize((out, out), Image.Resampling.BILINEAR, box=scaled)
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
         raise ImageDecodeError(f"cannot decode the image ({exc})") from None
-    pixels = np.asarray(resized, dtype=np.uint8)
+    pixels = np.array(resized, dtype=np.uint8)  # writable, as torch.from_numpy wants
     return pixels[..., None] if pixels.ndim == 2 else pixels

@@ -188,9 +188,11 @@ def _plan_record(run: RunDescription, peak_mem: int | None, median: Mapping[str,
 
 def write_summary(run: RunDescription, final: dict[str, float], position: Position,
                   median: Mapping[str, float], eval_time_s: float,
-                  checkpoint: Path | None) -> dict[str, Any]:
+                  checkpoint: Path | None, data: Mapping[str, Any] | None = None
+                  ) -> dict[str, Any]:
     """summary.json, written atomically by the main process; every rank gets the dict.
-    ``median`` holds the step records' medians, ``checkpoint`` the last one saved."""
+    ``median`` holds the step records' medians, ``checkpoint`` the last one saved, ``data``
+    the workload's report on its data (``Workload.data_report``)."""
     peak_mem, mem_kind = peak_memory_bytes(run.device)
     config, dims, device = run.config, run.dims, run.device
     summary = {
@@ -203,6 +205,7 @@ def write_summary(run: RunDescription, final: dict[str, float], position: Positi
         "eval_time_s": eval_time_s,
         "evaluated": run.evaluated,
         "final_metrics": final,
+        "data": dict(data) if data is not None else None,
         "median": dict(median),
         "precision": config["precision"],
         "precision_description": run.precision,

@@ -354,7 +354,9 @@ class Trainer:
         last = self.state.last
         summary = record.write_summary(self.description, final, self.position,
                                        medians(self.metrics.step_records()), self.eval_time_s,
-                                       last.path if last else None)
+                                       last.path if last else None,
+                                       report() if (report := self.workload.data_report)
+                                       else None)
         return RunResult(self.run_dir, self.step, final, summary, self.model)
 
     def close(self) -> None:

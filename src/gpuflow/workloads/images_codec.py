@@ -48,7 +48,7 @@ class ColourImageCodec(TensorCodec):
             pixels = decode_crop(data, centre_crop, self.size, "RGB")
         except ImageDecodeError as exc:
             raise InputError(f"image is not a readable JPEG, PNG or WebP: {exc}.") from None
-        return Decoded(self.kind, [(torch.from_numpy(pixels.copy()),)])
+        return Decoded(self.kind, [(torch.from_numpy(pixels),)])
 
     def _decode_image(self, image: str, request: PredictRequest) -> Decoded:
         return self._decode_bytes(b64decode(image, "image"))
