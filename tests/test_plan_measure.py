@@ -15,7 +15,7 @@ from gpuflow.planner import measure
 from gpuflow.planner.cost import predict_step_time
 from gpuflow.planner.layout import Layout
 from gpuflow.planner.machine import DEFAULT_EFFICIENCY, cpu_hardware, gpu_hardware
-from gpuflow.planner.profile import profile_workload
+from gpuflow.planner.workload_profile import profile_workload
 from gpuflow.train.calibrate import measure_efficiency
 from gpuflow.workload import resolve_workload
 

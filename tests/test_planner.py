@@ -31,8 +31,9 @@ from gpuflow.planner.cost import predict_step_time
 from gpuflow.planner.layout import Layout
 from gpuflow.planner.machine import cpu_hardware, gpu_hardware
 from gpuflow.planner.memory import model_state_bytes, predict_memory
-from gpuflow.planner.profile import TransformerDims, profile_workload
 from gpuflow.planner.search import search
+from gpuflow.planner.transformer import TransformerDims
+from gpuflow.planner.workload_profile import profile_workload
 from gpuflow.train.optim import build_optimizer
 from gpuflow.workload import Workload, call_model, resolve_workload
 from gpuflow.workloads.textlm import parse_model_size

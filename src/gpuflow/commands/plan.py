@@ -68,7 +68,8 @@ def _precisions(text: str) -> list[str]:
 
 def _profiles(args: argparse.Namespace, precisions: list[str], devices: int
               ) -> dict[str, Any]:
-    from gpuflow.planner.profile import parse_transformer, profile_workload
+    from gpuflow.planner.transformer import parse_transformer
+    from gpuflow.planner.workload_profile import profile_workload
 
     if args.transformer:
         dims = parse_transformer(args.transformer)

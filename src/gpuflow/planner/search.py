@@ -21,7 +21,8 @@ from gpuflow.planner.machine import (
     gpu_type_of,
 )
 from gpuflow.planner.memory import MemoryBreakdown, predict_memory
-from gpuflow.planner.profile import ModelProfile, profile_workload, tensor_parallel_plan
+from gpuflow.planner.profile import ModelProfile
+from gpuflow.planner.workload_profile import profile_workload, tensor_parallel_plan
 from gpuflow.workload import Workload
 
 

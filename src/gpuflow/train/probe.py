@@ -4,6 +4,7 @@ before training starts, without moving the run's RNG streams, buffers or gradien
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -49,12 +50,18 @@ def step_flops(model: nn.Module, example: tuple[Any, torch.Tensor], loss_fn: Los
     """FLOPs of one forward+backward on the example batch.
 
     Counted on fake tensors, which cost no memory or time on the device; a model that fake
-    tensors cannot run is counted on a real (side-effect-free) step instead.
+    tensors cannot run is counted on a real (side-effect-free) step instead, with a warning.
     """
     inputs, target = example
     try:
         return count_training_flops(model, inputs, target, loss_fn, policy.autocast())
-    except Exception:  # fake tensors cannot run this model: count a real step
+    except Exception as exc:  # fake tensors cannot run this model: count a real step
+        reason = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+        warnings.warn(
+            f"Workload {workload!r}: its FLOPs cannot be counted on fake tensors ({reason}); "
+            f"they are counted on one real forward and backward of the example batch on "
+            f"{device} instead, which costs that step's time and memory once at set-up.",
+            stacklevel=2)
         return _real_step_flops(model, example, loss_fn, policy, device, workload)
 
 
