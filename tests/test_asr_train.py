@@ -18,14 +18,17 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import torch
 from conftest import api_error, serving
+from safetensors.torch import load_file
 
 import gpuflow
+from gpuflow import checkpoint as ckpt
 from gpuflow.config import TrainConfig
 from gpuflow.serve.engine import Engine, EngineOptions
 from gpuflow.serve.predict import predict_files
-from gpuflow.train.trainer import train
-from gpuflow.workload import resolve_workload
+from gpuflow.train.trainer import Trainer, seed_everything, train
+from gpuflow.workload import Workload, resolve_workload
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,9 +48,8 @@ def connected_digits() -> Any:
 
 
 @pytest.fixture(scope="session")
-def asr_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny model trained on six 2-3 digit utterances of one speaker, which it also
-    validates on (an overfit: a check that the pieces learn together)."""
+def asr_set(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Six 2-3 digit utterances of one speaker, listed for training and for validation."""
     assert RECORDINGS.is_dir(), f"{RECORDINGS} is missing: the shared FSDD recordings"
     root = tmp_path_factory.mktemp("asr")
     voice = root / "george"
@@ -57,16 +59,58 @@ def asr_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     manifest = connected_digits().build(voice, root / "set", UTTERANCES, seed=0, digits=(2, 3))
     for name in ("train.jsonl", "val.jsonl"):
         (root / "set" / name).write_text(manifest.read_text())
+    return root / "set"
+
+
+def asr_config(data_dir: Path, run_dir: Path, **changes: Any) -> TrainConfig:
+    options = {"workload": "asr", "data_dir": str(data_dir), "model_size": "tiny",
+               "batch_seconds": 12.0, "max_steps": STEPS, "lr": 5e-3, "warmup_steps": 10,
+               "eval_every": 0, "progress": False, "log_every": STEPS,
+               "run_dir": str(run_dir), **changes}
+    return TrainConfig(**options)
+
+
+def asr_workload(config: TrainConfig) -> Workload:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return resolve_workload("asr", config.workload_options())
+
+
+@pytest.fixture(scope="session")
+def asr_run(asr_set: Path) -> Path:
+    """A tiny model trained on the six utterances it then validates on (an overfit: a
+    check that the pieces learn together)."""
+    config = asr_config(asr_set, asr_set.parent / "run")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the FLOP count's note on CTC's fake tensors
-        workload = resolve_workload("asr", {"data_dir": str(root / "set"),
-                                            "model_size": "tiny", "batch_seconds": 12.0})
-        result = train(workload, TrainConfig(
-            workload="asr", data_dir=str(root / "set"), model_size="tiny", batch_seconds=12.0,
-            max_steps=STEPS, lr=5e-3, warmup_steps=10, eval_every=0, progress=False,
-            log_every=STEPS, run_dir=str(root / "run")))
+        result = train(asr_workload(config), config)
     assert result.final_metrics["val_wer"] <= WER_CEILING, result.final_metrics
-    return root / "run"
+    return asr_set.parent / "run"
+
+
+def test_resume_mid_epoch_is_bitwise_exact(asr_set: Path, tmp_path: Path) -> None:
+    """Batches of about two utterances (three a step-epoch), speed perturbation and
+    SpecAugment: four steps straight equal two, a checkpoint, and two resumed."""
+    def config(name: str, **changes: Any) -> TrainConfig:
+        return asr_config(asr_set, tmp_path / name, batch_seconds=4.0, max_steps=4,
+                          log_every=1, eval_every=0, **changes)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        seed_everything(0)
+        train(asr_workload(config("full")), config("full"))
+        seed_everything(0)
+        first = Trainer(asr_workload(config("split")), config("split"))
+        assert first.per_epoch_batches >= 3
+        first.run_steps(2)
+        first.save_checkpoint()
+        first.close()
+        train(asr_workload(config("split")), config("split", resume=True))
+    full, split = (load_file(str(ckpt.latest_verified(tmp_path / name / "checkpoints").path
+                                 / ckpt.MODEL_FILE)) for name in ("full", "split"))
+    assert full.keys() == split.keys()
+    for name, tensor in full.items():
+        assert torch.equal(tensor, split[name]), name
 
 
 def test_a_tiny_run_learns_its_utterances_and_saves_its_vocabulary(asr_run: Path) -> None:
