@@ -23,13 +23,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -41,21 +34,19 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor
 
-from gpuflow.checkpoint import with_saved_settings
 from gpuflow.errors import UserError
 from gpuflow.parallel import stages as manual
 from gpuflow.parallel.dims import stages_per_rank
+from gpuflow.parallel.pipeline_state import (
+    PART_PREFIX,
+    StageNames,
+    StageParts,
+    load_state,
+    state_to_load,
+    state_to_save,
+)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-_PART = "parts."
-
-
-class StageParts(nn.Module):
-    """This rank's stage modules under one root, for the optimizer and state dicts."""
-
-    def __init__(self, modules: Sequence[nn.Module]) -> None:
-        super().__init__()
-        self.parts = nn.ModuleList(modules)
 
 
 def _sample_shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[int, ...]]:
@@ -125,6 +116,7 @@ class Pipeline:
         self.first = 0 in local
         self.last = total_stages - 1 in local
         self.parts = StageParts([stage.submod for stage in self.stages])
+        self.names = StageNames(self.canonical, self.manual)
         # (data-parallel size, rank) once FSDP shards the stages: tied gradients are shards.
         self.grad_shards: tuple[int, int] | None = None
         schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
@@ -142,12 +134,6 @@ class Pipeline:
             warnings.filterwarnings("ignore", ".*LeafSpec", FutureWarning)
             return pipeline(model, mb_args=args, mb_kwargs=kwargs or None,
                             split_spec=split_spec)
-
-    def _original_name(self, local: str) -> str:
-        """'parts.1.blocks.3.mlp.fc.weight' -> 'blocks.3.mlp.fc.weight' (a manual stage's
-        'parts.1.net.blocks.3.mlp.fc.weight' likewise)."""
-        name = local[len(_PART):].split(".", 1)[1]
-        return name.removeprefix(manual.STAGE_MODEL + ".") if self.manual else name
 
     def blocks_of(self, stage: Any) -> list[nn.Module]:
         """The repeated blocks inside one of this rank's stages (for FSDP and checkpointing)."""
@@ -281,90 +267,29 @@ class Pipeline:
         """Whether this copy counts in the global norm: each tied copy counts once, and the
         parameters every manual stage holds count on the first stage only."""
         if not self.manual:
-            return self._is_canonical_copy(local)
-        part = int(local[len(_PART):].split(".", 1)[0])
-        name = self._original_name(local)
+            return self.names.is_canonical_copy(local)
+        part = int(local[len(PART_PREFIX):].split(".", 1)[0])
+        name = self.names.original(local)
         return (self.stages[part].stage_index == 0
                 or name.startswith(tuple(block + "." for block in self.block_names)))
 
-    def _is_canonical_copy(self, local: str) -> bool:
-        name = self._original_name(local)
-        return self.canonical.get(name, name) == name
-
-    # --- state --------------------------------------------------------------------------
-
-    def _checkpoint_name(self, local: str, available: Collection[str]) -> str:
-        """The name a checkpoint stores a local tensor under: its own, or for a tied copy
-        that the checkpoint does not hold, the name of the parameter it copies."""
-        name = self._original_name(local)
-        return name if name in available else self.canonical.get(name, name)
+    # --- state: under the original parameter names (``gpuflow.parallel.pipeline_state``) ---
 
     def state_to_save(self, optimizer: torch.optim.Optimizer
                       ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """This rank's weights and optimizer state under the original parameter names
-        (tied copies' optimizer state once, as one process would hold it)."""
-        model = {self._original_name(name): tensor
-                 for name, tensor in get_model_state_dict(self.parts).items()}
-        state = get_optimizer_state_dict(self.parts, optimizer)
-        keep = {name for name in state["state"] if self._is_canonical_copy(name)}
-        optim = {
-            "state": {self._original_name(name): value
-                      for name, value in state["state"].items() if name in keep},
-            "param_groups": [
-                {**group, "params": [self._original_name(n) for n in group["params"] if n in keep]}
-                for group in state["param_groups"]
-            ],
-        }
-        return model, optim
+        return state_to_save(self.parts, self.names, optimizer)
 
     def state_to_load(self, optimizer: torch.optim.Optimizer, model_keys: Collection[str]
                       ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """This rank's tensors keyed as a checkpoint names them, for torch.distributed
-        .checkpoint to fill in place; hand the result to ``load``."""
-        model = {self._checkpoint_name(name, model_keys): tensor
-                 for name, tensor in get_model_state_dict(self.parts).items()}
-        state = get_optimizer_state_dict(self.parts, optimizer)
-        optim: dict[str, Any] = {}
-        for name, value in state["state"].items():
-            optim.setdefault(self._checkpoint_name(name, ()), value)
-        return model, {"state": optim, "param_groups": state["param_groups"]}
+        return state_to_load(self.parts, self.names, optimizer, model_keys)
 
     def load(self, model_state: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
              optimizer_state: dict[str, Any], full: bool) -> None:
-        """Load a state keyed by original names (a full one from any strategy, or what
-        ``state_to_load`` was filled with) into this rank's stages."""
-        options = StateDictOptions(full_state_dict=full)
-        local_model = {}
-        for local in get_model_state_dict(self.parts, options=options):
-            name = self._checkpoint_name(local, model_state)
-            if name not in model_state:
-                raise UserError(f"The checkpoint has no weights for {name!r}.")
-            local_model[local] = model_state[name]
-        set_model_state_dict(self.parts, local_model, options=options)
-        current = get_optimizer_state_dict(self.parts, optimizer, options=options)
-        saved = optimizer_state["state"]
-        states: dict[str, Any] = {}
-        used: set[str] = set()
-        for group in current["param_groups"]:
-            for local in group["params"]:
-                name = self._checkpoint_name(local, ())
-                if name in saved:
-                    # Two tied copies on one rank must not share their state tensors.
-                    states[local] = _clone(saved[name]) if name in used else saved[name]
-                    used.add(name)
-        groups = with_saved_settings(optimizer_state["param_groups"], current["param_groups"])
-        set_optimizer_state_dict(self.parts, optimizer,
-                                 {"state": states, "param_groups": groups}, options=options)
+        load_state(self.parts, self.names, model_state, optimizer, optimizer_state, full)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _clone(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {key: _clone(item) for key, item in value.items()}
-    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def _canonical_names(model: nn.Module) -> dict[str, str]:
