@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 
 import pytest
+import torch
 from conftest import ROOT
+from torch import nn
+from torch.utils.data import TensorDataset
 
-from gpuflow.cli import build_parser
+import gpuflow.workload
+from gpuflow.cli import build_parser, main
+from gpuflow.commands.plan import _build_workload
 from gpuflow.config import TrainConfig
 from gpuflow.flagdoc import COMMAND, between_markers, reference
 from gpuflow.options import flags
+from gpuflow.workload import Workload
 
 
 def parse(*argv: str) -> dict:
@@ -83,3 +90,39 @@ def test_bad_flag_values_keep_argparse_messages(argv: list[str], message: str,
     with pytest.raises(SystemExit) as exited:
         parse(*argv)
     assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_layout_option_the_layout_ignores_exits_2_naming_it(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["train", "--strategy", "fsdp", "--nproc", "2", "--bucket-mb", "4"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "--bucket-mb 4 tunes DDP's gradient buckets" in err and "drop it" in err
+
+
+def test_serve_refuses_cuda_graphs_without_a_cuda_device(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    code = main(["serve", str(tmp_path), "--device", "cpu", "--cuda-graphs"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "--cuda-graphs captures CUDA graphs, and this server runs on cpu" in err
+
+
+def test_plan_says_once_when_it_builds_the_model_for_real(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def build(spec: str, options: dict) -> Workload:
+        model = nn.Linear(256, 256)  # 257 KiB of fp32 weights
+        if model.weight.is_meta:
+            raise RuntimeError("this factory reads its weights")
+        return Workload("real", model, TensorDataset(torch.zeros(1, 256)))
+
+    monkeypatch.setattr(gpuflow.workload, "resolve_workload", build)
+    args = argparse.Namespace(workload="pkg:real", data=None, model_size=None, data_dir=None)
+    with pytest.warns(UserWarning) as caught:
+        workload = _build_workload(args)
+    assert not workload.model.weight.is_meta
+    assert [str(w.message) for w in caught] == [
+        "Workload 'pkg:real' cannot be built on the meta device (RuntimeError: this factory "
+        "reads its weights), so it was built for real: 0.25 MiB of weights allocated and "
+        "initialised in this process's memory."]

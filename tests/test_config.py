@@ -1,9 +1,12 @@
+import dataclasses
+import warnings
 from pathlib import Path
 
 import pytest
 
 from gpuflow.config import TrainConfig, build_config, load_toml
 from gpuflow.errors import UserError
+from gpuflow.parallel.dims import ParallelDims
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -82,3 +85,62 @@ def test_values_of_the_annotated_types_pass() -> None:
                                "extra": {"k": 1}, "clip_grad": None})
     assert (config.batch_size, config.resume, config.extra) == ("auto", "runs/a", {"k": 1})
     assert build_config({}, {"resume": True}).resume is True
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"strategy": "fsdp", "nproc": 2, "bucket_mb": 4},
+         r"--bucket-mb 4 tunes DDP's gradient buckets \(--strategy ddp\), which this run "
+         r"\(--strategy fsdp\) does not have: drop it, or choose the layout it tunes"),
+        ({"strategy": "tp", "nproc": 2, "bucket_mb": 4}, "--bucket-mb 4 tunes DDP's"),
+        ({"strategy": "pp", "nproc": 2, "bucket_mb": 0.5}, "--bucket-mb 0.5 tunes DDP's"),
+        ({"strategy": "ddp", "nproc": 2, "fsdp_prefetch": 2},
+         r"--fsdp-prefetch 2 tunes FSDP's sharding \(--strategy fsdp\)"),
+        ({"strategy": "tp", "nproc": 2, "fsdp_wrap": "model"}, "--fsdp-wrap model tunes FSDP"),
+        ({"strategy": "single", "reshard_after_forward": False},
+         "--no-reshard-after-forward tunes FSDP's sharding"),
+        ({"nproc": 2, "fsdp_prefetch": 2}, r"this run \(--strategy ddp\)"),
+        ({"strategy": "fsdp", "nproc": 2, "microbatches": 4},
+         r"--microbatches 4 tunes the pipeline \(--strategy pp, or --strategy fsdp with --pp N\)"),
+        ({"pp_schedule": "gpipe"}, r"--pp-schedule gpipe tunes the pipeline"),
+        ({"strategy": "ddp", "nproc": 2, "pp_split": "manual", "bucket_mb": 4},
+         "--pp-split manual tunes the pipeline"),
+        ({"strategy": "ddp", "nproc": 2, "pp_split": "manual", "microbatches": 2},
+         "--microbatches 2, --pp-split manual tune the pipeline .*: drop them, or choose "
+         "the layout they tune"),
+    ],
+)
+def test_a_layout_option_given_with_a_layout_it_does_not_tune_is_refused(
+        values: dict, message: str) -> None:
+    with pytest.raises(UserError, match=message):
+        build_config({}, values)
+
+
+@pytest.mark.parametrize("values", [
+    {"strategy": "ddp", "nproc": 2, "bucket_mb": 4},
+    {"strategy": "fsdp", "nproc": 2, "fsdp_prefetch": 2, "reshard_after_forward": False},
+    {"strategy": "fsdp", "nproc": 4, "pp": 2, "microbatches": 4, "fsdp_wrap": "model"},
+    {"strategy": "pp", "nproc": 2, "pp_schedule": "gpipe", "pp_split": "manual"},
+    {"strategy": "ddp", "nproc": 2, "fsdp_wrap": "block", "reshard_after_forward": True},
+    {"bucket_mb": 4},  # one process may be a rank of torchrun's ddp job: the run warns
+    {"strategy": "auto", "fsdp_prefetch": 2},  # the planner's choice: the run warns
+    {"strategy": "fsdp", "nproc": 2, "bucket_mb": 4, "resume": "runs/a"},  # saved: warns
+])
+def test_layout_options_the_layout_tunes_or_cannot_know_yet_pass(values: dict) -> None:
+    build_config({}, values)
+
+
+def test_layout_options_the_chosen_layout_ignores_are_named_once() -> None:
+    planned = dataclasses.replace(TrainConfig(strategy="auto", fsdp_prefetch=2,
+                                              bucket_mb=4), strategy="ddp")
+    with pytest.warns(UserWarning) as caught:
+        ParallelDims.from_config(planned, 2)
+    assert [str(w.message) for w in caught] == [
+        "--fsdp-prefetch 2 tunes FSDP's sharding (--strategy fsdp), which this run "
+        "(ddp dp2xtp1xpp1) does not have: ignored."]
+    with pytest.warns(UserWarning, match=r"--bucket-mb 4 tunes DDP's .*\(single dp1xtp1xpp1\)"):
+        ParallelDims.from_config(TrainConfig(bucket_mb=4), 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ParallelDims.from_config(TrainConfig(strategy="ddp", bucket_mb=4), 2)

@@ -14,8 +14,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from gpuflow import config_checks
 from gpuflow.errors import UserError
-from gpuflow.options import check_choices, check_types, option
+from gpuflow.options import check_types, option
 from gpuflow.precision import Precision
 
 Fp8Recipe = Literal["tensorwise", "rowwise"]
@@ -274,74 +275,13 @@ class TrainConfig:
         help="the workload's own settings, given in code (no flag, no TOML key)")
 
     def validate(self) -> None:
-        """Reject values that would fail later with an unhelpful traceback."""
-        check_choices(self)
-        if self.batch_size != "auto" and self.batch_size < 1:
-            raise UserError(f"--batch-size must be at least 1 or auto (got {self.batch_size}).")
-        for name in ("grad_accum", "log_every", "keep_checkpoints",
-                     "max_nonfinite_steps", "nproc", "nnodes", "tp", "pp"):
-            if getattr(self, name) < 1:
-                raise UserError(f"--{_flag(name)} must be at least 1 (got {getattr(self, name)}).")
-        for name in ("eval_every", "eval_batches", "checkpoint_every", "num_workers",
-                     "warmup_steps", "max_restarts", "node_rank"):
-            if getattr(self, name) < 0:
-                raise UserError(f"--{_flag(name)} must be 0 or more (got {getattr(self, name)}).")
-        if self.lr <= 0:
-            raise UserError(f"--lr must be positive (got {self.lr}).")
-        if self.bucket_mb is not None and self.bucket_mb <= 0:
-            raise UserError(f"--bucket-mb must be positive (got {self.bucket_mb}).")
-        if self.fsdp_prefetch is not None and self.fsdp_prefetch < 1:
-            raise UserError(f"--fsdp-prefetch must be at least 1 (got {self.fsdp_prefetch}); "
-                            "leave it unset for FSDP's own one-block prefetch.")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise UserError(f"--max-steps must be at least 1 (got {self.max_steps}).")
-        if self.ema_decay is not None and not 0.0 <= self.ema_decay < 1.0:
-            raise UserError(f"--ema-decay must be in [0, 1) (got {self.ema_decay}); 0.99 "
-                            "averages about the last 100 steps, off turns averaging off.")
-        if self.epochs is not None and self.epochs <= 0:
-            raise UserError(f"--epochs must be positive (got {self.epochs}).")
-        if self.max_steps is not None and self.epochs is not None:
-            raise UserError("Give either --max-steps or --epochs, not both.")
-        if self.checkpoint_every and not self.save_checkpoints:
-            raise UserError("--checkpoint-every and --no-checkpoints contradict each other; "
-                            "drop one.")
-        if self.max_restarts and not self.save_checkpoints:
-            raise UserError("--max-restarts resumes restarted workers from the last "
-                            "checkpoint, which --no-checkpoints never writes; drop one.")
-        if self.clip_grad is not None and self.clip_grad <= 0:
-            raise UserError(f"--clip-grad must be positive (got {self.clip_grad}).")
-        if self.memory_cap_gib is not None and self.memory_cap_gib <= 0:
-            raise UserError(f"--memory-cap-gib must be positive (got {self.memory_cap_gib}).")
-        for name in ("dp", "microbatches", "global_batch"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise UserError(f"--{_flag(name)} must be at least 1 (got {value}).")
-
-        if (self.precision == "fp8" or self.cuda_graphs) and self.strategy != "auto":
-            self.check_step_modes(self.strategy or default_strategy(self.nproc * self.nnodes),
-                                  self.tp, self.pp)
-
-    def check_step_modes(self, strategy: str, tp: int, pp: int) -> None:
-        """fp8 and CUDA graphs only with the strategies they compose with."""
-        if self.precision == "fp8" and (tp > 1 or pp > 1 or strategy in ("tp", "pp")):
-            raise UserError(
-                "--precision fp8 composes with --strategy single, ddp and fsdp; tensor and "
-                "pipeline parallelism would need torchao's float8 parallel styles, which "
-                f"gpuflow does not apply (this run: --strategy {strategy}"
-                f"{f' --tp {tp}' if tp > 1 else ''}{f' --pp {pp}' if pp > 1 else ''}). Use "
-                "--precision bf16 with them.")
-        if self.cuda_graphs and (self.grad_accum > 1 or self.batch_size == "auto"):
-            asked = ("--batch-size auto, which may accumulate micro-batches" if
-                     self.batch_size == "auto" else f"--grad-accum {self.grad_accum}")
-            raise UserError(
-                f"--cuda-graphs with {asked}: the captured backward writes each micro-step's "
-                "gradients into memory that the next replay reuses (torch's cudagraph trees), "
-                "so they cannot accumulate. Use --grad-accum 1 and a --batch-size N.")
-        if self.cuda_graphs and strategy != "single":
-            raise UserError(
-                f"--cuda-graphs runs with --strategy single only: with --strategy {strategy}, "
-                f"{_UNGRAPHABLE[strategy]}, which one captured graph cannot replay. Drop "
-                "--cuda-graphs, or train on one GPU.")
+        """Reject values that would fail later with an unhelpful traceback, and options the
+        chosen layout cannot use (see :mod:`gpuflow.config_checks`)."""
+        config_checks.check_values(self)
+        if self.strategy != "auto":
+            world = self.nproc * self.nnodes
+            config_checks.check_layout(self, self.strategy or default_strategy(world),
+                                       chosen=self.strategy is not None)
 
     def workload_options(self) -> dict[str, Any]:
         """What the workload factory is given: only the options the user actually set."""
@@ -363,19 +303,6 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def _flag(name: str) -> str:
-    return name.replace("_", "-")
-
-# Why a captured CUDA graph cannot replay a step of each multi-process strategy.
-_UNGRAPHABLE = {
-    "ddp": "DDP all-reduces gradient buckets from autograd hooks while backward runs",
-    "fsdp": "FSDP2 gathers, frees and allocates parameters around each block",
-    "tp": "tensor parallelism runs collectives inside each block",
-    "pp": "the pipeline schedule sends activations between ranks between micro-steps",
-}
-
 
 
 FIELD_NAMES = frozenset(f.name for f in fields(TrainConfig)) - {"extra"}

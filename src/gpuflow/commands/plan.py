@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any, get_args
 
@@ -103,8 +104,15 @@ def _build_workload(args: argparse.Namespace, meta: bool = True) -> Any:
             return resolve_workload(args.workload, options)
     except UserError:
         raise
-    except Exception:
-        return resolve_workload(args.workload, options)
+    except Exception as exc:
+        reason = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+    workload = resolve_workload(args.workload, options)
+    weights = sum(p.numel() * p.element_size() for p in workload.model.parameters())
+    size = f"{weights / 2**30:.2f} GiB" if weights >= 2**30 else f"{weights / 2**20:.2f} MiB"
+    warnings.warn(f"Workload {args.workload!r} cannot be built on the meta device ({reason}), "
+                  f"so it was built for real: {size} of weights allocated and initialised in "
+                  "this process's memory.", stacklevel=2)
+    return workload
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -113,8 +121,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from gpuflow.planner.search import recommendation, search
 
     precisions = _precisions(args.precision)
-    # The run's fixed knobs, checked as `gpuflow train` checks them.
-    fixed = TrainConfig(optimizer=args.optimizer, bucket_mb=args.bucket_mb,
+    # The run's fixed knobs, checked as `gpuflow train --strategy auto` checks them: each
+    # tunes the layouts that use it among those searched.
+    fixed = TrainConfig(strategy="auto", optimizer=args.optimizer, bucket_mb=args.bucket_mb,
                         fsdp_prefetch=args.fsdp_prefetch)
     fixed.validate()
     hardware = gpu_hardware(args.gpu_type, args.gpus, args.nodes, args.gpu_mem_gib,

@@ -128,6 +128,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         served_model_name=tuple(args.served_model_name or ()),
         chat_template=str(args.chat_template) if args.chat_template else None,
         max_model_len=args.max_model_len)
+    settings.check_device()
     with tempfile.TemporaryDirectory(prefix="gpuflow-serve-") as scratch:
         failure = Path(scratch) / "failure.json"
         settings = dataclasses.replace(settings, failure_file=str(failure))

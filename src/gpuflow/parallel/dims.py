@@ -8,6 +8,7 @@ a layout that exists is one gpuflow can run.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, get_args
@@ -20,6 +21,7 @@ from gpuflow.config import (
     TrainConfig,
     default_strategy,
 )
+from gpuflow.config_checks import describe_idle, idle_layout_options
 from gpuflow.errors import UserError
 
 if TYPE_CHECKING:
@@ -68,14 +70,20 @@ class ParallelDims:
     @classmethod
     def from_config(cls, config: TrainConfig, world: int) -> ParallelDims:
         """The layout a run's flags give ``world`` processes (after --strategy auto, which
-        the planner resolves into these flags)."""
+        the planner resolves into these flags). Layout options it has no use for are named
+        in one warning: the config refuses them when given with the layout, so these came
+        with the planner's choice or a resumed run's saved options."""
         assert config.strategy != "auto"
-        return cls.resolve(
+        dims = cls.resolve(
             world, config.strategy, dp=config.dp, tp=config.tp, pp=config.pp,
             reshard_after_forward=config.reshard_after_forward, fsdp_wrap=config.fsdp_wrap,
             fsdp_prefetch=config.fsdp_prefetch, bucket_mb=config.bucket_mb,
             pp_schedule=config.pp_schedule, pp_split=config.pp_split,
             microbatches=config.microbatches)
+        idle = idle_layout_options(config, dims.strategy, dims.pp)
+        if idle:
+            warnings.warn(f"{describe_idle(idle, dims.describe())}: ignored.", stacklevel=2)
+        return dims
 
     @classmethod
     def resolve(cls, world: int, strategy: StrategyName | None = None, *, dp: int | None = None,

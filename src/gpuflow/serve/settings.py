@@ -6,6 +6,8 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
+from gpuflow.devices import resolve_device
+from gpuflow.errors import UserError
 from gpuflow.serve.batcher import INLINE_BELOW_MS
 from gpuflow.serve.engine import EngineOptions
 
@@ -39,6 +41,17 @@ class ServeSettings:
     served_model_name: tuple[str, ...] = ()  # the first is the one answers name
     chat_template: str | None = None  # a Jinja file that replaces the model's own
     max_model_len: int | None = None
+
+    def check_device(self) -> None:
+        """Refuse --cuda-graphs where the model will not run on a CUDA device, rather than
+        run without them."""
+        if not self.cuda_graphs:
+            return
+        device = resolve_device(self.device)
+        if device.type != "cuda":
+            raise UserError(f"--cuda-graphs captures CUDA graphs, and this server runs on "
+                            f"{device} (--device {self.device}): drop --cuda-graphs, or serve "
+                            "on a GPU with --device cuda.")
 
     def engine_options(self) -> EngineOptions:
         return EngineOptions(self.device, self.precision, self.compile, self.cuda_graphs,

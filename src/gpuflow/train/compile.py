@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from gpuflow.config import TrainConfig
+from gpuflow.config_checks import check_step_modes
 from gpuflow.errors import UserError
 from gpuflow.parallel.dims import ParallelDims
 from gpuflow.parallel.strategy import Loss
@@ -26,7 +27,7 @@ def turn_on_compile_for_step_modes(config: TrainConfig, dims: ParallelDims,
                                    device: torch.device, workload: Workload) -> TrainConfig:
     """Refuse fp8 and CUDA graphs where they cannot run (the device last, so that the other
     refusals show on a CPU too); both need --compile, which they turn on."""
-    config.check_step_modes(dims.strategy, dims.tp, dims.pp)
+    check_step_modes(config, dims.strategy, dims.tp, dims.pp)
     if config.precision == "fp8":
         fp8.check_device(device)
     if config.cuda_graphs:

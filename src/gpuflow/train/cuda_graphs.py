@@ -4,7 +4,7 @@ A small model's step is launch-bound: the GPU waits on the host to issue hundred
 kernels. torch.compile's ``mode="reduce-overhead"`` records the compiled forward and backward
 as CUDA graphs (cudagraph trees) and replays them with one launch each. A graph replays fixed
 shapes and fixed memory addresses, so the run must meet three conditions, checked here
-before any compile: one process (``TrainConfig.check_step_modes``) on a CUDA device, and
+before any compile: one process (``gpuflow.config_checks``) on a CUDA device, and
 batches that never change shape (a new shape would record, and hold memory for, another
 graph).
 """
