@@ -98,7 +98,7 @@ def api_error(reply: httpx.Response, status: int) -> dict[str, Any]:
     error = reply.json()["error"]
     assert {"message", "type", "param", "code"} <= error.keys(), error
     assert isinstance(error["message"], str) and error["message"]
-    assert error["type"] == ("invalid_request_error" if status in (400, 404, 405, 413, 422)
+    assert error["type"] == ("invalid_request_error" if status in (400, 404, 405, 413, 415, 422)
                              else "authentication_error" if status == 401 else "server_error")
     assert error["param"] is None or isinstance(error["param"], str)
     return error

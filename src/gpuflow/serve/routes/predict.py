@@ -24,6 +24,7 @@ from gpuflow.serve.routes.client import (
     finished_unless_gone,
     read_body,
 )
+from gpuflow.serve.routes.uploads import image_upload
 from gpuflow.serve.state import ServerState
 from gpuflow.serving import Decoded, InputError, PredictRequest
 
@@ -97,12 +98,13 @@ async def outcome(request: Request, state: ServerState, submitted: asyncio.Futur
 
 
 async def _decode(request: Request, state: ServerState) -> tuple[PredictRequest, Decoded]:
-    """The body parsed and decoded into model rows; 422 when it does not fit the schema or
-    the model, or holds more rows than a batch."""
+    """The body (JSON, or an image upload) parsed and decoded into model rows; 422 when it
+    does not fit the schema or the model, or holds more rows than a batch."""
     codec, limit = state.ready_engine().codec, state.settings.max_batch_size
     body = await read_body(request, state.settings.max_body_bytes)
     try:
-        parsed = PredictRequest.model_validate_json(body)
+        parsed = (image_upload(request.headers.get("content-type"), body, request.query_params)
+                  or PredictRequest.model_validate_json(body))
         decoded = (codec.decode(parsed) if len(body) <= INLINE_DECODE_BYTES
                    else await asyncio.to_thread(codec.decode, parsed))
     except ValidationError as exc:

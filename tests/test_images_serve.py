@@ -1,0 +1,92 @@
+"""Serving the images workload: uploads in every form, bad images refused, server up."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from pathlib import Path
+
+import pytest
+from conftest import api_error, serving
+from image_trees import encode, photo
+from test_images_data import bomb_png
+
+from gpuflow.cli import main
+from gpuflow.config import TrainConfig
+from gpuflow.serve.app import ServeSettings, create_app
+from gpuflow.train.trainer import seed_everything, train
+from gpuflow.workloads import images
+
+pytest_plugins = ("image_trees",)  # the photo_tree fixture
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+CLASSES = ["china", "flower"]
+
+
+@pytest.fixture(scope="module")
+def images_run(photo_tree: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("images-serve") / "run"
+    seed_everything(0)
+    config = TrainConfig(workload="images", data_dir=str(photo_tree), image_size=16,
+                         model_size="resnet18,width=8", max_steps=2, batch_size=8,
+                         eval_every=0, progress=False, run_dir=str(run_dir))
+    train(images.build(str(photo_tree), model_size="resnet18,width=8", image_size=16), config)
+    return run_dir
+
+
+def check_prediction(reply, top_k: int = 2) -> None:  # noqa: ANN001
+    assert reply.status_code == 200, reply.text
+    (prediction,) = reply.json()["predictions"]
+    assert prediction["label"] in CLASSES
+    assert len(prediction["top"]) == top_k
+    assert {entry["label"] for entry in prediction["top"]} <= set(CLASSES)
+
+
+def test_predict_takes_raw_json_and_multipart_images_and_refuses_bad_ones(
+        images_run: Path) -> None:
+    picture = photo("flower").crop((0, 0, 200, 150))
+    jpeg, png, webp = (encode(picture, "JPEG", "RGB"), encode(picture, "PNG", "RGB"),
+                       encode(picture, "WEBP", "RGB"))
+
+    async def scenario() -> None:
+        app = create_app(ServeSettings(str(images_run), device="cpu", max_batch_size=4))
+        async with serving(app) as client:
+            for data, kind in ((jpeg, "image/jpeg"), (png, "image/png"), (webp, "image/webp")):
+                check_prediction(await client.post("/v1/predict", content=data,
+                                                   headers={"Content-Type": kind}))
+            check_prediction(await client.post(
+                "/v1/predict", json={"image": base64.b64encode(png).decode(), "top_k": 1}), 1)
+            check_prediction(await client.post(
+                "/v1/predict?top_k=1", files={"image": ("photo.jpg", jpeg, "image/jpeg")}), 1)
+            refused = [
+                (jpeg[:300], "image/jpeg", 422, "not a readable"),
+                (bomb_png(10_000, 10_000), "image/png", 422, "more than"),
+                (jpeg, "image/png", 415, "does not match"),
+                (jpeg, "image/gif", 415, "not an image type"),
+            ]
+            for data, kind, status, words in refused:
+                reply = await client.post("/v1/predict", content=data,
+                                          headers={"Content-Type": kind})
+                assert words in api_error(reply, status)["message"], (kind, reply.text)
+            check_prediction(await client.post("/v1/predict", content=jpeg,
+                                                headers={"Content-Type": "image/jpeg"}))
+
+    asyncio.run(scenario())
+
+
+def test_gpuflow_predict_names_classes_and_reports_unreadable_files(
+        images_run: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "inputs"
+    folder.mkdir()
+    (folder / "a.jpg").write_bytes(encode(photo("china").crop((0, 0, 90, 90)), "JPEG", "RGB"))
+    (folder / "b.webp").write_bytes(encode(photo("flower"), "WEBP", "RGBA"))
+    (folder / "c.png").write_bytes(b"not a png")
+    out = tmp_path / "out.jsonl"
+    assert main(["predict", str(images_run), str(folder), "--out", str(out), "--device",
+                 "cpu", "--num-workers", "0", "--top-k", "2", "--no-progress"]) == 0
+    lines = {Path(r["input"]).name: r for r in map(json.loads, out.read_text().splitlines())}
+    assert set(lines) == {"a.jpg", "b.webp", "c.png"}, lines
+    for name in ("a.jpg", "b.webp"):
+        (prediction,) = lines[name]["predictions"]
+        assert prediction["label"] in CLASSES and len(prediction["top"]) == 2
+    assert "not a readable" in lines["c.png"]["error"]
