@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from gpuflow import checkpoint as ckpt
 from gpuflow.data.iterable import StreamBatches, StreamPosition
-from gpuflow.errors import UserError
+from gpuflow.errors import NonFiniteLossError, UserError
 from gpuflow.parallel.strategy import Strategy
 from gpuflow.train.optim import restore_schedule
 
@@ -92,6 +92,17 @@ class RunState:
             positions = [None] * self.world
             dist.all_gather_object(positions, mine.as_dict() if mine is not None else None)
         return None if any(p is None for p in positions) else positions
+
+    def diverged(self, streak: int) -> NonFiniteLossError:
+        """What stops a run after ``streak`` non-finite losses up to this step: where it may
+        resume from, and what to change."""
+        step = self.position.step
+        where = (f"the last good checkpoint is {self.last.path}" if self.last
+                 else "no checkpoint was saved before it")
+        return NonFiniteLossError(
+            f"The loss was NaN/inf for {streak} consecutive steps ({step - streak + 1}-{step}); "
+            f"training stopped and {where}. Try a lower --lr, --clip-grad 1.0, a longer "
+            "--warmup-steps, or --precision bf16 instead of fp16.")
 
     def resume(self) -> None:
         """Restore the newest checkpoint whose checksums hold."""

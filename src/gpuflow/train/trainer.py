@@ -33,7 +33,7 @@ from gpuflow.data.loader import (
 )
 from gpuflow.data.prefetch import DevicePrefetcher, move_to_device
 from gpuflow.devices import peak_flops, resolve_device
-from gpuflow.errors import NonFiniteLossError, UserError
+from gpuflow.errors import UserError
 from gpuflow.parallel import build_strategy
 from gpuflow.parallel.dims import ParallelDims
 from gpuflow.parallel.env import init_distributed
@@ -328,7 +328,7 @@ class Trainer:
         for _ in range(min(count, self.total_steps - self.step)):
             self.train_step()
             if self.nonfinite_streak >= config.max_nonfinite_steps:
-                self._stop_nonfinite()
+                raise self.state.diverged(self.nonfinite_streak)
             at_end = self.step == self.total_steps
             if at_end and self.average is not None:
                 self.average.load_into_weights()
@@ -368,16 +368,6 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         self.state.save(self._stream, streaming=is_stream(self.workload.train_dataset))
-
-    def _stop_nonfinite(self) -> None:
-        first = self.step - self.nonfinite_streak + 1
-        last = self.state.last
-        where = (f"the last good checkpoint is {last.path}" if last
-                 else "no checkpoint was saved before it")
-        raise NonFiniteLossError(
-            f"The loss was NaN/inf for {self.nonfinite_streak} consecutive steps "
-            f"({first}-{self.step}); training stopped and {where}. Try a lower --lr, "
-            "--clip-grad 1.0, a longer --warmup-steps, or --precision bf16 instead of fp16.")
 
     def _log_window(self) -> None:
         line = record.window_record(self.description, self.timer.close_window(),
