@@ -1,4 +1,5 @@
-"""The packed-set format on disk: byte for byte what version 1 wrote, read back as before."""
+"""The packed-set format: records and shard files byte for byte as version 1 wrote them, read
+back as before, and damage named with its fix."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from packed_sets import leaves, write_id_set
 
 from gpuflow.data.kinds import TensorRecords, TokenWindows, kind_of
 from gpuflow.data.manifest import Manifest, load_manifest, write_manifest
 from gpuflow.data.reader import SplitReader
-from gpuflow.data.record_codec import encode_record, layout_of
-from gpuflow.data.shard_files import RecordShardWriter, write_token_shard
+from gpuflow.data.record_codec import decode_record, encode_record, layout_of
+from gpuflow.data.shard_files import RecordShard, RecordShardWriter, write_token_shard
+from gpuflow.data.streaming import open_packed
 from gpuflow.errors import UserError
 
 INT64 = 4  # dtype code of torch.int64 in a record
@@ -111,3 +114,43 @@ def test_the_kind_is_chosen_once_from_the_manifest() -> None:
         kind_of(tokens)
     with pytest.raises(UserError, match="kind 'frames' is unknown.*Upgrade gpuflow"):
         kind_of(Manifest(workload="w", kind="frames", splits={}))
+
+
+def test_record_round_trip_keeps_dtypes_shapes_and_nesting(tmp_path: Path) -> None:
+    items = [
+        ((torch.randn(3, 5), torch.tensor(7)), 4),
+        (torch.arange(6, dtype=torch.int16).reshape(2, 3), torch.zeros(0), 0.1),
+        (torch.randn(4).to(torch.bfloat16), torch.tensor([True, False])),
+    ]
+    writer = RecordShardWriter(tmp_path / "a.rec")
+    for item in items:
+        writer.write(encode_record(item))
+    info = writer.close()
+    assert info.count == 3 and info.bytes == (tmp_path / "a.rec").stat().st_size
+    shard = RecordShard(tmp_path / "a.rec")
+    for index, item in enumerate(items):
+        back = decode_record(shard.read(index), layout_of(item))
+        for a, b in zip(leaves(item), leaves(back), strict=True):
+            if isinstance(a, torch.Tensor):
+                assert a.dtype == b.dtype and torch.equal(a, b)
+            else:
+                assert type(a) is type(b) and a == b
+    shard.close()
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_corrupt_or_truncated_shards_are_named_with_the_fix(tmp_path: Path) -> None:
+    out = tmp_path / "ids"
+    write_id_set(out, [50, 50])
+    shard = out / "train-00001.rec"
+    data = bytearray(shard.read_bytes())
+    data[40] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    packed = open_packed(out, "ids")  # sizes are intact: opening succeeds
+    assert packed is not None
+    assert int(packed.train[10][1]) == 10
+    with pytest.raises(UserError, match=r"train-00001\.rec fails its checksum.*--force"):
+        packed.train[60]
+    shard.write_bytes(bytes(data[:-10]))
+    with pytest.raises(UserError, match=r"train-00001\.rec holds \d+ bytes, the manifest"):
+        open_packed(out, "ids")
