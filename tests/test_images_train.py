@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,8 @@ pytest_plugins = ("image_trees",)  # the photo_tree fixture
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 TINY = dict(model_size="resnet18,width=8", image_size=16)
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fashion_mnist_jpeg.py"
+FASHION_FLOOR = 0.3
 
 
 def config(run_dir: Path, **overrides) -> TrainConfig:
@@ -63,3 +67,27 @@ def test_resume_mid_epoch_is_bitwise_exact(photo_tree: Path, tmp_path: Path,
     assert full.keys() == split.keys()
     for name in full:
         assert torch.equal(full[name], split[name]), name
+
+
+def fashion_mnist_script():  # noqa: ANN201
+    spec = importlib.util.spec_from_file_location("fashion_mnist_jpeg", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_fashion_mnist_jpeg_folders_reach_an_accuracy_floor(tmp_path: Path) -> None:
+    script = fashion_mnist_script()
+    if not script.DEFAULT_IDX.is_dir():
+        if os.environ.get("GPUFLOW_REQUIRE_FASHION_MNIST") == "1":
+            pytest.fail(f"{script.DEFAULT_IDX} is missing though CI installed it")
+        pytest.skip("needs Debian's dataset-fashion-mnist (.ci/run installs it)")
+    assert script.write_tree(tmp_path / "fashion", train=480, val=160) == (480, 160)
+    seed_everything(0)
+    workload = images.build(str(tmp_path / "fashion"), model_size="resnet18,width=8",
+                            image_size=28)
+    assert len(workload.train_dataset) == 480 and len(workload.val_dataset) == 160
+    result = train(workload, config(tmp_path / "run", max_steps=60, batch_size=16, lr=5e-3,
+                                    save_checkpoints=False))
+    # Chance is 10%; 60 steps on 480 photos with RandomResizedCrop give about 40%.
+    assert result.final_metrics["val_accuracy"] >= FASHION_FLOOR, result.final_metrics
