@@ -31,7 +31,6 @@ class SplitReader(Dataset):
         self.kind = kind_of(manifest, seq_len)
         self.directory, self.manifest, self.split = directory, manifest, split
         self.shards = manifest.splits[split]
-        self.seq_len = seq_len
         self.counts = [self.kind.samples(shard) for shard in self.shards]
         self.starts = np.concatenate([[0], np.cumsum(self.counts, dtype=np.int64)]).tolist()
         self._open: OrderedDict[int, Any] = OrderedDict()
