@@ -3,17 +3,10 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from gpuflow.config import build_config
 from gpuflow.errors import UserError
-from gpuflow.parallel import build_strategy
 from gpuflow.parallel.dims import ParallelDims
-from gpuflow.parallel.replicated import Replicated
-from gpuflow.parallel.sharded import Sharded
-from gpuflow.parallel.single import Single
-from gpuflow.precision import make_policy
-from gpuflow.telemetry.steps import StepTimer
 
 
 def test_flags_resolve_to_degrees_and_defaults() -> None:
@@ -75,19 +68,16 @@ def test_global_batch_mesh_and_pipeline_microbatches() -> None:
     assert ParallelDims(strategy="single").pipeline_microbatches(8) == 1
 
 
-@pytest.mark.parametrize(("dims", "family"), [
-    (ParallelDims(strategy="single"), Single),
-    (ParallelDims(strategy="ddp", dp=2), Replicated),
-    (ParallelDims(strategy="fsdp", dp=2), Sharded),
-])
-def test_each_layout_gets_its_family(dims: ParallelDims, family: type) -> None:
-    cpu = torch.device("cpu")
-    strategy = build_strategy(dims, cpu, make_policy("fp32", cpu), StepTimer(cpu))
-    assert type(strategy) is family
-
-
-def test_loss_scaling_is_refused_where_the_strategy_cannot_scale() -> None:
-    cpu = torch.device("cpu")
-    with pytest.raises(UserError, match="--strategy fsdp supports fp32, tf32 and bf16"):
-        build_strategy(ParallelDims(strategy="fsdp", dp=2), cpu, make_policy("fp16", cpu),
-                       StepTimer(cpu))
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"strategy": "ddp", "tp": 2}, "model parallelism composes with fsdp"),
+        ({"strategy": "tp", "tp": 3}, "--tp 3 x --pp 1 does not divide"),
+        ({"strategy": "fsdp", "tp": 2, "pp": 2}, "tensor parallelism inside pipeline stages"),
+        ({"strategy": "pp", "pp": 1, "dp": 2}, "--dp 2 x --tp 1 x --pp 2 must equal"),
+        ({"strategy": "single"}, "--strategy single runs one process"),
+    ],
+)
+def test_bad_meshes_are_explained(values: dict, message: str) -> None:
+    with pytest.raises(UserError, match=message):
+        ParallelDims.from_config(build_config({}, values), 2)

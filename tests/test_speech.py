@@ -505,31 +505,6 @@ def test_synthetic_data_has_the_workloads_shapes_and_depends_only_on_index() -> 
     assert lengths[17] == int(length) and len(set(lengths)) > 100
 
 
-def test_a_run_without_a_length_trains_the_workloads_default_epochs(tmp_path: Path) -> None:
-    from gpuflow import TrainConfig
-    from gpuflow.train.trainer import Trainer
-
-    def total_steps(**length: float) -> int:
-        config = TrainConfig(workload="speech", data="synthetic", batch_size=64,
-                             run_dir=str(tmp_path / "run"), save_checkpoints=False,
-                             progress=False, **length)
-        trainer = Trainer(speech.build(data="synthetic", model_size="tiny"), config)
-        try:
-            return trainer.total_steps
-        finally:
-            trainer.close()
-
-    per_epoch = 2250 // 64
-    assert total_steps() == math.ceil(speech.DEFAULT_EPOCHS * per_epoch) == 40 * per_epoch
-    assert total_steps(epochs=2) == 2 * per_epoch
-    # The --epochs help states both defaults; it must say what the trainer does.
-    from gpuflow.options import flags
-    from gpuflow.train.trainer import DEFAULT_EPOCHS
-
-    epochs = next(flag for flag in flags(TrainConfig) if flag.name == "epochs")
-    assert f"({DEFAULT_EPOCHS:g}; speech {speech.DEFAULT_EPOCHS:g})" in str(epochs.option.unset)
-
-
 def test_cli_synthetic_run_with_activation_checkpointing(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     result = run_cli("train", "--workload", "speech", "--data", "synthetic", "--model-size",
