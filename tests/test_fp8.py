@@ -21,11 +21,8 @@ from gpuflow.cli import main
 from gpuflow.errors import UserError
 from gpuflow.models.gpt import GPT, GPTConfig
 from gpuflow.parallel.env import free_port
-from gpuflow.train import record
+from gpuflow.train import fp8, record
 from gpuflow.workload import resolve_workload
-
-fp8 = pytest.importorskip("gpuflow.train.fp8")
-pytest.importorskip("torchao.float8")
 
 STEPS = 30
 BATCH = 8
@@ -99,8 +96,9 @@ def gpt_and_data(one_torch_thread: None) -> tuple[GPT, torch.Tensor, list[float]
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_emulated_fp8_tracks_the_bf16_loss_curve(gpt_and_data: tuple, recipe: str) -> None:
-    """Measured here (30 steps, d=64): the fp8 curve stays within 0.1% of bf16's at every step
-    and both fall from 5.2 to about 3.57 nats; 2% is the issue's bound on the final loss."""
+    """Measured here (30 steps, d=64, one thread): the fp8 curve stays within 0.12% of bf16's
+    at every step for both recipes (0.2% asserted, as docs/precision.md says) and both fall
+    from 5.2 to about 3.57 nats."""
     base, data, bf16 = gpt_and_data
     model = copy.deepcopy(base)
     conversion = fp8.convert(model, list(model.blocks), recipe, emulate=True,
@@ -110,17 +108,17 @@ def test_emulated_fp8_tracks_the_bf16_loss_curve(gpt_and_data: tuple, recipe: st
     assert sum(type(m).__name__ == "Float8Linear" for m in model.modules()) == 8
     assert type(model.lm_head) is nn.Linear and model.lm_head.weight is model.tok_emb.weight
     curve = _curve(model, data)
-    print(f"{recipe}: bf16 {bf16[::6]}\n      fp8 {curve[::6]}")
+    worst = max(abs(a - b) / b for a, b in zip(curve, bf16, strict=True))
+    print(f"{recipe}: bf16 {bf16[::6]}\n      fp8 {curve[::6]}\n      worst step {worst:.2e}")
     assert curve[-1] < bf16[0] - 1.0  # it learns
-    assert abs(curve[-1] - bf16[-1]) <= 0.02 * bf16[-1]
-    assert max(abs(a - b) / b for a, b in zip(curve, bf16, strict=True)) <= 0.02
+    assert worst <= 0.002  # docs/precision.md: within 0.2% at every step
     assert curve != bf16  # the float8 casts are really in the path
 
 
 def test_fp8_composes_with_fsdp2_and_gathers_fp8_weights(tmp_path: Path,
                                                          one_torch_thread: None) -> None:
     """2 ranks of FSDP2 with fp8 all-gather follow one process on the whole batches (the
-    ranks' mean loss; FSDP averages their gradients). Measured here: within 0.02%."""
+    ranks' mean loss; FSDP averages their gradients). Measured here: within 0.04%."""
     out = str(tmp_path / "fsdp")
     mp.spawn(_fsdp_worker, args=(free_port(), out), nprocs=2)
     ranks = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
@@ -130,8 +128,9 @@ def test_fp8_composes_with_fsdp2_and_gathers_fp8_weights(tmp_path: Path,
     fp8.convert(model, list(model.blocks), "tensorwise", emulate=True, skip_small=False)
     single = _train(model, _fsdp_batches())
     sharded = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"], strict=True)]
-    print("single", single, "\nfsdp  ", sharded)
-    assert sharded == pytest.approx(single, rel=0.01)
+    worst = max(abs(a - b) / b for a, b in zip(sharded, single, strict=True))
+    print("single", single, "\nfsdp  ", sharded, "\nworst step", worst)
+    assert worst <= 1e-3
     assert sharded[-1] < sharded[0]
 
 
