@@ -21,9 +21,11 @@ def register(commands: Any) -> None:
                            "(digits: the bundled scans, textlm: the Python documentation)")
     pack.add_argument("--out", required=True, help="folder to write the packed set to")
     pack.add_argument("--workload", required=True,
-                      help="digits, mnist-idx, textlm, speech, or pkg.module:factory")
+                      help="digits, mnist-idx, textlm, speech, images, or pkg.module:factory")
     pack.add_argument("--shard-size-mb", type=float,
                       help="target size of each shard in MiB (default 64)")
+    pack.add_argument("--max-side", type=int, metavar="PX",
+                      help="images: re-encode photos larger than PX on their longer side")
     pack.add_argument("--force", action="store_true",
                       help="pack again over a finished set in --out")
     pack.add_argument("--no-progress", dest="progress", action="store_false",
@@ -42,7 +44,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         raise UserError("--shard-size-mb must be positive.")
     progress = ("off" if not args.progress else "bar" if sys.stderr.isatty() else "lines")
     manifest = pack(args.workload, args.src, args.out, shard_mb=shard_mb,
-                    force=args.force, progress=progress)
+                    force=args.force, progress=progress, max_side=args.max_side)
     counts = ", ".join(f"{name} {manifest.count(name):,} "
                        f"{'tokens' if manifest.kind == 'tokens' else 'samples'} in "
                        f"{len(shards)} shard(s)" for name, shards in manifest.splits.items())

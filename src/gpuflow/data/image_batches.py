@@ -32,6 +32,8 @@ from gpuflow.data.image_sources import ImageRef
 from gpuflow.errors import UserError
 
 Encoded = tuple[str, bytes]  # a sample's name (path or shard:key) and its bytes
+# The same in a packed record, which holds tensors only: name and bytes as uint8 [N].
+PackedEncoded = tuple[torch.Tensor, torch.Tensor]
 Item = tuple[torch.Tensor | None, int]
 NAME_BYTES = 1024
 
@@ -78,6 +80,14 @@ class EncodedImages(Dataset):
         return (ref_name(ref), ref.read()), ref.label
 
 
+def as_encoded(part: Encoded | PackedEncoded) -> Encoded:
+    """A sample's name and bytes, read from a file or from a packed record."""
+    name, data = part
+    if isinstance(data, torch.Tensor):
+        return bytes(name.numpy()).decode(), data.numpy().tobytes()
+    return part  # type: ignore[return-value]
+
+
 def _decoded(issues: DataIssues, name: str, data: bytes, box_fn: Any, size: int,
              mode: str) -> np.ndarray | None:
     try:
@@ -94,8 +104,9 @@ class TrainCrops:
     def __init__(self, size: int, mode: str, issues: DataIssues) -> None:
         self.size, self.mode, self.issues = size, mode, issues
 
-    def __call__(self, item: tuple[Encoded, int], rng: np.random.Generator) -> Item:
-        (name, data), label = item
+    def __call__(self, item: tuple[Encoded | PackedEncoded, int],
+                 rng: np.random.Generator) -> Item:
+        (name, data), label = as_encoded(item[0]), int(item[1])
         box_fn = partial(random_resized_crop, rng=rng)
         pixels = _decoded(self.issues, name, data, box_fn, self.size, self.mode)
         if pixels is not None and rng.random() < 0.5:
@@ -105,9 +116,10 @@ class TrainCrops:
 
 
 class EvalImages(Dataset):
-    """``EncodedImages`` decoded with the centre crop, for validation and examples."""
+    """Encoded images (from files or a packed set) decoded with the centre crop, for
+    validation and examples."""
 
-    def __init__(self, images: EncodedImages, size: int, mode: str,
+    def __init__(self, images: Dataset, size: int, mode: str,
                  issues: DataIssues) -> None:
         self.images, self.size, self.mode, self.issues = images, size, mode, issues
 
@@ -115,7 +127,8 @@ class EvalImages(Dataset):
         return len(self.images)
 
     def __getitem__(self, index: int) -> Item:
-        (name, data), label = self.images[index]
+        part, label = self.images[index]
+        (name, data), label = as_encoded(part), int(label)
         pixels = _decoded(self.issues, name, data, centre_crop, self.size, self.mode)
         return (None if pixels is None else torch.from_numpy(pixels), label)
 

@@ -13,8 +13,9 @@ manifest is written last, so a folder with a manifest is a finished set.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from gpuflow.data.manifest import (
     EXAMPLE_FILE,
@@ -56,12 +57,14 @@ def _prepare_out(out: Path, force: bool) -> None:
 
 def write_pack(workload: str, src: str | Path | None, out: str | Path, source_of: SourceOf,
                shard_mb: float = DEFAULT_SHARD_MB, force: bool = False,
-               progress: bool | Mode = True) -> Manifest:
+               progress: bool | Mode = True,
+               options: Mapping[str, Any] | None = None) -> Manifest:
     """Pack ``workload``'s data from ``src`` (its raw --data-dir; None: its default) into
     ``out``, continuing an interrupted pack of the same settings. The data comes from
     ``source_of`` (``gpuflow.workloads.packing`` finds it by the workload's name).
     ``progress``: a live bar (True or "bar"), a line per shard ("lines"), or nothing
-    (False or "off")."""
+    (False or "off"). ``options`` are the source's own settings (e.g. images' ``max_side``):
+    a rerun continues only a pack of the same ones."""
     out = Path(out)
     source = None if src is None else str(Path(src).resolve())
     if source is not None and is_packed(source):
@@ -69,7 +72,8 @@ def write_pack(workload: str, src: str | Path | None, out: str | Path, source_of
     shard_bytes = max(1, int(shard_mb * 2**20))
     _prepare_out(out, force)
     settings = {"workload": workload, "source": source, "shard_bytes": shard_bytes,
-                "format_version": FORMAT_VERSION}
+                "format_version": FORMAT_VERSION, **({"options": dict(options)} if options
+                                                     else {})}
     state = PackState.resume(out, settings)
     mode: Mode = "bar" if progress is True else "off" if progress is False else progress
     with PackProgress(mode) as report:

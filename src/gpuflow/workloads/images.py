@@ -23,6 +23,7 @@ from gpuflow.data.image_batches import (
 )
 from gpuflow.data.image_decoder import choose_decoder
 from gpuflow.data.image_sources import scan
+from gpuflow.data.streaming import open_packed
 from gpuflow.errors import UserError
 from gpuflow.models.pixels import IMAGENET_MEAN, IMAGENET_STD, UInt8Images
 from gpuflow.models.resnet import LAYOUTS, ResNet
@@ -73,6 +74,17 @@ def _example(dataset: Dataset) -> tuple[torch.Tensor, torch.Tensor]:
     return collate_images(items)
 
 
+def _sources(data_dir: str) -> tuple[list[str], Dataset, Dataset | None]:
+    """The class names and the encoded training and validation images: a packed set
+    (``gpuflow data pack --workload images``), or class folders or tar shards."""
+    packed = open_packed(data_dir, "images")
+    if packed is not None:
+        return list(packed.meta["classes"]), packed.train, packed.val
+    splits = scan(data_dir, VAL_PERCENT)
+    return (splits.classes, EncodedImages(splits.train),
+            EncodedImages(splits.val) if splits.val else None)
+
+
 def _resnet_blocks(model: nn.Module) -> list[nn.Module]:
     return list(model.net.blocks)  # type: ignore[union-attr,arg-type]
 
@@ -104,19 +116,18 @@ def build(data_dir: str | None = None, data: str = "real", model_size: str | Non
                         "classes.json). `python scripts/fashion_mnist_jpeg.py --out DIR` "
                         "writes one from Fashion-MNIST.")
     choose_decoder(decode)
-    splits = scan(data_dir, VAL_PERCENT)
+    classes, train, encoded_val = _sources(data_dir)
     issues = DataIssues(strict_data)
-    train = EncodedImages(splits.train)
-    val = EvalImages(EncodedImages(splits.val), size, "RGB", issues) if splits.val else None
+    val = EvalImages(encoded_val, size, "RGB", issues) if encoded_val is not None else None
     return Workload(
         name="images",
-        model=image_model(kind, width, max(len(splits.classes), 2), size),
+        model=image_model(kind, width, max(len(classes), 2), size),
         train_dataset=train,
         val_dataset=val,
         collate_fn=partial(collate_images, issues=issues),
         example_batch=_example(EvalImages(train, size, "RGB", DataIssues(strict_data))),
         repeated_blocks=_resnet_blocks,
-        serving=images_serving(splits.classes, size),
+        serving=images_serving(classes, size),
         augment=TrainCrops(size, "RGB", issues),
         data_report=issues.report,
     )

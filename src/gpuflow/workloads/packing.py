@@ -7,7 +7,9 @@ items come from, so that ``data`` never imports the workloads it stores.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+import inspect
+from collections.abc import Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -15,22 +17,32 @@ from gpuflow.data.manifest import Manifest
 from gpuflow.data.pack import DEFAULT_SHARD_MB, write_pack
 from gpuflow.data.pack_progress import Mode
 from gpuflow.data.pack_sources import PackSource, RecordSource
+from gpuflow.errors import UserError
 from gpuflow.workload import resolve_workload
 
 # Built-in workloads that read their raw data for packing otherwise than for training
 # (lazily, or as text for token shards): "module:function" taking the raw --data-dir.
-PACK_SOURCES: dict[str, str] = {"mnist-idx": "gpuflow.workloads.mnist_idx:pack_source",
+PACK_SOURCES: dict[str, str] = {"images": "gpuflow.workloads.images_pack:pack_source",
+                                "mnist-idx": "gpuflow.workloads.mnist_idx:pack_source",
                                 "speech": "gpuflow.workloads.speech:pack_source",
                                 "textlm": "gpuflow.workloads.textlm:pack_source"}
 
 
-def workload_source(workload: str, src: str | None) -> PackSource:
-    """A workload's data from ``src``: its own pack source where it has one, else the
-    train/val items of the datasets its factory builds (lazy or not, as the workload wrote
-    them)."""
+def workload_source(workload: str, src: str | None,
+                    options: Mapping[str, Any] | None = None) -> PackSource:
+    """A workload's data from ``src``: its own pack source where it has one (given
+    ``options``, e.g. images' ``max_side``), else the train/val items of the datasets its
+    factory builds (lazy or not, as the workload wrote them)."""
+    options = dict(options or {})
     if workload in PACK_SOURCES:
         module, _, name = PACK_SOURCES[workload].partition(":")
-        return getattr(importlib.import_module(module), name)(src)
+        source = getattr(importlib.import_module(module), name)
+        unknown = set(options) - set(inspect.signature(source).parameters)
+        if not unknown:
+            return source(src, **options)
+    if options:
+        flags = ", ".join("--" + name.replace("_", "-") for name in sorted(options))
+        raise UserError(f"{flags}: not an option of packing workload {workload!r}.")
     built = resolve_workload(workload, {} if src is None else {"data_dir": src})
     splits: dict[str, Sequence[Any]] = {"train": built.train_dataset}  # type: ignore[dict-item]
     if built.val_dataset is not None:
@@ -40,9 +52,11 @@ def workload_source(workload: str, src: str | None) -> PackSource:
 
 def pack(workload: str, src: str | Path | None, out: str | Path,
          shard_mb: float = DEFAULT_SHARD_MB, force: bool = False,
-         progress: bool | Mode = True) -> Manifest:
+         progress: bool | Mode = True, max_side: int | None = None) -> Manifest:
     """Pack ``workload``'s data from ``src`` (its raw --data-dir; None: its default) into
     ``out``, continuing an interrupted pack of the same settings. ``progress``: a live bar
-    (True or "bar"), a line per shard ("lines"), or nothing (False or "off")."""
-    return write_pack(workload, src, out, workload_source, shard_mb=shard_mb, force=force,
-                      progress=progress)
+    (True or "bar"), a line per shard ("lines"), or nothing (False or "off"). ``max_side``
+    (images): re-encode larger photos to that many pixels on their longer side."""
+    options = {} if max_side is None else {"max_side": max_side}
+    return write_pack(workload, src, out, partial(workload_source, options=options),
+                      shard_mb=shard_mb, force=force, progress=progress, options=options)
