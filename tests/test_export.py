@@ -3,6 +3,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from generation import greedy_reference
 from safetensors import safe_open
 from safetensors.torch import load_file
 from user_workloads import TinyMLP, mlp
@@ -35,13 +36,6 @@ def test_export_of_a_dir_without_checkpoints_is_a_clear_error(
     assert "not a gpuflow run dir" in capsys.readouterr().err
 
 
-def greedy(model: torch.nn.Module, tokens: torch.Tensor, count: int) -> list[int]:
-    for _ in range(count):
-        next_token = model(tokens)[:, -1].argmax(-1, keepdim=True)
-        tokens = torch.cat([tokens, next_token], dim=1)
-    return tokens[0].tolist()
-
-
 def test_textlm_exports_as_gpt2_that_transformers_opens_with_equal_outputs(
     tmp_path: Path
 ) -> None:
@@ -65,10 +59,13 @@ def test_textlm_exports_as_gpt2_that_transformers_opens_with_equal_outputs(
     assert ids[0].tolist() == list(prompt.encode("utf-8"))  # token i is byte i
     ours = result.model.eval()
     with torch.no_grad():
-        # Measured here: max |difference| about 1e-7 (GPT-2 sums attention in another order).
-        assert torch.allclose(gpt2(ids).logits, ours(ids), atol=1e-4)
+        # Measured here: identical logits. The bound allows fp32 rounding where another
+        # CPU's kernels sum in another order; docs/checkpoints.md states the same 1e-6.
+        worst = (gpt2(ids).logits - ours(ids)).abs().max().item()
+        print(f"max |logit difference| {worst:.1e}")
+        assert worst <= 1e-6
         hf_greedy = gpt2.generate(ids, max_new_tokens=24, do_sample=False)[0].tolist()
-        assert hf_greedy == greedy(ours, ids, 24)
+    assert hf_greedy == ids[0].tolist() + greedy_reference(ours, prompt.encode(), 24)
     assert tokenizer.decode(hf_greedy[:ids.shape[1]]) == prompt
 
 
