@@ -176,11 +176,14 @@ class HFTokenizer(Tokenizer):
         self.has_chat_template = bool(tokenizer.chat_template)
         self._added = added
         self._pieces = _piece_reader(tokenizer)
+        self._backend_decode = _plain_backend_decode(tokenizer)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens, verbose=False))
 
     def decode(self, tokens: Sequence[int]) -> str:
+        if self._backend_decode is not None:
+            return self._backend_decode(list(tokens), skip_special_tokens=True)
         return self.hf.decode(list(tokens), skip_special_tokens=True,
                               clean_up_tokenization_spaces=False)
 
@@ -197,6 +200,20 @@ class HFTokenizer(Tokenizer):
         with _template_errors():
             return self.hf.apply_chat_template(messages, chat_template=template, tokenize=False,
                                                add_generation_prompt=True)
+
+
+def _plain_backend_decode(tokenizer: Any) -> Callable[..., str] | None:
+    """A fast tokenizer's own Rust decode, where transformers' ``decode`` adds nothing to it
+    (no class of its own overriding it): the engine decodes a short window at every
+    generated token, and the Python around the call costs more than the decode."""
+    from transformers import PreTrainedTokenizerBase
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    kind = type(tokenizer)
+    plain = (isinstance(tokenizer, TokenizersBackend)
+             and kind._decode is TokenizersBackend._decode
+             and kind.decode is PreTrainedTokenizerBase.decode)
+    return tokenizer.backend_tokenizer.decode if plain else None
 
 
 @contextmanager
