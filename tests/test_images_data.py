@@ -162,6 +162,14 @@ def test_corrupt_files_are_skipped_and_counted_or_stop_the_run(photo_tree: Path,
     with pytest.raises(UserError, match="broken.jpg"):
         for index in range(len(refs)):
             strict[index]
+    # From a loader worker, the stop reaches the training process as the message alone.
+    batches = iter(train_batches(EncodedImages(refs), len(refs), collate_images, seed=0,
+                                 start_batch=0, num_workers=2, pin_memory=False,
+                                 augment=TrainCrops(16, "RGB", DataIssues(strict=True))))
+    with pytest.raises(UserError) as stopped:
+        next(batches)
+    assert str(stopped.value).startswith(f"{broken}: not a readable image")
+    assert "Traceback" not in str(stopped.value)
 
 
 def test_gpu_decode_is_refused_where_it_cannot_run() -> None:

@@ -42,6 +42,20 @@ def ref_name(ref: ImageRef) -> str:
     return ref.path if ref.size < 0 else f"{ref.path}:{ref.key}{ref.suffix}"
 
 
+class StrictDataError(UserError):
+    """``--strict-data``'s stop at a file that does not decode.
+
+    A loader worker's exception reaches the training process rebuilt from a message that
+    holds the worker's traceback; this keeps only the message, for the CLI to print.
+    """
+
+    def __init__(self, message: str) -> None:
+        marker = f"{type(self).__name__}: "
+        if message.startswith("Caught ") and marker in message:
+            message = message.rsplit(marker, 1)[1].strip()
+        super().__init__(message)
+
+
 class DataIssues:
     """Files skipped for not decoding, counted across loader worker processes (shared
     memory made before the workers start), with the first one's name and error."""
@@ -53,8 +67,9 @@ class DataIssues:
 
     def skip(self, name: str, error: ImageDecodeError) -> None:
         if self.strict:
-            raise UserError(f"{name}: {error}. Remove or replace the file, or train without "
-                            "--strict-data to skip such files (they are counted).")
+            raise StrictDataError(f"{name}: {error}. Remove or replace the file, or train "
+                                  "without --strict-data to skip such files (they are "
+                                  "counted).")
         with self._count.get_lock():
             if self._count.value == 0:
                 self._first.value = f"{name}: {error}".encode()[:NAME_BYTES - 1]

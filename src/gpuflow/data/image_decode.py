@@ -39,8 +39,9 @@ def open_image(data: bytes) -> Image.Image:
         with warnings.catch_warnings():  # refused below, at a lower bound, as an error
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data))
-    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError,
-            SyntaxError) as exc:
+    except UnidentifiedImageError:
+        raise ImageDecodeError("not a readable image (no known image format)") from None
+    except (Image.DecompressionBombError, OSError, ValueError, SyntaxError) as exc:
         raise ImageDecodeError(f"not a readable image ({exc})") from None
     if image.width * image.height > MAX_PIXELS:
         raise ImageDecodeError(f"{image.width}x{image.height} pixels is more than the "
