@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset
 
 from gpuflow.cli import main
 from gpuflow.errors import UserError
@@ -33,9 +33,32 @@ def test_cuda_graphs_are_refused_where_they_cannot_run(
     assert message in capsys.readouterr().err
 
 
-def test_a_dataset_of_one_shape_passes_the_probe() -> None:
-    dataset = TensorDataset(torch.randn(40, 3), torch.zeros(40, dtype=torch.long))
-    cuda_graphs.check_static_shapes(dataset, torch.utils.data.default_collate, "fixed")
+class Clips(Dataset):
+    """Clips of 3 samples, but for the last ``longer`` which have 5; records what is read."""
+
+    def __init__(self, longer: int) -> None:
+        self.longer, self.read = longer, set()
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        self.read.add(index)
+        return torch.zeros(5 if index >= 40 - self.longer else 3)
+
+
+def padded(clips: list[torch.Tensor]) -> torch.Tensor:
+    return nn.utils.rnn.pad_sequence(clips, batch_first=True)  # to the batch's longest
+
+
+def test_the_probe_reads_across_the_dataset_and_passes_only_one_shape() -> None:
+    """Batches from its start to its end are collated: one shape passes, and a dataset whose
+    last clips alone are longer is refused."""
+    fixed = Clips(longer=0)
+    cuda_graphs.check_static_shapes(fixed, padded, "fixed")
+    assert {0, 39} <= fixed.read
+    with pytest.raises(UserError, match=r"workload 'tail' makes batches of different shapes"):
+        cuda_graphs.check_static_shapes(Clips(longer=2), padded, "tail")
 
 
 def test_a_batch_of_another_shape_stops_the_graphed_model() -> None:
