@@ -26,6 +26,8 @@ from gpuflow.workload import IGNORE_INDEX, Ratio, Workload
 from gpuflow.workloads.asr_codec import asr_serving
 from gpuflow.workloads.asr_decode import decode_batch, error_counts
 from gpuflow.workloads.asr_manifest import Utterance, load_splits
+from gpuflow.workloads.asr_synthetic import COUNTS as SYNTHETIC_COUNTS
+from gpuflow.workloads.asr_synthetic import SyntheticUtterances
 from gpuflow.workloads.asr_text import Vocabulary
 from gpuflow.workloads.speech_augment import WaveAugment
 
@@ -129,10 +131,11 @@ def alignable(utterances: Sequence[Utterance], vocabulary: Vocabulary, model: Co
     return kept
 
 
-def example_batch(dataset: Utterances, batch_seconds: float) -> Batch:
+def example_batch(dataset: Utterances | SyntheticUtterances, batch_seconds: float) -> Batch:
     """A batch of median padded length, as duration buckets form them."""
-    batches = sorted(bucket_batches(dataset.durations(), batch_seconds, seed=0),
-                     key=lambda b: max(dataset.durations()[i] for i in b))
+    durations = dataset.durations()
+    batches = sorted(bucket_batches(durations, batch_seconds, seed=0),
+                     key=lambda b: max(durations[i] for i in b))
     return collate_utterances([dataset[i] for i in batches[len(batches) // 2]])
 
 
@@ -144,10 +147,9 @@ def build(data_dir: str | None = None, data: str = "real", model_size: str | Non
     if size not in MODEL_SIZES:
         raise UserError(f"asr: unknown --model-size {model_size!r}; choose one of "
                         f"{', '.join(MODEL_SIZES)} (default {DEFAULT_MODEL_SIZE}).")
-    if data != "real":
-        raise UserError("asr: --data synthetic is not offered; give --data-dir with a "
-                        "manifest (scripts/connected_digits.py builds one).")
-    if data_dir is None:
+    if data not in ("real", "synthetic"):
+        raise UserError(f"asr: --data must be real or synthetic (got {data!r}).")
+    if data_dir is None and data == "real":
         raise UserError("asr reads --data-dir DIR: a manifest.jsonl (or train.jsonl and "
                         "val.jsonl), or audio files with .txt transcripts beside them. "
                         "Build one with `python scripts/connected_digits.py --out DIR`.")
@@ -156,23 +158,20 @@ def build(data_dir: str | None = None, data: str = "real", model_size: str | Non
     if budget <= 0 or longest <= 0:
         raise UserError(f"asr: --batch-seconds ({budget:g}) and --max-audio-seconds "
                         f"({longest:g}) must be positive numbers of seconds.")
-    train_utts, val_utts = load_splits(data_dir, val_speakers)
-    vocabulary = Vocabulary.from_texts(u.text for u in train_utts)
-    unheard = set().union(*(vocabulary.unknown(u.text) for u in val_utts))
-    if unheard:
-        warnings.warn(f"asr: validation transcripts hold characters no training transcript "
-                      f"has ({''.join(sorted(unheard))}); the model cannot write them",
-                      stacklevel=2)
-    model = ConformerCTC(len(vocabulary), sample_rate=SAMPLE_RATE, **MODEL_SIZES[size])
-    train = Utterances(alignable(train_utts, vocabulary, model, longest, "training"),
-                       vocabulary)
-    val_kept = sorted(alignable(val_utts, vocabulary, model, longest, "validation"),
-                      key=lambda u: u.duration)  # evaluation batches of alike lengths
+    if data == "synthetic":
+        train, val = (SyntheticUtterances(count, seed, SAMPLE_RATE)
+                      for count, seed in zip(SYNTHETIC_COUNTS, (1, 2), strict=True))
+        vocabulary = train.vocabulary
+        model = ConformerCTC(len(vocabulary), sample_rate=SAMPLE_RATE, **MODEL_SIZES[size])
+    else:
+        assert data_dir is not None
+        model, train, val = _read(data_dir, val_speakers, size, longest)
+        vocabulary = train.vocabulary
     return Workload(
         name="asr",
         model=model,
         train_dataset=train,
-        val_dataset=Utterances(val_kept, vocabulary),
+        val_dataset=val,
         loss_fn=ctc_loss,
         metrics={"wer": partial(error_metric, vocabulary, "word"),
                  "cer": partial(error_metric, vocabulary, "char")},
@@ -183,6 +182,24 @@ def build(data_dir: str | None = None, data: str = "real", model_size: str | Non
         default_epochs=DEFAULT_EPOCHS,
         batch_sampler=partial(_buckets, train.durations(), budget),
     )
+
+
+def _read(data_dir: str, val_speakers: str | None, size: str,
+          longest: float) -> tuple[ConformerCTC, Utterances, Utterances]:
+    """The model and the usable training and validation utterances of ``data_dir``."""
+    train_utts, val_utts = load_splits(data_dir, val_speakers)
+    vocabulary = Vocabulary.from_texts(u.text for u in train_utts)
+    unheard = set().union(*(vocabulary.unknown(u.text) for u in val_utts))
+    if unheard:
+        warnings.warn(f"asr: validation transcripts hold characters no training transcript "
+                      f"has ({''.join(sorted(unheard))}); the model cannot write them",
+                      stacklevel=2)
+    model = ConformerCTC(len(vocabulary), sample_rate=SAMPLE_RATE, **MODEL_SIZES[size])
+    train = Utterances(alignable(train_utts, vocabulary, model, longest, "training"),
+                       vocabulary)
+    val = sorted(alignable(val_utts, vocabulary, model, longest, "validation"),
+                 key=lambda u: u.duration)  # evaluation batches of alike lengths
+    return model, train, Utterances(val, vocabulary)
 
 
 def _buckets(durations: list[float], budget: float, seed: int, rank: int,
