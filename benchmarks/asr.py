@@ -5,9 +5,10 @@ real-time factor (audio seconds transcribed per second of wall time) on one core
 Batching: both schemes cover the same training utterances; the padding fraction is over a
 whole epoch's batches, the throughput over ``--steps`` training steps (forward, CTC,
 backward, AdamW) of the same model from the same weights, the audio read and padded before
-timing. Serving: the validation utterances in batches of up to ``--serve-batch`` clips
-grouped by padded length, as the server groups them, through the transcription codec
-(greedy decoding and word timings included), one torch thread. With ``--run`` the trained
+timing, the two schemes' steps taken in turn. Serving: the validation utterances in
+batches of up to ``--serve-batch`` clips grouped by padded length, as the server groups
+them, through the transcription codec (greedy decoding and word timings included), one
+torch thread. With ``--run`` the trained
 weights of that run are used; without, fresh ones (the compute is the same).
 
     python scripts/connected_digits.py --recordings ../shared/data/fsdd/recordings --out DIR
@@ -17,6 +18,7 @@ weights of that run are used; without, fresh ones (the compute is the same).
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import time
 import warnings
@@ -25,7 +27,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from _common import default_result_path, machine_info, package_version, provenance, write_json
+from _common import (
+    ForeignLoad,
+    default_result_path,
+    machine_info,
+    package_version,
+    provenance,
+    write_json,
+)
 
 from gpuflow.data.duration_buckets import bucket_batches, padding_fraction
 from gpuflow.serving import length_bucket
@@ -40,46 +49,60 @@ def random_batches(count: int, mean_size: float, seed: int) -> list[list[int]]:
     return [order[a:b] for a, b in zip(cuts, [*cuts[1:], count], strict=False) if b > a]
 
 
-def time_steps(workload: Workload, batches: list[list[int]], steps: int,
-               state: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Training steps over the first ``steps`` batches, from the weights ``state``."""
-    model, dataset = workload.model, workload.train_dataset
-    model.load_state_dict(state)
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loaded = [workload.collate([dataset[i] for i in batch]) for batch in batches[:steps + 1]]
-    audio = chars = padded = 0.0
-    elapsed = 0.0
-    for number, ((waves, lengths), target) in enumerate(loaded):
+class Scheme:
+    """One batching scheme's training steps: its own copy of the model and optimizer, and
+    its batches read and padded ahead of timing."""
+
+    def __init__(self, workload: Workload, batches: list[list[int]], steps: int) -> None:
+        self.model = copy.deepcopy(workload.model).train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.loss_fn = workload.loss_fn
+        dataset = workload.train_dataset
+        self.loaded = [workload.collate([dataset[i] for i in batch])
+                       for batch in batches[:steps + 1]]
+        self.audio = self.chars = self.padded = self.wall = 0.0
+
+    def step(self, number: int) -> None:
+        """Step ``number``; the first warms up the allocator and kernels, untimed."""
+        (waves, lengths), target = self.loaded[number]
         start = time.perf_counter()
-        loss = workload.loss_fn(model(waves, lengths), target)
-        optimizer.zero_grad()
+        loss = self.loss_fn(self.model(waves, lengths), target)
+        self.optimizer.zero_grad()
         loss.backward()
-        optimizer.step()
+        self.optimizer.step()
         if number == 0:
-            continue  # the first step warms up the allocator and kernels
-        elapsed += time.perf_counter() - start
-        audio += float(lengths.sum()) / 16000
-        padded += waves.numel() / 16000
-        chars += float((target >= 0).sum())
-    return {"steps": len(loaded) - 1, "wall_s": elapsed, "audio_s_per_s": audio / elapsed,
-            "chars_per_s": chars / elapsed, "step_padding_fraction": 1 - audio / padded}
+            return
+        self.wall += time.perf_counter() - start
+        self.audio += float(lengths.sum()) / 16000
+        self.padded += waves.numel() / 16000
+        self.chars += float((target >= 0).sum())
+
+    def figures(self) -> dict[str, float]:
+        return {"steps": len(self.loaded) - 1, "wall_s": self.wall,
+                "audio_s_per_s": self.audio / self.wall, "chars_per_s": self.chars / self.wall,
+                "step_padding_fraction": 1 - self.audio / self.padded}
 
 
 def batching(workload: Workload, batch_seconds: float, steps: int,
              seed: int) -> dict[str, Any]:
+    """Both schemes from the same weights, their steps interleaved so that a change in the
+    machine's load falls on both alike."""
     durations = workload.train_dataset.durations()  # type: ignore[attr-defined]
     buckets = bucket_batches(durations, batch_seconds, seed)
     mean = len(durations) / len(buckets)
-    shuffled = random_batches(len(durations), mean, seed)
     order = np.random.default_rng([seed, 1]).permutation(len(buckets)).tolist()
-    state = {k: v.clone() for k, v in workload.model.state_dict().items()}
-    result: dict[str, Any] = {"mean_batch_utterances": mean, "batches": len(buckets)}
-    for name, batches in (("duration_buckets", [buckets[i] for i in order]),
-                          ("random", shuffled)):
-        print(f"batching: {name} ...", flush=True)
-        result[name] = {"epoch_padding_fraction": padding_fraction(durations, batches),
-                        **time_steps(workload, batches, steps, state)}
+    plans = {"duration_buckets": [buckets[i] for i in order],
+             "random": random_batches(len(durations), mean, seed)}
+    schemes = {name: Scheme(workload, batches, steps) for name, batches in plans.items()}
+    load = ForeignLoad()
+    for number in range(steps + 1):
+        for scheme in schemes.values():
+            scheme.step(number)
+    result: dict[str, Any] = {"mean_batch_utterances": mean, "batches": len(buckets),
+                              "foreign_cpu_share": load.share()}
+    for name, scheme in schemes.items():
+        result[name] = {"epoch_padding_fraction": padding_fraction(durations, plans[name]),
+                        **scheme.figures()}
     result["throughput_gain"] = (result["duration_buckets"]["audio_s_per_s"]
                                  / result["random"]["audio_s_per_s"])
     return result
@@ -98,6 +121,7 @@ def serving(workload: Workload, serve_batch: int) -> dict[str, Any]:
     for clip in clips:
         groups.setdefault(length_bucket(len(clip), codec.SHORTEST, codec.longest), []).append(clip)
     codec.run(model, ("audio", codec.SHORTEST), [clips[0][: codec.SHORTEST]])  # warm-up
+    load = ForeignLoad()
     start = time.perf_counter()
     for padded, rows in groups.items():
         for i in range(0, len(rows), serve_batch):
@@ -105,7 +129,8 @@ def serving(workload: Workload, serve_batch: int) -> dict[str, Any]:
     wall = time.perf_counter() - start
     audio = sum(len(c) for c in clips) / codec.sample_rate
     return {"utterances": len(clips), "audio_s": audio, "wall_s": wall,
-            "inverse_real_time_factor": audio / wall, "threads": 1, "max_batch": serve_batch}
+            "inverse_real_time_factor": audio / wall, "threads": 1, "max_batch": serve_batch,
+            "foreign_cpu_share": load.share()}
 
 
 def main() -> int:
