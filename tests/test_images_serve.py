@@ -17,6 +17,7 @@ from gpuflow.config import TrainConfig
 from gpuflow.serve.app import ServeSettings, create_app
 from gpuflow.train.trainer import seed_everything, train
 from gpuflow.workloads import images
+from gpuflow.workloads.packing import pack
 
 pytest_plugins = ("image_trees",)  # the photo_tree fixture
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -90,3 +91,16 @@ def test_gpuflow_predict_names_classes_and_reports_unreadable_files(
         (prediction,) = lines[name]["predictions"]
         assert prediction["label"] in CLASSES and len(prediction["top"]) == 2
     assert "not a readable" in lines["c.png"]["error"]
+
+
+def test_gpuflow_predict_reads_a_packed_set_of_encoded_files(
+        images_run: Path, photo_tree: Path, tmp_path: Path) -> None:
+    pack("images", photo_tree, tmp_path / "packed", progress=False)
+    out = tmp_path / "out.jsonl"
+    assert main(["predict", str(images_run), str(tmp_path / "packed"), "--out", str(out),
+                 "--device", "cpu", "--num-workers", "0", "--no-progress"]) == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(lines) == len(list(photo_tree.rglob("*.*")))
+    for line in lines:
+        (prediction,) = line["predictions"]
+        assert prediction["label"] in CLASSES and line["target"] in (0, 1)

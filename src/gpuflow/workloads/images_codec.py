@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpuflow.data.image_batches import as_encoded
 from gpuflow.data.image_decode import ImageDecodeError, centre_crop, decode_crop
 from gpuflow.serving import (
     Decoded,
@@ -55,6 +56,13 @@ class ColourImageCodec(TensorCodec):
 
     def _decode_path(self, path: Path, defaults: dict[str, Any]) -> Decoded:
         return self._decode_bytes(path.read_bytes())
+
+    def from_sample(self, inputs: Any, defaults: dict[str, Any]) -> Decoded:
+        """A packed set's sample: a file's name and bytes (``gpuflow data pack --workload
+        images``), decoded as a request's image is; else pixels as the model takes them."""
+        if isinstance(inputs, tuple | list) and len(inputs) == 2:
+            return self._decode_bytes(as_encoded(inputs)[1])  # type: ignore[arg-type]
+        return super().from_sample(inputs, defaults)
 
     def format(self, output: Any, request: PredictRequest) -> dict[str, Any]:
         return top_labels(output, self.classes, request.top_k)
