@@ -3,12 +3,14 @@
 Class ``china`` holds crops of ``china.jpg``, class ``flower`` crops of ``flower.jpg``: real
 photographs, told apart easily enough that a tiny network overfits them in a few steps.
 Files come in every format and mode the workload reads (JPEG with EXIF orientation, CMYK
-JPEG, palette PNG, greyscale PNG, RGBA WebP).
+JPEG, palette PNG, greyscale PNG, RGBA WebP); ``bomb_png`` makes a decompression bomb.
 """
 
 from __future__ import annotations
 
 import io
+import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +55,16 @@ def write_photo_tree(root: Path, per_class: int = PER_CLASS, seed: int = 0) -> P
             fmt, suffix, mode = FORMATS[number % len(FORMATS)]
             (root / name / f"{number:03d}{suffix}").write_bytes(encode(crop, fmt, mode))
     return root
+
+
+def bomb_png(width: int, height: int) -> bytes:
+    """A PNG header declaring ``width`` x ``height`` pixels, with almost no data."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return (struct.pack(">I", len(body)) + kind + body
+                + struct.pack(">I", zlib.crc32(kind + body)))
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
+            + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
 
 
 @pytest.fixture(scope="session")

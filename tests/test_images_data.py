@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import io
 import re
-import struct
-import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from image_trees import encode, photo
+from image_trees import bomb_png, encode, photo
 from PIL import Image
 
 from gpuflow.data.augment import EpochKeys
@@ -78,16 +76,6 @@ def test_exif_orientation_and_every_mode_become_upright_rgb() -> None:
         assert pixels.shape == (24, 24, 3) and pixels.dtype == np.uint8, (fmt, mode)
     assert decode_crop(encode(upright, "PNG", "RGB"), centre_crop, 24, mode="L").shape == \
         (24, 24, 1)
-
-
-def bomb_png(width: int, height: int) -> bytes:
-    """A PNG header declaring ``width`` x ``height`` pixels, with almost no data."""
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return (struct.pack(">I", len(body)) + kind + body
-                + struct.pack(">I", zlib.crc32(kind + body)))
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
-            + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
 
 
 def test_unreadable_bytes_raise_decode_errors() -> None:

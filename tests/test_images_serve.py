@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import api_error, serving
-from image_trees import encode, photo
-from test_images_data import bomb_png
+from image_trees import bomb_png, encode, photo
 
 from gpuflow.cli import main
 from gpuflow.config import TrainConfig
