@@ -12,6 +12,7 @@ from PIL import Image
 
 from gpuflow.data.image_batches import as_encoded
 from gpuflow.data.image_sources import scan
+from gpuflow.data.loader import train_batches
 from gpuflow.errors import UserError
 from gpuflow.workloads import images
 from gpuflow.workloads.packing import pack
@@ -56,16 +57,24 @@ def test_every_rank_gets_as_many_batches_and_no_sample_twice(packed: Path) -> No
     assert len(seen) == len(set(seen)) == per_epoch * 4 * 2
 
 
-def test_packed_batches_decode_to_uint8_crops(packed: Path) -> None:
-    from gpuflow.data.loader import train_batches
-
+def test_packed_batches_are_uint8_crops_that_resume_whatever_the_workers(
+        packed: Path) -> None:
     workload = images.build(str(packed), model_size="resnet18,width=8", image_size=16)
-    stream = iter(train_batches(workload.train_dataset, 8, workload.collate, seed=0,
-                                start_batch=0, num_workers=0, pin_memory=False,
-                                augment=workload.augment))
-    pixels, labels = next(stream)
+    per_epoch = len(workload.train_dataset) // 8
+
+    def batches(start: int, workers: int, count: int) -> list[tuple[torch.Tensor, ...]]:
+        stream = iter(train_batches(workload.train_dataset, 8, workload.collate, seed=0,
+                                    start_batch=start, num_workers=workers,
+                                    pin_memory=False, augment=workload.augment))
+        return [next(stream) for _ in range(count)]
+
+    whole = batches(0, 0, per_epoch + 1)
+    pixels, labels = whole[0]
     assert pixels.dtype == torch.uint8 and pixels.shape == (8, 16, 16, 3)
     assert labels.dtype == torch.int64
+    for (a_x, a_y), (b_x, b_y) in zip(whole[per_epoch - 1:], batches(per_epoch - 1, 2, 2),
+                                      strict=True):
+        assert torch.equal(a_x, b_x) and torch.equal(a_y, b_y)
 
 
 def test_max_side_is_an_images_option_only(tmp_path: Path) -> None:
