@@ -91,3 +91,13 @@ def test_fashion_mnist_jpeg_folders_reach_an_accuracy_floor(tmp_path: Path) -> N
                                     save_checkpoints=False))
     # Chance is 10%; 60 steps on 480 photos with RandomResizedCrop give about 40%.
     assert result.final_metrics["val_accuracy"] >= FASHION_FLOOR, result.final_metrics
+
+
+def test_resnets_have_the_published_sizes_and_declare_their_blocks(photo_tree: Path) -> None:
+    from gpuflow.models.resnet import ResNet
+
+    # torchvision's resnet18 and resnet50 (ImageNet, 1,000 classes) hold exactly these.
+    assert sum(p.numel() for p in ResNet("resnet18").parameters()) == 11_689_512
+    assert sum(p.numel() for p in ResNet("resnet50").parameters()) == 25_557_032
+    workload = images.build(str(photo_tree), **TINY)
+    assert len(workload.blocks()) == 8  # resnet18: 2 + 2 + 2 + 2 residual blocks

@@ -8,6 +8,8 @@ no max-pool), as 32x32 images want; larger ones the ImageNet stem (7x7 stride 2,
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 from torch import nn
 
@@ -23,7 +25,7 @@ def _norm(channels: int, zero: bool = False) -> nn.BatchNorm2d:
     return norm
 
 
-class _Block(nn.Module):
+class _Block(nn.Module, ABC):
     """The residual sum and the projection shortcut both block types share."""
 
     def __init__(self, inputs: int, outputs: int, stride: int) -> None:
@@ -32,8 +34,9 @@ class _Block(nn.Module):
                          nn.Sequential(nn.Conv2d(inputs, outputs, 1, stride, bias=False),
                                        _norm(outputs)))
 
+    @abstractmethod
     def residual(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """The block's own path, added to the shortcut."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.relu(self.residual(x) + self.shortcut(x))
