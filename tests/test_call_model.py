@@ -73,3 +73,16 @@ def test_serving_calls_a_user_dict_as_keywords() -> None:
                                                         scale=torch.ones(2, 1)))
     assert model.calls == ["keywords"]
     torch.testing.assert_close(outputs, model.linear(features), rtol=0, atol=0)
+
+
+def test_the_loader_and_the_pipeline_read_a_user_dict_as_a_mapping() -> None:
+    """The device copy keeps every tensor of a mapping batch (on a GPU the tensors of a
+    ``BatchEncoding`` must move), and pipelined stages take its entries as keywords."""
+    from gpuflow.data.prefetch import move_to_device
+    from gpuflow.parallel.pipeline import _as_call
+
+    x = torch.arange(3)
+    moved = move_to_device(Encoding(ids=x, mask=x > 0), torch.device("meta"))
+    assert {key: value.device.type for key, value in moved.items()} == {"ids": "meta",
+                                                                        "mask": "meta"}
+    assert _as_call(Encoding(ids=x)) == ((), {"ids": x})

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -69,12 +69,13 @@ class BackgroundLoader:
 
 
 def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
-    """Recursively move tensors in tuples, lists and dicts."""
+    """Recursively move tensors in tuples, lists and mappings (a ``BatchEncoding`` too,
+    which arrives as a plain dict: models are called with any mapping as keywords)."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=non_blocking)
     if isinstance(batch, tuple | list):
         return type(batch)(move_to_device(item, device, non_blocking) for item in batch)
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         return {key: move_to_device(value, device, non_blocking) for key, value in batch.items()}
     return batch
 
@@ -85,7 +86,7 @@ def _record_stream(batch: Any, stream: torch.cuda.Stream) -> None:
     elif isinstance(batch, tuple | list):
         for item in batch:
             _record_stream(item, stream)
-    elif isinstance(batch, dict):
+    elif isinstance(batch, Mapping):
         for item in batch.values():
             _record_stream(item, stream)
 

@@ -17,7 +17,7 @@ full state as any other strategy.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -56,7 +56,8 @@ def _sample_shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[
 
 
 def _as_call(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if isinstance(inputs, dict):
+    """A batch's inputs as arguments, by ``gpuflow.workload.call_model``'s rule."""
+    if isinstance(inputs, Mapping):
         return (), dict(inputs)
     if isinstance(inputs, tuple | list):
         return tuple(inputs), {}
