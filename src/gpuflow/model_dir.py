@@ -149,6 +149,24 @@ class ModelDirectory:
         return model.eval()
 
 
+def load_hf_tokenizer(path: Path) -> Any:
+    """The ``transformers`` tokenizer saved in directory ``path``, from local files only and
+    without running code from the directory (serving wraps it; packing and fine-tuning read
+    its vocabulary and special tokens)."""
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise UserError(f"{path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+                        "save the model's tokenizer beside its weights.")
+    _refuse_remote_code(path, {})
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True,
+                                             trust_remote_code=False)
+    # A broken or foreign tokenizer fails in many ways; each is the user's to fix.
+    except (OSError, ValueError, KeyError, TypeError, ImportError, AttributeError) as error:
+        raise UserError(f"cannot load the tokenizer in {path}: {error}") from error
+
+
 def _refuse_remote_code(path: Path, config: dict[str, Any]) -> None:
     """A directory whose classes live in its own Python files: gpuflow runs no such code."""
     tokenizer_config = path / "tokenizer_config.json"

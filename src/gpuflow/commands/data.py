@@ -26,6 +26,15 @@ def register(commands: Any) -> None:
                       help="target size of each shard in MiB (default 64)")
     pack.add_argument("--max-side", type=int, metavar="PX",
                       help="images: re-encode photos larger than PX on their longer side")
+    pack.add_argument("--tokenizer", metavar="DIR",
+                      help="textlm: tokenize the text (.txt/.md/.rst files, .jsonl lines) with "
+                           "the tokenizer of model directory DIR, into uint16/uint32 tokens "
+                           "with its EOS id after each document")
+    pack.add_argument("--text-field", metavar="NAME",
+                      help="with --tokenizer: the field of each .jsonl line holding its text "
+                           "(default: text)")
+    pack.add_argument("--workers", type=int, metavar="N",
+                      help="with --tokenizer: tokenizer processes (default: one per core)")
     pack.add_argument("--force", action="store_true",
                       help="pack again over a finished set in --out")
     pack.add_argument("--no-progress", dest="progress", action="store_false",
@@ -44,7 +53,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         raise UserError("--shard-size-mb must be positive.")
     progress = ("off" if not args.progress else "bar" if sys.stderr.isatty() else "lines")
     manifest = pack(args.workload, args.src, args.out, shard_mb=shard_mb,
-                    force=args.force, progress=progress, max_side=args.max_side)
+                    force=args.force, progress=progress, max_side=args.max_side,
+                    tokenizer=args.tokenizer, text_field=args.text_field, workers=args.workers)
     counts = ", ".join(f"{name} {manifest.count(name):,} "
                        f"{'tokens' if manifest.kind == 'tokens' else 'samples'} in "
                        f"{len(shards)} shard(s)" for name, shards in manifest.splits.items())

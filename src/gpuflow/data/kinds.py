@@ -106,7 +106,7 @@ class TokenWindows(Kind[TokenShard, np.ndarray]):
     def from_manifest(cls, manifest: Manifest, seq_len: int | None) -> TokenWindows:
         if seq_len is None:
             raise ValueError("token sets need a sequence length")
-        return cls(seq_len)
+        return cls(seq_len, np.dtype(manifest.token_dtype).newbyteorder("<"))
 
     def samples(self, shard: ShardInfo) -> int:
         return max(0, (shard.count - 1) // self.seq_len)

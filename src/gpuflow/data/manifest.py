@@ -2,7 +2,8 @@
 
 A packed set is a folder::
 
-    manifest.json          format, workload, kind, per-split shard list (file, bytes, sha256, count)
+    manifest.json          format, workload, kind, token width, per-split shard list (file,
+                           bytes, sha256, count)
     train-00000.rec ...    the shards, in the format of the set's kind (``gpuflow.data.kinds``)
     val-00000.*            the validation split, same layout
     example.rec            one record: the workload's example batch (record sets only)
@@ -10,6 +11,9 @@ A packed set is a folder::
 The manifest is written last, so a folder with one is a finished set. Readers check each
 shard's size when a set is opened and its SHA-256 the first time a process opens the shard,
 so a corrupt shard is named before any of its data is used.
+
+Format version 2 added ``token_dtype``, the width of a token set's tokens (uint8 bytes,
+uint16 or uint32 ids of a tokenizer); a version 1 manifest has none and reads as uint8.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ if TYPE_CHECKING:
     from gpuflow.data.record_codec import RecordLayout
 
 FORMAT = "gpuflow-shards"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 EXAMPLE_FILE = "example.rec"
 PACK_STATE = ".pack-state.json"  # an unfinished pack's progress; gone once finished
@@ -55,6 +59,7 @@ class Manifest:
     meta: dict[str, Any] = field(default_factory=dict)
     source: str | None = None
     shard_bytes: int = 0
+    token_dtype: str = "uint8"
 
     def count(self, split: str) -> int:
         return sum(shard.count for shard in self.splits[split])
@@ -74,6 +79,7 @@ class Manifest:
             example_layout=data.get("example_layout"),
             meta=data.get("meta", {}), source=data.get("source"),
             shard_bytes=data.get("shard_bytes", 0),
+            token_dtype=data.get("token_dtype", "uint8"),
         )
 
 

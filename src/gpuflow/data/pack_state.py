@@ -39,13 +39,18 @@ class LabelTally:
 
 
 class PackState:
-    """The shards finished so far, saved after each one, and the settings they belong to."""
+    """The shards finished so far, saved after each one, and the settings they belong to.
+
+    A source that cannot tell from token counts where its input stands (a tokenizer's
+    output has no fixed length) records with each shard a ``cursor``: how far into its
+    input the shard ends, which ``cursor`` gives back after the kept shards."""
 
     def __init__(self, out: Path, settings: dict[str, Any]) -> None:
         self.path = out / PACK_STATE
         self.settings = settings
         self.splits: dict[str, list[ShardInfo]] = {}
         self.labels = LabelTally()
+        self.cursors: dict[str, list[int]] = {}
 
     @classmethod
     def resume(cls, out: Path, settings: dict[str, Any]) -> PackState:
@@ -60,6 +65,7 @@ class PackState:
                 f"({saved['settings']}). Rerun with those, or add --force to start over."
             )
         state.labels = LabelTally(saved.get("labels_top", -1))
+        saved_cursors = saved.get("cursors", {})
         for split, shards in saved["splits"].items():
             kept = state.splits.setdefault(split, [])
             for shard in map(lambda s: ShardInfo(**s), shards):
@@ -68,6 +74,8 @@ class PackState:
                         or sha256_file(path) != shard.sha256):
                     break
                 kept.append(shard)
+            if split in saved_cursors:
+                state.cursors[split] = saved_cursors[split][:len(kept)]
         return state
 
     def done(self, split: str) -> tuple[int, int]:
@@ -75,10 +83,17 @@ class PackState:
         shards = self.splits.get(split, [])
         return sum(shard.count for shard in shards), len(shards)
 
-    def record(self, split: str, shard: ShardInfo) -> None:
+    def cursor(self, split: str) -> int:
+        """Where the input of ``split`` stands after its kept shards (0: at the start)."""
+        return (self.cursors.get(split) or [0])[-1]
+
+    def record(self, split: str, shard: ShardInfo, cursor: int | None = None) -> None:
         self.splits.setdefault(split, []).append(shard)
+        if cursor is not None:
+            self.cursors.setdefault(split, []).append(cursor)
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text(json.dumps({"settings": self.settings, "labels_top": self.labels.top,
+                                   "cursors": self.cursors,
                                    "splits": {name: [asdict(s) for s in shards]
                                               for name, shards in self.splits.items()}}))
         os.replace(tmp, self.path)

@@ -52,11 +52,19 @@ def workload_source(workload: str, src: str | None,
 
 def pack(workload: str, src: str | Path | None, out: str | Path,
          shard_mb: float = DEFAULT_SHARD_MB, force: bool = False,
-         progress: bool | Mode = True, max_side: int | None = None) -> Manifest:
+         progress: bool | Mode = True, max_side: int | None = None,
+         tokenizer: str | Path | None = None, text_field: str | None = None,
+         workers: int | None = None) -> Manifest:
     """Pack ``workload``'s data from ``src`` (its raw --data-dir; None: its default) into
     ``out``, continuing an interrupted pack of the same settings. ``progress``: a live bar
     (True or "bar"), a line per shard ("lines"), or nothing (False or "off"). ``max_side``
-    (images): re-encode larger photos to that many pixels on their longer side."""
-    options = {} if max_side is None else {"max_side": max_side}
-    return write_pack(workload, src, out, partial(workload_source, options=options),
+    (images): re-encode larger photos to that many pixels on their longer side.
+    ``tokenizer`` (textlm): a model directory whose tokenizer turns the text (files, or the
+    ``text_field`` of JSONL lines) into token ids, in ``workers`` processes (default: one
+    per core; the set does not depend on it)."""
+    given = {"max_side": max_side, "text_field": text_field,
+             "tokenizer": None if tokenizer is None else str(Path(tokenizer).resolve())}
+    options = {name: value for name, value in given.items() if value is not None}
+    source_options = options if workers is None else {**options, "workers": workers}
+    return write_pack(workload, src, out, partial(workload_source, options=source_options),
                       shard_mb=shard_mb, force=force, progress=progress, options=options)

@@ -29,6 +29,7 @@ from gpuflow.workloads.text_codec import text_serving
 
 if TYPE_CHECKING:
     from gpuflow.data.pack_sources import TokenSource
+    from gpuflow.data.tokenize_pack import TokenizedSource
 
 VOCAB_SIZE = 256
 EXAMPLE_ITEMS = 4
@@ -115,9 +116,19 @@ def bits_per_byte(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return lm_loss(logits, target) / math.log(2)
 
 
-def pack_source(data_dir: str | None) -> TokenSource:
-    """The split training reads, as spans of the files, for ``gpuflow data pack``: packed as
-    byte tokens a chunk at a time, never held in memory."""
+def pack_source(data_dir: str | None, tokenizer: str | None = None,
+                text_field: str | None = None,
+                workers: int | None = None) -> TokenSource | TokenizedSource:
+    """The split training reads, for ``gpuflow data pack``: as spans of the files packed as
+    byte tokens a chunk at a time, or, with a ``tokenizer`` directory, documents (files,
+    or JSONL lines' ``text_field``) tokenized by ``workers`` processes."""
+    if tokenizer is not None:
+        from gpuflow.workloads.text_tokens import tokenized_source
+
+        return tokenized_source("textlm", data_dir, tokenizer, text_field, workers)
+    if text_field is not None or workers is not None:
+        raise UserError("--text-field and --workers apply to packing under a tokenizer: add "
+                        "--tokenizer DIR (a model directory), or drop them.")
     from gpuflow.data.pack_sources import TokenSource
     from gpuflow.data.text import split_spans
 

@@ -23,8 +23,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from gpuflow.errors import UserError
-from gpuflow.model_dir import TOKENIZER_FILES
+from gpuflow.model_dir import load_hf_tokenizer
 
 CONTEXT = 5  # prompt tokens decoded before the first generated one
 MAX_HOLD = 16  # tokens held back at most: more are no one character but invalid bytes
@@ -265,15 +264,4 @@ def _piece_reader(tokenizer: Any) -> Callable[[str], bytes]:
 def load_tokenizer(path: Path) -> HFTokenizer:
     """The tokenizer saved in model directory ``path``, from local files only and without
     running code from the directory."""
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
-        raise UserError(f"{path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
-                        "save the model's tokenizer beside its weights.")
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True,
-                                                  trust_remote_code=False)
-    # A broken or foreign tokenizer fails in many ways; each is the user's to fix.
-    except (OSError, ValueError, KeyError, TypeError, ImportError, AttributeError) as error:
-        raise UserError(f"cannot load the tokenizer in {path}: {error}") from error
-    return HFTokenizer(tokenizer)
+    return HFTokenizer(load_hf_tokenizer(path))
