@@ -22,6 +22,7 @@ import copy
 import sys
 import time
 import warnings
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,6 @@ from _common import (
 )
 
 from gpuflow.data.duration_buckets import bucket_batches, padding_fraction
-from gpuflow.serving import length_bucket
 from gpuflow.workload import Workload, resolve_workload
 from gpuflow.workloads.asr_codec import TranscriptionCodec
 
@@ -116,16 +116,19 @@ def serving(workload: Workload, serve_batch: int) -> dict[str, Any]:
     state = dict(workload.serving.state)  # type: ignore[union-attr]
     codec = workload.serving.codec(model, state)  # type: ignore[union-attr]
     assert isinstance(codec, TranscriptionCodec)
-    clips = [workload.val_dataset[i][0][0] for i in range(len(workload.val_dataset))]  # type: ignore[arg-type]
-    groups: dict[int, list[torch.Tensor]] = {}
+    val = workload.val_dataset
+    clips = [val[i][0][0] for i in range(len(val))]  # type: ignore[arg-type]
+    groups: dict[Hashable, list[Any]] = {}
     for clip in clips:
-        groups.setdefault(length_bucket(len(clip), codec.SHORTEST, codec.longest), []).append(clip)
-    codec.run(model, ("audio", codec.SHORTEST), [clips[0][: codec.SHORTEST]])  # warm-up
+        decoded = codec.clips([clip])
+        groups.setdefault(decoded.key, []).extend(decoded.rows)
+    key, row = codec.warmup_rows()[0]
+    codec.run(model, key, [row])  # warm-up
     load = ForeignLoad()
     start = time.perf_counter()
-    for padded, rows in groups.items():
+    for key, rows in groups.items():
         for i in range(0, len(rows), serve_batch):
-            codec.run(model, ("audio", padded), rows[i:i + serve_batch])
+            codec.run(model, key, rows[i:i + serve_batch])
     wall = time.perf_counter() - start
     audio = sum(len(c) for c in clips) / codec.sample_rate
     return {"utterances": len(clips), "audio_s": audio, "wall_s": wall,

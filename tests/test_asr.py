@@ -18,7 +18,7 @@ from gpuflow.data.duration_buckets import DurationBuckets, bucket_batches, paddi
 from gpuflow.errors import UserError
 from gpuflow.workload import IGNORE_INDEX
 from gpuflow.workloads.asr import collate_utterances, ctc_frames_needed, ctc_loss
-from gpuflow.workloads.asr_codec import word_timings
+from gpuflow.workloads.asr_codec import TranscriptionCodec, chunk_starts, join, word_timings
 from gpuflow.workloads.asr_decode import Lexicon, beam_search, error_counts, error_rate, greedy
 from gpuflow.workloads.asr_manifest import load_splits, read_manifest
 from gpuflow.workloads.asr_text import Vocabulary, normalise
@@ -215,3 +215,25 @@ def test_word_timings_follow_the_alignment() -> None:
     lexicon = Lexicon(["one"], vocabulary)
     assert lexicon.complete(tuple(vocabulary.encode("one one")))
     assert not lexicon.allows(tuple(vocabulary.encode("on")), space)
+
+
+def test_long_audio_is_cut_in_its_pauses_and_joined_with_its_timings() -> None:
+    rate = 100
+    speech = torch.ones(300)
+    wave = torch.cat([speech, torch.zeros(40), speech, torch.zeros(40), speech])
+    starts = chunk_starts(wave, 400, rate)
+    assert starts[0] == 0 and all(b - a <= 400 for a, b in
+                                  zip(starts, [*starts[1:], len(wave)], strict=True))
+    assert all(wave[s] == 0 for s in starts[1:])  # cut in the silences
+    codec = TranscriptionCodec(Vocabulary.from_texts(["one"]), rate, max_seconds=4.0)
+    decoded = codec.clips([wave])
+    assert [round(offset, 2) for _, offset in decoded.rows] == [s / rate for s in starts]
+    assert decoded.key == ("audio", 400)
+    parts = [{"text": "one", "duration": 3.2, "words": [{"word": "one", "start": 0.1,
+                                                          "end": 0.5}]},
+             {"text": "", "duration": 3.4, "words": []},
+             {"text": "one", "duration": 3.2, "words": [{"word": "one", "start": 7.0,
+                                                          "end": 7.4}]}]
+    joined = join(parts)
+    assert joined["text"] == "one one" and joined["duration"] == pytest.approx(9.8)
+    assert [w["start"] for w in joined["words"]] == [0.1, 7.0]

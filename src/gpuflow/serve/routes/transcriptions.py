@@ -1,6 +1,6 @@
 """``POST /v1/audio/transcriptions``: OpenAI's speech-to-text API over a model whose codec
-transcribes audio (it reads audio bytes: ``codec.read``), batched by length with every
-other request.
+transcribes audio (it reads audio bytes, ``codec.read``, into chunks whose transcripts
+``codec.join`` puts together), batched by length with every other request.
 
 The multipart form takes ``file`` (WAV, FLAC, Ogg or MP3), ``model``, ``language``,
 ``prompt``, ``temperature`` and ``timestamp_granularities[]`` (accepted; greedy CTC decoding
@@ -35,7 +35,7 @@ router = APIRouter()
 async def transcribe(request: Request) -> Response:
     state = ServerState.of(request)
     codec = state.ready_engine().codec
-    if not callable(getattr(codec, "read", None)):
+    if not callable(getattr(codec, "read", None)) or not callable(getattr(codec, "join", None)):
         raise ApiError(400, "This model does not transcribe audio: its run's workload has "
                        "no transcription codec. Serve a run of the asr workload.",
                        "model_not_transcriber", "model")
@@ -50,7 +50,7 @@ async def transcribe(request: Request) -> Response:
     result = await outcome(request, state, submitted, timeout_ms)
     if isinstance(result, Response):
         return result
-    output = result.outputs[0]
+    output = codec.join(result.outputs)
     if response_format == "text":
         return PlainTextResponse(output["text"])
     if response_format == "json":
