@@ -155,3 +155,16 @@ def hf_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Mod
                    TrainConfig(max_steps=2, batch_size=8, progress=False, eval_every=0,
                                run_dir=str(run_dir), workload="user_workloads.hf_models:gpt2"))
     return run_dir, result.model.eval()
+
+
+@pytest.fixture(scope="session")
+def short_digits_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """digits trained 12 steps by the CLI, as a user would (windows of 3 steps, evaluations
+    at 6 and 12, one checkpoint at the end), once per session: its run dir and what
+    `gpuflow train` printed. The serving and report tests read it; none writes into it
+    but the report's page."""
+    run_dir = tmp_path_factory.mktemp("digits") / "digits-run"
+    result = run_cli("train", "--workload", "digits", "--max-steps", "12", "--log-every", "3",
+                     "--eval-every", "6", "--no-progress", "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr
+    return run_dir, result.stdout

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import run_cli
 
 from gpuflow.cli import main as gpuflow_main
 from gpuflow.errors import UserError
@@ -224,21 +223,11 @@ def test_a_folder_that_is_not_a_run_dir_is_a_user_error(tmp_path: Path) -> None:
     assert stderr == f"gpuflow: error: {tmp_path} is not a gpuflow run dir (no metrics.jsonl).\n"
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """One real short training run, and what `gpuflow train` printed."""
-    run_dir = tmp_path_factory.mktemp("report") / "digits-run"
-    result = run_cli("train", "--workload", "digits", "--max-steps", "12", "--log-every", "3",
-                     "--eval-every", "6", "--no-progress", "--run-dir", str(run_dir))
-    assert result.returncode == 0, result.stderr
-    return run_dir, result.stdout
-
-
-def test_train_summary_ends_with_the_top_bottleneck(trained: tuple[Path, str]) -> None:
+def test_train_summary_ends_with_the_top_bottleneck(short_digits_run: tuple[Path, str]) -> None:
     """The printed line names a bottleneck and the share of the step behind it, which is
     worked out here from the run's recorded medians (what a one-process CPU run of digits
     can be diagnosed with: a memory finding needs a known capacity)."""
-    run_dir, stdout = trained
+    run_dir, stdout = short_digits_run
     tail = stdout[stdout.index("run dir"):]
     median = json.loads((run_dir / "summary.json").read_text())["median"]
 
@@ -259,20 +248,21 @@ def test_train_summary_ends_with_the_top_bottleneck(trained: tuple[Path, str]) -
 
 
 @pytest.fixture(scope="module")
-def comparison(trained: tuple[Path, str], tmp_path_factory: pytest.TempPathFactory) -> Path:
+def comparison(short_digits_run: tuple[Path, str],
+               tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`gpuflow report A B` over the real run and a synthetic input-bound one without MFU."""
     other = write_run(tmp_path_factory.mktemp("other") / "slow-input", regions(data=12.0),
                       mfu=None, peak_flops=None, peak_flops_source="unknown device")
     out = other.parent / "compare.html"
-    code, stdout, stderr = report_cli(str(trained[0]), str(other), "--out", str(out))
+    code, stdout, stderr = report_cli(str(short_digits_run[0]), str(other), "--out", str(out))
     assert code == 0, stderr
     assert f"report written to {out}" in stdout
     assert "bottleneck: input-bound" in stdout
     return out
 
 
-def test_report_of_one_run_has_every_section(trained: tuple[Path, str]) -> None:
-    run_dir, _ = trained
+def test_report_of_one_run_has_every_section(short_digits_run: tuple[Path, str]) -> None:
+    run_dir, _ = short_digits_run
     code, _, stderr = report_cli(str(run_dir))
     assert code == 0, stderr
     page = (run_dir / "report.html").read_text()

@@ -32,14 +32,9 @@ from gpuflow.workloads.speech_codec import SpeechCodec
 from gpuflow.workloads.text_codec import TextCodec
 
 
-@pytest.fixture(scope="session")
-def digits_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A digits model trained by the CLI, as a user would."""
-    run_dir = tmp_path_factory.mktemp("serve") / "digits"
-    done = run_cli("train", "--workload", "digits", "--max-steps", "12", "--eval-every", "0",
-                   "--log-every", "4", "--no-progress", "--run-dir", str(run_dir))
-    assert done.returncode == 0, done.stderr
-    return run_dir
+@pytest.fixture
+def digits_run(short_digits_run: tuple[Path, str]) -> Path:
+    return short_digits_run[0]
 
 
 def test_served_predictions_match_the_trained_model_run_directly(digits_run: Path) -> None:
