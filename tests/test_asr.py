@@ -16,11 +16,12 @@ import torch
 from gpuflow.data.audio_file import read_audio, resample
 from gpuflow.data.duration_buckets import DurationBuckets, bucket_batches, padding_fraction
 from gpuflow.errors import UserError
+from gpuflow.models.asr import ConformerCTC
 from gpuflow.workload import IGNORE_INDEX
-from gpuflow.workloads.asr import collate_utterances, ctc_frames_needed, ctc_loss
+from gpuflow.workloads.asr import alignable, collate_utterances, ctc_frames_needed, ctc_loss
 from gpuflow.workloads.asr_codec import TranscriptionCodec, chunk_starts, join, word_timings
 from gpuflow.workloads.asr_decode import Lexicon, beam_search, error_counts, error_rate, greedy
-from gpuflow.workloads.asr_manifest import load_splits, read_manifest
+from gpuflow.workloads.asr_manifest import Utterance, load_splits, read_manifest
 from gpuflow.workloads.asr_text import Vocabulary, normalise
 
 DIGITS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
@@ -237,3 +238,21 @@ def test_long_audio_is_cut_in_its_pauses_and_joined_with_its_timings() -> None:
     joined = join(parts)
     assert joined["text"] == "one one" and joined["duration"] == pytest.approx(9.8)
     assert [w["start"] for w in joined["words"]] == [0.1, 7.0]
+
+
+def test_utterances_ctc_cannot_align_or_too_long_are_dropped_with_a_count() -> None:
+    vocabulary = Vocabulary.from_texts([" ".join(DIGITS)])
+    model = ConformerCTC(len(vocabulary), dim=32, depth=1, heads=2)
+    path = Path("unused.wav")
+    kept = Utterance(path, 1.0, "seven three")  # 11 characters, 22 frames at 0.9 s
+    utterances = [kept, Utterance(path, 40.0, "one"), Utterance(path, 1.0, "?!"),
+                  Utterance(path, 0.3, "seven three")]  # 6 frames for 11 characters
+    with pytest.warns(UserWarning, match=r"dropped 3 training utterance\(s\): 1 longer "
+                      r"than --max-audio-seconds 30, 1 whose transcript needs more CTC "
+                      r"frames than the audio has, 1 with an empty transcript"):
+        assert alignable(utterances, vocabulary, model, 30.0, "training") == [kept]
+    with pytest.raises(UserError, match="no validation utterance is left"), \
+            pytest.warns(UserWarning, match="dropped 3 validation"):
+        alignable(utterances[1:], vocabulary, model, 30.0, "validation")
+    with pytest.raises(UserError, match="lower --batch-seconds"):
+        DurationBuckets([1.0, 1.0], 10.0, seed=0, world_size=2)

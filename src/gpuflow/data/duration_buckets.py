@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
+from gpuflow.errors import UserError
+
 DEFAULT_BUCKETS = 16
 
 
@@ -84,8 +86,9 @@ class DurationBuckets(Sampler[list[int]]):
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.per_rank = len(self.batches) // world_size
         if self.per_rank == 0:
-            raise ValueError(f"{len(self.batches)} batches cannot give each of "
-                             f"{world_size} ranks one")
+            raise UserError(f"--batch-seconds {batch_seconds:g} makes {len(self.batches)} "
+                            f"batch(es) of the training set, too few to give each of "
+                            f"{world_size} data-parallel ranks one: lower --batch-seconds.")
         self.epoch = 0
         self.start = 0
 
