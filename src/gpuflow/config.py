@@ -73,6 +73,17 @@ class TrainConfig:
         None, metavar="SIZE", unset="per workload",
         help="the workload's model size: a preset (e.g. textlm tiny|small|124m|350m|1b) or "
              "explicit dims (`layers=4,dim=256,heads=4,seq=256`)")
+    tokenizer: str | None = option(
+        None, metavar="DIR",
+        help="textlm: the tokenizer of model directory DIR gives the vocabulary; --data-dir is "
+             "a set packed with it (`gpuflow data pack --tokenizer DIR`)",
+        details="see [workloads/finetune.md](workloads/finetune.md)")
+    from_config: bool = option(
+        False, help="hf:DIR: random weights from the directory's config.json instead of its "
+                    "trained ones")
+    seq_len: int | None = option(
+        None, metavar="N", unset="hf:DIR: its context, at most 1024",
+        help="hf:DIR: tokens per training sequence")
     val_speakers: str | None = option(
         None, metavar="NAMES", unset="the last speaker by name",
         help="speech: speakers held out for validation, comma-separated; none: takes 0-4 of "
@@ -292,6 +303,11 @@ class TrainConfig:
             options["data"] = self.data
         if self.model_size is not None:
             options["model_size"] = self.model_size
+        for name in ("tokenizer", "seq_len"):
+            if getattr(self, name) is not None:
+                options[name] = getattr(self, name)
+        if self.from_config:
+            options["from_config"] = True
         if self.val_speakers is not None:
             options["val_speakers"] = self.val_speakers
         for name in ("batch_seconds", "max_audio_seconds", "image_size", "decode"):

@@ -91,14 +91,19 @@ class ModelDirectory:
     generation: GenerationDefaults
 
     @classmethod
-    def check(cls, path: Path) -> ModelDirectory:
+    def check(cls, path: Path, weights: bool = True) -> ModelDirectory:
         """The directory, once everything a server needs is there; a UserError says what
         is missing or why it is refused (remote code, weights in pickle files, not a
-        causal LM)."""
+        causal LM). ``weights=False``: a directory whose weights are not wanted (a model
+        trained from random weights of its config)."""
+        if not (path / CONFIG_FILE).is_file():
+            raise UserError(f"{path} holds no {CONFIG_FILE}: give a Hugging Face model "
+                            "directory (config.json, safetensors weights, tokenizer).")
         config = _json(path / CONFIG_FILE)
         _refuse_remote_code(path, config)
         _check_architecture(path, config)
-        _check_weights(path)
+        if weights:
+            _check_weights(path)
         if not any((path / name).is_file() for name in TOKENIZER_FILES):
             raise UserError(f"{path} has no tokenizer ({', '.join(TOKENIZER_FILES)}): copy the "
                             "model's tokenizer files into the directory.")

@@ -200,8 +200,17 @@ BUILTIN_WORKLOADS: dict[str, str] = {
 }
 
 
+# Workloads named ``PREFIX:ARGUMENT``: the factory takes the argument first.
+PREFIXED_WORKLOADS: dict[str, str] = {"hf": "gpuflow.workloads.hf_dir:build"}
+
+
 def resolve_workload(spec: str, options: Mapping[str, Any] | None = None) -> Workload:
-    """Build a workload from a built-in name or ``pkg.module:factory``."""
+    """Build a workload from a built-in name, ``hf:DIR`` (a Hugging Face model directory)
+    or ``pkg.module:factory``."""
+    prefix, _, argument = spec.partition(":")
+    if prefix in PREFIXED_WORKLOADS:
+        options = {"directory": argument, **dict(options or {})}
+        spec = PREFIXED_WORKLOADS[prefix]
     target = BUILTIN_WORKLOADS.get(spec, spec)
     if ":" not in target:
         known = ", ".join(sorted(BUILTIN_WORKLOADS))

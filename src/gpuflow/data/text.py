@@ -125,17 +125,20 @@ def load_split(data_dir: str | Path | None = None) -> TextSplit:
 
 
 class ByteWindows(Dataset):
-    """Non-overlapping windows of a byte string: item i is ``(x, y)``, both int64 of shape
-    ``[seq_len]``, with ``y`` the bytes that follow each byte of ``x``."""
+    """Non-overlapping windows of a byte string (or of a 1-D tensor of token ids): item i
+    is ``(x, y)``, both int64 of shape ``[seq_len]``, with ``y`` the bytes that follow each
+    byte of ``x``."""
 
-    def __init__(self, data: bytes, seq_len: int, label: str = "text") -> None:
+    def __init__(self, data: bytes | torch.Tensor, seq_len: int, label: str = "text") -> None:
+        unit = "tokens" if isinstance(data, torch.Tensor) else "bytes"
         if len(data) < seq_len + 1:
             raise UserError(
-                f"The {label} holds {len(data)} bytes, fewer than one window of "
+                f"The {label} holds {len(data)} {unit}, fewer than one window of "
                 f"{seq_len + 1} (the sequence length + 1). Add text, or choose a shorter "
-                "sequence with --model-size, e.g. 'tiny,seq=64'."
+                "sequence (--model-size 'tiny,seq=64', or --seq-len for hf:DIR)."
             )
-        self.data = torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
+        self.data = (data if isinstance(data, torch.Tensor)
+                     else torch.frombuffer(bytearray(data), dtype=torch.uint8).clone())
         self.seq_len = seq_len
 
     def __len__(self) -> int:
@@ -150,11 +153,12 @@ class ByteWindows(Dataset):
 
 
 class RandomBytes(Dataset):
-    """Uniformly random bytes in the shapes of ``ByteWindows``, for throughput runs; item i
-    is drawn from a generator seeded by ``(seed, i)``, so it depends only on ``i``."""
+    """Uniformly random bytes (or ids below ``vocab``) in the shapes of ``ByteWindows``, for
+    throughput runs; item i is drawn from a generator seeded by ``(seed, i)``, so it
+    depends only on ``i``."""
 
-    def __init__(self, count: int, seq_len: int, seed: int = 0) -> None:
-        self.count, self.seq_len, self.seed = count, seq_len, seed
+    def __init__(self, count: int, seq_len: int, seed: int = 0, vocab: int = 256) -> None:
+        self.count, self.seq_len, self.seed, self.vocab = count, seq_len, seed, vocab
 
     def __len__(self) -> int:
         return self.count
@@ -163,7 +167,7 @@ class RandomBytes(Dataset):
         if not 0 <= index < self.count:
             raise IndexError(index)
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        chunk = torch.randint(0, 256, (self.seq_len + 1,), generator=generator)
+        chunk = torch.randint(0, self.vocab, (self.seq_len + 1,), generator=generator)
         return chunk[:-1], chunk[1:]
 
 

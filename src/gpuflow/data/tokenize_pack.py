@@ -109,5 +109,14 @@ class TokenizedSource:
             pool.shutdown(wait=True, cancel_futures=True)
 
 
+def tokenize_split(pieces: list[Piece], tokenizer: TokenizerSpec, split: str,
+                   text_field: str = "text") -> np.ndarray:
+    """A split's ids in this process and in memory, for training on a corpus unpacked."""
+    start(tokenizer)
+    parts = [encode_piece(piece, split, text_field)[0] for piece in pieces
+             if piece.in_split(split)]
+    return np.concatenate(parts) if parts else np.zeros(0, tokenizer.dtype)
+
+
 def _size(piece: Piece) -> int:
     return piece.end - piece.start

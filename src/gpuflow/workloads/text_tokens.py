@@ -8,8 +8,14 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from gpuflow.data.streaming import open_packed
+from gpuflow.data.text import ByteWindows, RandomBytes
 from gpuflow.data.text_pieces import corpus_pieces
-from gpuflow.data.tokenize_pack import TokenizedSource, token_dtype
+from gpuflow.data.tokenize_pack import TokenizedSource, token_dtype, tokenize_split
 from gpuflow.data.tokenize_worker import TokenizerSpec
 from gpuflow.errors import UserError
 from gpuflow.model_dir import load_hf_tokenizer
@@ -67,3 +73,38 @@ def check_vocabulary(manifest_meta: dict[str, Any], data_dir: str, vocab_size: i
                         f"({manifest_meta.get('tokenizer')}), more than the {vocab_size} rows "
                         f"of {what}'s embedding. Pack it with the model's own tokenizer.")
 
+
+
+SYNTHETIC_TRAIN_ITEMS = 65_536
+SYNTHETIC_VAL_ITEMS = 32
+
+
+def token_datasets(data_dir: str | None, data: str, seq_len: int, vocab_size: int,
+                   tokenizer: Path, what: str) -> tuple[Dataset, Dataset | None]:
+    """Training and held-out windows of ``seq_len`` + 1 ids: a set packed under a tokenizer
+    (streamed), raw text tokenized in memory by ``tokenizer`` (``data_dir``'s files, or the
+    Python help topics), or random ids (``data`` "synthetic")."""
+    if data not in ("real", "synthetic"):
+        raise UserError(f"--data must be real or synthetic (got {data!r}).")
+    if data == "synthetic":
+        return (RandomBytes(SYNTHETIC_TRAIN_ITEMS, seq_len, seed=1, vocab=vocab_size),
+                RandomBytes(SYNTHETIC_VAL_ITEMS, seq_len, seed=2, vocab=vocab_size))
+    packed = open_packed(data_dir, "textlm", seq_len=seq_len)
+    if packed is not None:
+        check_vocabulary(packed.meta, str(data_dir), vocab_size, what)
+        return packed.train, packed.val
+    spec, pieces = tokenizer_spec(tokenizer), corpus_pieces(data_dir)
+    source = "the Python documentation" if data_dir is None else f"--data-dir {data_dir}"
+    train, val = (torch.from_numpy(tokenize_split(pieces, spec, split).astype(np.int32))
+                  for split in ("train", "val"))
+    return (ByteWindows(train, seq_len, label=f"training text of {source}"),
+            ByteWindows(val, seq_len, label=f"held-out text of {source}") if len(val) else None)
+
+
+def first_windows(dataset: Dataset, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``count`` windows (fewer if the set is smaller) as one batch: the
+    workload's example batch."""
+    count = min(count, len(dataset))  # type: ignore[arg-type]
+    x, y = (torch.stack(items) for items in zip(*(dataset[i] for i in range(count)),
+                                                strict=True))
+    return x, y

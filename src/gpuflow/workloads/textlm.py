@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import fields, replace
+from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 from torch.utils.data import Dataset
 
 from gpuflow.data.streaming import open_packed
@@ -25,7 +28,9 @@ from gpuflow.models.gpt import GPT, GPTConfig
 from gpuflow.models.gpt2_format import save_as_gpt2
 from gpuflow.parallel.tensor import transformer_plan
 from gpuflow.workload import Workload, cross_entropy
+from gpuflow.workloads.hf_dir import copy_companions
 from gpuflow.workloads.text_codec import text_serving
+from gpuflow.workloads.text_tokens import first_windows
 
 if TYPE_CHECKING:
     from gpuflow.data.pack_sources import TokenSource
@@ -135,13 +140,21 @@ def pack_source(data_dir: str | None, tokenizer: str | None = None,
     return TokenSource("textlm", split_spans(data_dir))
 
 
+def _export_with_tokenizer(tokenizer: Path, model: nn.Module, directory: Path) -> None:
+    save_as_gpt2(model, directory)
+    copy_companions(tokenizer, directory)
+
+
 def build(data_dir: str | None = None, data: str = "real",
-          model_size: str | None = None) -> Workload:
-    """The textlm workload: GPT of ``model_size`` on pydoc, ``data_dir`` or random bytes."""
+          model_size: str | None = None, tokenizer: str | None = None) -> Workload:
+    """The textlm workload: GPT of ``model_size`` on pydoc, ``data_dir`` or random bytes;
+    with a ``tokenizer`` directory, on ids of its vocabulary (``gpuflow.workloads.text_tokens``)."""
     if data not in ("real", "synthetic"):
         raise UserError(f"--data must be real or synthetic (got {data!r}).")
     config = parse_model_size(model_size)
     seq = config.seq_len
+    if tokenizer is not None:
+        return _with_tokenizer(Path(tokenizer).expanduser().resolve(), config, data_dir, data)
     packed = open_packed(data_dir, "textlm", seq_len=seq) if data == "real" else None
     train: Dataset
     val: Dataset | None
@@ -155,9 +168,6 @@ def build(data_dir: str | None = None, data: str = "real",
         source = "the Python documentation" if data_dir is None else f"--data-dir {data_dir}"
         train = ByteWindows(split.train, seq, label=f"training text of {source}")
         val = ByteWindows(split.val, seq, label=f"held-out text of {source}")
-    count = min(EXAMPLE_ITEMS, len(train))  # type: ignore[arg-type]
-    example = tuple(torch.stack(items) for items in zip(*(train[i] for i in range(count)),
-                                                        strict=True))
     return Workload(
         name="textlm",
         model=GPT(config),
@@ -165,12 +175,29 @@ def build(data_dir: str | None = None, data: str = "real",
         val_dataset=val,
         loss_fn=lm_loss,
         metrics={"bits_per_byte": bits_per_byte},
-        example_batch=(example[0], example[1]),
+        example_batch=first_windows(train, EXAMPLE_ITEMS),
         tokens_per_sample=seq,
         tensor_parallel_plan=transformer_plan(sequence_parallel=True),
         export_hf=save_as_gpt2,
         serving=text_serving(config.seq_len, config.vocab_size),
     )
+
+
+def _with_tokenizer(tokenizer: Path, config: GPTConfig, data_dir: str | None,
+                    data: str) -> Workload:
+    """textlm over the ids of a model directory's tokenizer: its vocabulary sizes the
+    embedding; served from token ids (the byte codec does not apply)."""
+    from gpuflow.model_dir import load_hf_tokenizer
+    from gpuflow.workloads.text_tokens import token_datasets
+
+    config = replace(config, vocab_size=len(load_hf_tokenizer(tokenizer)))
+    train, val = token_datasets(data_dir, data, config.seq_len, config.vocab_size, tokenizer,
+                                "textlm")
+    return Workload(name="textlm", model=GPT(config), train_dataset=train, val_dataset=val,
+                    loss_fn=lm_loss, example_batch=first_windows(train, EXAMPLE_ITEMS),
+                    tokens_per_sample=config.seq_len,
+                    tensor_parallel_plan=transformer_plan(sequence_parallel=True),
+                    export_hf=partial(_export_with_tokenizer, tokenizer))
 
 
 def describe_presets() -> dict[str, dict[str, int]]:
