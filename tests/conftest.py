@@ -168,3 +168,11 @@ def short_digits_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, st
                      "--eval-every", "6", "--no-progress", "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stderr
     return run_dir, result.stdout
+
+
+@pytest.fixture(scope="session")
+def small_fsdd(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Synthetic clips in the FSDD layout: 10 digits x 2 speakers x 7 takes."""
+    from speech_clips import synthesise_fsdd
+
+    return synthesise_fsdd(tmp_path_factory.mktemp("fsdd") / "recordings", speakers=2, takes=7)
