@@ -84,6 +84,9 @@ class TrainConfig:
     seq_len: int | None = option(
         None, metavar="N", unset="hf:DIR: its context, at most 1024",
         help="hf:DIR: tokens per training sequence")
+    truncate_chats: bool = option(
+        False, help="hf:DIR: cut conversations longer than --seq-len instead of refusing them",
+        details="see [workloads/finetune.md](workloads/finetune.md)")
     val_speakers: str | None = option(
         None, metavar="NAMES", unset="the last speaker by name",
         help="speech: speakers held out for validation, comma-separated; none: takes 0-4 of "
@@ -306,8 +309,9 @@ class TrainConfig:
         for name in ("tokenizer", "seq_len"):
             if getattr(self, name) is not None:
                 options[name] = getattr(self, name)
-        if self.from_config:
-            options["from_config"] = True
+        for flag in ("from_config", "truncate_chats"):
+            if getattr(self, flag):
+                options[flag] = True
         if self.val_speakers is not None:
             options["val_speakers"] = self.val_speakers
         for name in ("batch_seconds", "max_audio_seconds", "image_size", "decode"):
