@@ -54,7 +54,7 @@ def _machine(result: dict[str, Any]) -> str:
 
 def _foreign_load(result: dict[str, Any]) -> float | None:
     """The largest share of the CPUs other processes used while the benchmark ran."""
-    shares = [result.get("max_foreign_cpu_share")]
+    shares = [result.get("max_foreign_cpu_share"), result.get("foreign_cpu_share")]
     shares += [case.get("foreign_cpu_share") for case in result.get("cases", [])]
     known = [share for share in shares if share is not None]
     return max(known) if known else None
