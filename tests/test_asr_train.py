@@ -120,6 +120,7 @@ def test_a_tiny_run_learns_its_utterances_and_saves_its_vocabulary(asr_run: Path
     first, last = (json.loads(line) for line in
                    (asr_run / "metrics.jsonl").read_text().splitlines()[:2])
     assert first["step"] == STEPS and "val_wer" in last
+    assert 0 < first["padding_frac"] < 0.5  # six clips of 1-2 s padded to the longest
     vocabulary = json.loads((asr_run / "serving.json").read_text())["spec"]["vocabulary"]
     assert vocabulary[0] == "<blank>" and " " in vocabulary and "z" in vocabulary
     # Six utterances of 2-3 digits fill one bucket, so each step saw all of them.

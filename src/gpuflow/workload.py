@@ -121,6 +121,8 @@ class Workload:
     ``batch_sampler(seed, rank, world_size)`` forms the training batches itself, e.g. by
     duration (``gpuflow.data.duration_buckets``): batches of varying size, each rank as many,
     resumable by ``set_position(epoch, batch)``; ``--batch-size`` then sizes evaluation only.
+    ``padding(inputs)`` gives a batch's real and padded element counts (a tensor or number,
+    and an int), so that metrics.jsonl logs the padded share of each step (``padding_frac``).
     A metric may return a ``Ratio``: evaluation sums its parts over the batches and divides
     once (word error rate: errors over reference words, not a mean of per-batch rates).
     ``data_report()`` says what the loader met in the data, e.g. files skipped for not
@@ -145,6 +147,7 @@ class Workload:
     default_ema_decay: float | None = None
     max_sequence_length: int | None = None
     batch_sampler: Callable[[int, int, int], BatchPlan] | None = None
+    padding: Callable[[Any], tuple[Any, int]] | None = None
     data_report: Callable[[], Mapping[str, Any]] | None = None
 
     def blocks(self) -> list[nn.Module]:

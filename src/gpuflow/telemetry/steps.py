@@ -16,7 +16,7 @@ import json
 import resource
 import statistics
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -73,6 +73,8 @@ class WindowStats:
     samples: int = 0
     loss_sum: float = 0.0
     data_wait_s: float = 0.0
+    real: Any = 0.0  # of padded inputs: elements that are data (a device tensor, summed)
+    padded: int = 0  # and all elements
 
 
 class StepTimer:
@@ -117,6 +119,15 @@ class StepTimer:
     def wait_end(self) -> None:
         self.window.data_wait_s += time.perf_counter() - self._wait_start
 
+    def count_padding(self, padding: Callable[[Any], tuple[Any, int]] | None,
+                      inputs: Any) -> None:
+        """Add a batch's real and padded elements, as the workload's ``padding`` counts
+        them (none: nothing to count); summed on the device until the window closes."""
+        if padding is not None:
+            real, padded = padding(inputs)
+            self.window.real, self.window.padded = self.window.real + real, \
+                self.window.padded + padded
+
     def close_window(self) -> dict[str, float]:
         """Per-step averages over the window; synchronizes CUDA once."""
         if self.device.type == "cuda":
@@ -142,6 +153,8 @@ class StepTimer:
             "loss": self.window.loss_sum / steps,
             "window_steps": self.window.steps,
         }
+        if self.window.padded:
+            result["padding_frac"] = 1.0 - float(self.window.real) / self.window.padded
         self.window = WindowStats()
         self._window_start = time.perf_counter()
         return result

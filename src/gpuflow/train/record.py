@@ -153,6 +153,7 @@ def window_record(run: RunDescription, window: dict[str, float], position: Posit
         "comm_s": window["comm_s"] if measured else None,
         "host_s": window["host_s"],
         "data_wait_frac": window["data_wait_frac"],
+        "padding_frac": window.get("padding_frac"),
         "comm_frac": window["comm_frac"] if measured else None,
         "flops_per_step": run.flops_per_step,
         "achieved_flops": achieved,

@@ -289,6 +289,7 @@ class Trainer:
             timer.wait_begin()
             inputs, target = next(batches)
             timer.wait_end()
+            timer.count_padding(self.workload.padding, inputs)
             targets.append(target)
             timer.compute.begin()
             losses.append(self.strategy.forward_backward(

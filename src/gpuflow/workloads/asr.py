@@ -80,6 +80,12 @@ def collate_utterances(items: Sequence[Item]) -> Batch:
     return (waves, lengths), targets
 
 
+def padding(inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Samples of audio in a batch, and its padded samples."""
+    waves, lengths = inputs
+    return lengths.sum(), waves.numel()
+
+
 def ctc_loss(outputs: dict[str, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
     """CTC in fp32, summed over the batch and divided by its target characters, so each
     character weighs the same whatever the size of its batch."""
@@ -181,6 +187,7 @@ def build(data_dir: str | None = None, data: str = "real", model_size: str | Non
         augment=WaveAugment(sample_rate=SAMPLE_RATE, speed=SPEED),
         default_epochs=DEFAULT_EPOCHS,
         batch_sampler=partial(_buckets, train.durations(), budget),
+        padding=padding,
     )
 
 
