@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import ROOT, api_error, run_cli, serving
+from generation import greedy_reference, greedy_text
 from PIL import Image
 from safetensors.torch import load_file
 from serve_probe import run
@@ -103,13 +104,9 @@ def test_text_generation_batches_prompts_of_different_lengths_exactly() -> None:
     for (tokens, probs), (tokens2, probs2) in zip(alone, together, strict=True):
         assert tokens == tokens2
         torch.testing.assert_close(probs, probs2, atol=1e-5, rtol=1e-4)
-    prompt = list(b"def f(x):")
-    with torch.inference_mode():
-        for _ in range(6):
-            prompt.append(int(model(torch.tensor([prompt]))[0, -1].argmax()))
-    assert alone[0][0] == prompt[-6:]
+    assert alone[0][0] == greedy_reference(model, b"def f(x):", 6)
     reply = codec.format(alone[0], requests[0])
-    assert reply["completion"] == bytes(prompt[-6:]).decode("utf-8", errors="replace")
+    assert reply["completion"] == greedy_text(model, b"def f(x):", 6)
     assert len(reply["top"]) == 5
 
 
