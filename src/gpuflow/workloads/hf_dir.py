@@ -22,6 +22,7 @@ from gpuflow import hf
 from gpuflow.errors import UserError
 from gpuflow.model_dir import GENERATION_FILE, ModelDirectory, load_hf_tokenizer
 from gpuflow.workload import Workload
+from gpuflow.workloads.chats import chat_datasets, chat_files
 from gpuflow.workloads.text_tokens import first_windows, token_datasets
 
 DEFAULT_SEQ_LEN = 1024
@@ -80,10 +81,12 @@ def _seq_len(directory: ModelDirectory, seq_len: int | None) -> int:
 
 
 def build(directory: str, data_dir: str | None = None, data: str = "real",
-          from_config: bool = False, seq_len: int | None = None) -> Workload:
+          from_config: bool = False, seq_len: int | None = None,
+          truncate_chats: bool = False) -> Workload:
     """The ``hf:DIR`` workload: the model in ``directory`` trained on ``data_dir`` (a set
-    packed under its tokenizer, or text files; None: the Python help topics) in windows
-    of ``seq_len`` tokens (default: its context, at most 1024)."""
+    packed under its tokenizer, text files, or JSONL conversations; None: the Python help
+    topics) in windows of ``seq_len`` tokens (default: its context, at most 1024).
+    ``truncate_chats``: cut conversations longer than a window instead of refusing them."""
     path = Path(directory).expanduser().resolve()
     model_dir = ModelDirectory.check(path, weights=not from_config)
     tokenizer = load_hf_tokenizer(path)
@@ -95,7 +98,9 @@ def build(directory: str, data_dir: str | None = None, data: str = "real",
     seq = _seq_len(model_dir, seq_len)
     model = load_causal_lm(model_dir, from_config)
     rows = model.get_input_embeddings().num_embeddings  # type: ignore[operator]
-    train, val = token_datasets(data_dir, data, seq, rows, path, f"the model in {path}")
+    chats = chat_files(data_dir) if data_dir is not None and data == "real" else []
+    train, val = (chat_datasets(chats, tokenizer, seq, truncate_chats) if chats else
+                  token_datasets(data_dir, data, seq, rows, path, f"the model in {path}"))
     return Workload(
         name="hf",
         model=model,
