@@ -4,6 +4,7 @@ chat set and answers it through its export; bad lines and templates are refused.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 from pathlib import Path
@@ -11,12 +12,14 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import serving
 from runs import losses
 
 from gpuflow import TrainConfig, train
 from gpuflow.errors import UserError
 from gpuflow.export import export_model
 from gpuflow.model_dir import load_hf_tokenizer
+from gpuflow.serve.app import ServeSettings, create_app
 from gpuflow.workload import IGNORE_INDEX, resolve_workload
 
 CHATS = [("Capital of France?", "Paris."), ("Capital of Japan?", "Tokyo."),
@@ -89,15 +92,26 @@ def test_a_tiny_chat_set_is_learned_and_answered_through_the_export(
     # Measured here: from 10.1 to a mean of 0.09 nats per assistant token over the last 5.
     assert sum(curve[-5:]) / 5 < 0.15 and curve[0] > 5
     export_model(tmp_path / "run", tmp_path / "out", format="hf")
+    question, answer = CHATS[1]
+    messages = conversation(question, "")["messages"][:2]
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    question, answer = CHATS[1]
-    prompt = tokenizer.apply_chat_template(conversation(question, "")["messages"][:2],
-                                           add_generation_prompt=True, return_tensors="pt",
-                                           return_dict=True)
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True)
     out = model.generate(**prompt, max_new_tokens=8, do_sample=False)
     new = out[0, prompt["input_ids"].shape[1]:]
     assert tokenizer.decode(new, skip_special_tokens=True) == answer
+    assert asyncio.run(served_chat(tmp_path / "out", messages)) == answer
+
+
+async def served_chat(source: Path, messages: list[dict[str, str]]) -> str:
+    """The greedy reply of `gpuflow serve SOURCE` over /v1/chat/completions."""
+    app = create_app(ServeSettings(str(source), device="cpu", max_batch_size=2))
+    async with serving(app) as client:
+        reply = await client.post("/v1/chat/completions", json={
+            "messages": messages, "max_tokens": 8, "temperature": 0})
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]["message"]["content"]
 
 
 def test_bad_lines_templates_and_long_conversations_are_refused(
