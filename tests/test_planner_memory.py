@@ -106,11 +106,13 @@ def test_analytic_transformer_matches_the_trace_of_the_built_in_gpt() -> None:
                       "block_input_per_sample", "act_const", "backward_excess_per_sample",
                       "largest_block_saved_per_sample", "front_peak_per_sample",
                       "batch_per_sample"):
-            assert getattr(analytic, field) == pytest.approx(getattr(traced, field), rel=0.01,
+            # Measured: within 0.5% (10 KB where a figure is near zero), as
+            # docs/planner.md says.
+            assert getattr(analytic, field) == pytest.approx(getattr(traced, field), rel=0.005,
                                                              abs=1e4)
         # Both by the convention; the analytic form also counts the biases as matmul
-        # parameters (0.5% here).
-        assert analytic.flops_per_sample == pytest.approx(traced.flops_per_sample, rel=0.01)
+        # parameters (0.48% here).
+        assert analytic.flops_per_sample == pytest.approx(traced.flops_per_sample, rel=0.005)
 
 
 STRATEGIES = {
