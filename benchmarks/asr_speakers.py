@@ -30,7 +30,8 @@ import torch
 from _common import RESULTS_DIR, default_result_path, machine_info, provenance, write_json
 
 from gpuflow.serve.model import newest_run_weights
-from gpuflow.workload import IGNORE_INDEX, resolve_workload
+from gpuflow.workload import IGNORE_INDEX
+from gpuflow.workloads.asr import build as build_asr
 from gpuflow.workloads.asr_decode import Lexicon, decode_batch, error_rate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,9 +44,8 @@ def decode_fold(run_dir: Path, data_dir: Path, held_out: str, beam: int) -> dict
     config = json.loads((run_dir / "config.json").read_text())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        workload = resolve_workload("asr", {"data_dir": str(data_dir),
-                                            "val_speakers": held_out,
-                                            "model_size": config.get("model_size")})
+        workload = build_asr(data_dir=str(data_dir), val_speakers=held_out,
+                             model_size=config.get("model_size"))
     workload.model.load_state_dict(newest_run_weights(run_dir)[0])
     model = workload.model.eval()
     vocabulary = workload.train_dataset.vocabulary  # type: ignore[attr-defined]
