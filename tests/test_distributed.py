@@ -47,11 +47,27 @@ def train(run_dir: Path, *args: str, env: dict[str, str] | None = None) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
+def stopped_at(run_dir: Path, step: int, copy: Path) -> Path:
+    """A copy of a finished run as if it had stopped after ``step``'s checkpoint: a resume
+    drops the records after it."""
+    shutil.copytree(run_dir, copy)
+    for checkpoint in ckpt.list_checkpoints(copy / "checkpoints"):
+        if checkpoint.step > step:
+            shutil.rmtree(checkpoint.path)
+    return copy
+
+
 @pytest.fixture(scope="module")
-def single_20(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+def single_20_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """20 steps in one process, a checkpoint at 10 for the runs that resume from it."""
     run_dir = tmp_path_factory.mktemp("single") / "run"
-    train(run_dir, "--batch-size", "32", "--max-steps", "20")
-    return losses(run_dir)
+    train(run_dir, "--batch-size", "32", "--max-steps", "20", "--checkpoint-every", "10")
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def single_20(single_20_run: Path) -> list[float]:
+    return losses(single_20_run)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -98,7 +114,7 @@ def test_gradients_are_averaged_over_ranks_not_summed(tmp_path: Path) -> None:
 
 
 def test_fsdp_checkpoint_resumes_in_one_process_and_back(
-    single_20: list[float], tmp_path: Path
+    single_20: list[float], single_20_run: Path, tmp_path: Path
 ) -> None:
     fsdp_first = tmp_path / "fsdp-first"
     train(fsdp_first, "--nproc", "2", "--strategy", "fsdp", "--batch-size", "16",
@@ -114,8 +130,7 @@ def test_fsdp_checkpoint_resumes_in_one_process_and_back(
           "--batch-size", "32", "--max-steps", "20")
     assert losses(fsdp_first) == pytest.approx(single_20, abs=1e-5)
 
-    single_first = tmp_path / "single-first"
-    train(single_first, "--batch-size", "32", "--max-steps", "10")
+    single_first = stopped_at(single_20_run, 10, tmp_path / "single-first")
     summary = train(single_first, "--resume", "--nproc", "2", "--strategy", "fsdp",
                     "--batch-size", "16", "--max-steps", "20")
     assert summary["world_size"] == 2 and summary["steps"] == 20
@@ -207,10 +222,17 @@ def gpt_losses(run_dir: Path, *args: str) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def gpt_single(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
-    """12 steps at a constant learning rate: its first 10 are also a 10-step run's."""
-    return gpt_losses(tmp_path_factory.mktemp("gpt") / "run", "--batch-size", "16",
-                      "--max-steps", "12")
+def gpt_single_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """12 steps at a constant learning rate: its first 10 are also a 10-step run's; a
+    checkpoint at 5 for the runs that resume from it."""
+    run_dir = tmp_path_factory.mktemp("gpt") / "run"
+    gpt_losses(run_dir, "--batch-size", "16", "--max-steps", "12", "--checkpoint-every", "5")
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def gpt_single(gpt_single_run: Path) -> list[float]:
+    return losses(gpt_single_run)
 
 
 def test_tensor_parallel_matches_one_process_and_resumes_in_one(
@@ -275,14 +297,14 @@ def resumed_in_one_process(run_dir: Path) -> list[float]:
 
 
 def test_one_process_checkpoint_resumes_under_interleaved_pipeline(
-    gpt_single: list[float], tmp_path: Path
+    gpt_single: list[float], gpt_single_run: Path, tmp_path: Path
 ) -> None:
-    gpt_losses(tmp_path, "--batch-size", "16", "--max-steps", "5")
+    run_dir = stopped_at(gpt_single_run, 5, tmp_path / "run")
     # Two stages per rank: 4 blocks over 4 stages, tied weights on ranks 0 and 1.
-    resumed = run_cli("train", "--resume", str(tmp_path), "--nproc", "2", "--strategy", "pp",
+    resumed = run_cli("train", "--resume", str(run_dir), "--nproc", "2", "--strategy", "pp",
                       "--pp-schedule", "interleaved-1f1b", "--max-steps", "12", "--no-progress")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert_same_curve(losses(tmp_path), gpt_single, CURVE_TOLERANCE)
+    assert_same_curve(losses(run_dir), gpt_single, CURVE_TOLERANCE)
 
 
 def test_an_untraceable_model_is_cut_into_manual_stages_and_resumes_in_one(
