@@ -35,10 +35,10 @@ from gpuflow.workload import resolve_workload
 
 
 def test_strategies_are_predicted_in_the_order_measured_on_two_ranks() -> None:
-    """textlm 2x64 at global batch 8 on 2 gloo ranks measured ddp < fsdp without resharding
-    < fsdp < tp (benchmarks/planner_steps.py, ``two_ranks``, where the measurement lives:
-    step times move with the machine's load). Every layout does the same FLOPs per rank, so
-    the order rests on the model of communication, whatever the compute rate."""
+    """textlm 2x64 at global batch 8 on 2 gloo ranks measured ddp < fsdp as one unit < fsdp
+    without resharding < fsdp < tp (benchmarks/planner_steps.py, ``two_ranks``, where the
+    measurement lives: step times move with the machine's load). Every layout does the same
+    FLOPs per rank, so the order rests on the model of communication, whatever the rate."""
     profile = profile_workload(workload_of("textlm", SMALL_GPT), "fp32")
     for peak in (1e10, 1e11, 1e12):
         hardware = cpu_hardware(2, {"fp32": peak}, 2**34)
@@ -50,8 +50,9 @@ def test_strategies_are_predicted_in_the_order_measured_on_two_ranks() -> None:
 
 def test_equally_fast_plans_are_ranked_by_their_collective_calls() -> None:
     """Where compute hides every difference the model of time sees, the plan with fewer
-    collective calls goes first: measured on 2 gloo ranks (the test above), ddp, fsdp as one
-    unit, fsdp without and with resharding come in that order, which the calls follow."""
+    collective calls goes first: measured on 2 gloo ranks (benchmarks/planner_steps.py),
+    ddp, fsdp as one unit, fsdp without and with resharding come in that order, which the
+    calls follow."""
     profile = profile_workload(workload_of("textlm", SMALL_GPT), "fp32")
     hardware = cpu_hardware(2, {"fp32": 1e8}, 2**34)
     plans = [plan for plan in search({"fp32": profile}, hardware, 8, tensor_parallel=False,
@@ -63,10 +64,10 @@ def test_equally_fast_plans_are_ranked_by_their_collective_calls() -> None:
 
 
 def test_a_one_micro_batch_pipeline_is_predicted_slowest_where_compute_dominates() -> None:
-    """textlm 4x256 at global batch 8 on 2 gloo ranks measured ddp < fsdp < pp, pp over 25%
-    above ddp (benchmarks/planner_steps.py, ``compute_bound``): with one micro-batch the
-    bubble makes each rank wait through the other stage's whole share, about twice ddp's
-    step, whatever the compute rate."""
+    """The model of time charges a 2-stage pipeline with one micro-batch a bubble of a whole
+    stage: each rank waits through the other's share, about twice ddp's step, whatever the
+    compute rate. How that compares with measured steps is benchmarks/planner_steps.py's
+    ``compute_bound`` (docs/planner.md quotes it)."""
     profile = profile_workload(workload_of("textlm", MEDIUM_GPT), "fp32")
     for peak in (2e10, 1e11, 2e11):
         hardware = cpu_hardware(2, {"fp32": peak}, 2**34)
@@ -77,9 +78,9 @@ def test_a_one_micro_batch_pipeline_is_predicted_slowest_where_compute_dominates
 
 
 def test_precision_and_checkpointing_change_the_predicted_step_as_the_peaks_say() -> None:
-    """A CPU with AMX runs bf16 matmuls several times faster than fp32 (measured against the
-    prediction by benchmarks/planner_steps.py, ``precision``), one without native bf16
-    slower: the predicted order follows the peaks given. Checkpointing adds a forward."""
+    """A CPU with AMX runs bf16 matmuls several times faster than fp32, one without native
+    bf16 slower: the predicted order follows the peaks given (measured steps against these
+    predictions: benchmarks/planner_steps.py, ``precision``). Checkpointing adds a forward."""
     workload = resolve_workload("textlm", {"data": "synthetic",
                                            "model_size": "layers=2,dim=512,heads=4,seq=128"})
     profiles = {key: profile_workload(workload, key) for key in ("fp32", "bf16")}
