@@ -34,15 +34,20 @@ def packed(tmp_path_factory: pytest.TempPathFactory, hub_models: Any) -> Path:
     return root / "packed"
 
 
-def run(directory: Path, packed: Path, run_dir: Path, **options: Any) -> Any:
-    """``STEPS`` steps of ``hf:directory`` on ``packed``, seeded, one torch thread."""
+def setup(directory: Path, packed: Path, run_dir: Path,
+          **options: Any) -> tuple[Any, TrainConfig]:
+    """``hf:directory`` on ``packed`` for ``STEPS`` steps, seeded."""
     torch.manual_seed(0)
     workload = resolve_workload(f"hf:{directory}", {"data_dir": str(packed), "seq_len": SEQ})
     config = TrainConfig(workload=f"hf:{directory}", data_dir=str(packed), seq_len=SEQ,
                          max_steps=STEPS, eval_every=0, log_every=1, progress=False,
                          schedule="constant", warmup_steps=0, lr=1e-3, run_dir=str(run_dir),
                          **options)
-    return train(workload, config)
+    return workload, config
+
+
+def run(directory: Path, packed: Path, run_dir: Path, **options: Any) -> Any:
+    return train(*setup(directory, packed, run_dir, **options))
 
 
 def _fsdp_rank(rank: int, port: int, directory: str, packed: str, run_dir: str) -> None:
@@ -142,3 +147,22 @@ def test_bad_directories_are_refused_with_the_fix(hub_models: Any, packed: Path,
         resolve_workload(f"hf:{small}", {"data_dir": str(packed), "from_config": True})
     with pytest.raises(UserError, match="--seq-len 4096 is not between 1 and the context"):
         resolve_workload(f"hf:{source}", {"data_dir": str(packed), "seq_len": 4096})
+
+
+def test_a_resumed_hf_dir_run_is_bitwise_the_uninterrupted_one(
+        hub_models: Any, packed: Path, tmp_path: Path, one_torch_thread: None) -> None:
+    from gpuflow import Trainer
+
+    directory = hub_models["llama"]
+    full = run(directory, packed, tmp_path / "full", batch_size=2, checkpoint_every=STEPS)
+    first = Trainer(*setup(directory, packed, tmp_path / "split", batch_size=2,
+                           checkpoint_every=STEPS))
+    first.run_steps(1)
+    first.save_checkpoint()
+    first.close()
+    resumed = run(directory, packed, tmp_path / "split", batch_size=2, checkpoint_every=STEPS,
+                  resume=True)
+    assert losses(tmp_path / "split")[-1] == losses(tmp_path / "full")[-1]
+    for (name, a), b in zip(full.model.state_dict().items(),
+                            resumed.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
