@@ -52,11 +52,18 @@ class TokenizedSource:
     def pack(self, out: Path, state: PackState, shard_bytes: int,
              progress: PackProgress) -> Manifest:
         itemsize = np.dtype(self.tokenizer.dtype).itemsize
-        for split in SPLITS:
-            pieces = [piece for piece in self.pieces if piece.in_split(split)]
-            if pieces:
-                self._write_split(out, split, pieces, state, max(2, shard_bytes // itemsize),
-                                  progress)
+        pool = None if self.workers == 0 else ProcessPoolExecutor(
+            self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=start,
+            initargs=(self.tokenizer,))
+        try:
+            for split in SPLITS:
+                pieces = [piece for piece in self.pieces if piece.in_split(split)]
+                if pieces:
+                    self._write_split(out, split, pieces, state,
+                                      max(2, shard_bytes // itemsize), progress, pool)
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
         spec = self.tokenizer
         return Manifest(workload=self.workload, kind=TokenWindows.name, splits=state.splits,
                         token_dtype=spec.dtype,
@@ -64,14 +71,15 @@ class TokenizedSource:
                               "eos_id": spec.eos_id, "text_field": self.text_field})
 
     def _write_split(self, out: Path, split: str, pieces: list[Piece], state: PackState,
-                     shard_tokens: int, progress: PackProgress) -> None:
+                     shard_tokens: int, progress: PackProgress,
+                     pool: ProcessPoolExecutor | None) -> None:
         cursor = state.cursor(split)
         _, shards = state.done(split)
         progress.begin(split, sum(_size(p) for p in pieces), "bytes",
                        sum(_size(p) for p in pieces[:cursor]), shards)
         buffered: list[np.ndarray] = []
         count = 0
-        encoded = self._encoded(pieces[cursor:], split)
+        encoded = self._encoded(pieces[cursor:], split, pool)
         for index, (ids, _) in enumerate(encoded, cursor + 1):
             buffered.append(ids)
             count += len(ids)
@@ -85,28 +93,24 @@ class TokenizedSource:
                 progress.shard_written()
                 buffered, count = [], 0
 
-    def _encoded(self, pieces: list[Piece], split: str) -> Iterator[tuple[np.ndarray, int]]:
-        """Each piece's ids, in order, from ``workers`` processes (or this one)."""
-        if self.workers == 0:
+    def _encoded(self, pieces: list[Piece], split: str, pool: ProcessPoolExecutor | None
+                 ) -> Iterator[tuple[np.ndarray, int]]:
+        """Each piece's ids, in order, from the pool's processes (or this one)."""
+        if pool is None:
             start(self.tokenizer)
             for piece in pieces:
                 yield encode_piece(piece, split, self.text_field)
             return
-        pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=start, initargs=(self.tokenizer,))
-        try:
-            todo = iter(pieces)
-            pending: deque[Future[tuple[np.ndarray, int]]] = deque(
-                pool.submit(encode_piece, piece, split, self.text_field)
-                for piece in islice(todo, IN_FLIGHT * self.workers))
-            while pending:
-                result = pending.popleft().result()
-                piece = next(todo, None)
-                if piece is not None:
-                    pending.append(pool.submit(encode_piece, piece, split, self.text_field))
-                yield result
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+        todo = iter(pieces)
+        pending: deque[Future[tuple[np.ndarray, int]]] = deque(
+            pool.submit(encode_piece, piece, split, self.text_field)
+            for piece in islice(todo, IN_FLIGHT * self.workers))
+        while pending:
+            result = pending.popleft().result()
+            piece = next(todo, None)
+            if piece is not None:
+                pending.append(pool.submit(encode_piece, piece, split, self.text_field))
+            yield result
 
 
 def tokenize_split(pieces: list[Piece], tokenizer: TokenizerSpec, split: str,
