@@ -55,8 +55,8 @@ def test_packing_equals_encode_per_document_plus_eos(tmp_path: Path, hub_models)
     packed = {}
     for workers in (0, 2):  # in this process, and in two worker processes
         out = tmp_path / f"packed-{workers}"
-        pack("textlm", tmp_path / "corpus", out, shard_mb=1e-6, progress=False,
-             tokenizer=model, text_field="body", workers=workers)
+        pack(f"hf:{model}", tmp_path / "corpus", out, shard_mb=1e-6, progress=False,
+             text_field="body", workers=workers)
         packed[workers] = out
     hf = load_hf_tokenizer(model)
     for split, documents in (("train", train), ("val", val)):
@@ -152,6 +152,9 @@ def test_bad_jsonl_lines_name_their_file_and_line(tmp_path: Path, hub_models,
              tokenizer=hub_models["llama"], workers=0)
     with pytest.raises(UserError, match="--text-field and --workers apply to packing under a"):
         pack("textlm", tmp_path / "c", tmp_path / "o3", progress=False, text_field="x")
+    with pytest.raises(UserError, match="hf:DIR packs text under DIR's own tokenizer"):
+        pack(f"hf:{hub_models['llama']}", tmp_path / "c", tmp_path / "o4", progress=False,
+             tokenizer=hub_models["llama"])
 
 
 def test_byte_packs_of_format_version_1_still_read(tmp_path: Path) -> None:

@@ -21,7 +21,8 @@ def register(commands: Any) -> None:
                            "(digits: the bundled scans, textlm: the Python documentation)")
     pack.add_argument("--out", required=True, help="folder to write the packed set to")
     pack.add_argument("--workload", required=True,
-                      help="digits, mnist-idx, textlm, speech, images, or pkg.module:factory")
+                      help="digits, mnist-idx, textlm, speech, images, hf:DIR (text under the "
+                           "tokenizer of model directory DIR), or pkg.module:factory")
     pack.add_argument("--shard-size-mb", type=float,
                       help="target size of each shard in MiB (default 64)")
     pack.add_argument("--max-side", type=int, metavar="PX",

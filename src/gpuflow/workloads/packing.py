@@ -61,7 +61,13 @@ def pack(workload: str, src: str | Path | None, out: str | Path,
     (images): re-encode larger photos to that many pixels on their longer side.
     ``tokenizer`` (textlm): a model directory whose tokenizer turns the text (files, or the
     ``text_field`` of JSONL lines) into token ids, in ``workers`` processes (default: one
-    per core; the set does not depend on it)."""
+    per core; the set does not depend on it). ``hf:DIR`` packs text as textlm does under
+    DIR's tokenizer, the set ``--workload hf:DIR`` trains on."""
+    if workload.startswith("hf:"):
+        if tokenizer is not None:
+            raise UserError("--workload hf:DIR packs text under DIR's own tokenizer: drop "
+                            "--tokenizer.")
+        workload, tokenizer = "textlm", workload.removeprefix("hf:")
     given = {"max_side": max_side, "text_field": text_field,
              "tokenizer": None if tokenizer is None else str(Path(tokenizer).resolve())}
     options = {name: value for name, value in given.items() if value is not None}
