@@ -166,3 +166,19 @@ def test_a_resumed_hf_dir_run_is_bitwise_the_uninterrupted_one(
     for (name, a), b in zip(full.model.state_dict().items(),
                             resumed.model.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_textlm_exports_declare_their_context_and_tokenizer(hub_models: Any,
+                                                            tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from gpuflow.workloads import textlm
+
+    size = "layers=1,dim=32,heads=2,seq=16"
+    for name, tokenizer in (("bytes", None), ("llama", str(hub_models["llama"]))):
+        workload = textlm.build(data="synthetic", model_size=size, tokenizer=tokenizer)
+        workload.hf_writer()(workload.model, tmp_path / name)
+    assert AutoTokenizer.from_pretrained(tmp_path / "bytes").model_max_length == 16
+    exported = AutoTokenizer.from_pretrained(tmp_path / "llama")
+    assert exported.eos_token == "<|eot_id|>" and exported.bos_token == "<|begin_of_text|>"
+    assert (tmp_path / "llama" / "chat_template.jinja").is_file()

@@ -66,8 +66,10 @@ def gpt2_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     return {name: tensor.contiguous() for name, tensor in state.items()}
 
 
-def byte_tokenizer() -> Any:
-    """A fast tokenizer whose token ids are the text's UTF-8 bytes."""
+def byte_tokenizer(model_max_length: int | None = None) -> Any:
+    """A fast tokenizer whose token ids are the text's UTF-8 bytes; ``model_max_length``:
+    the model's context, which tools reading the format cut prompts to (unset, transformers
+    writes 10^30)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -77,7 +79,9 @@ def byte_tokenizer() -> Any:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False,
                                                        use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        **({} if model_max_length is None else {"model_max_length": model_max_length}))
 
 
 def save_as_gpt2(model: nn.Module, directory: Path) -> None:
@@ -90,4 +94,4 @@ def save_as_gpt2(model: nn.Module, directory: Path) -> None:
     gpt2.load_state_dict(gpt2_state_dict(model), strict=True)
     gpt2.save_pretrained(directory)
     if model.config.vocab_size == 256:
-        byte_tokenizer().save_pretrained(directory)
+        byte_tokenizer(model.config.seq_len).save_pretrained(directory)
