@@ -59,8 +59,8 @@ class TrainConfig:
 
     workload: str = option(
         "digits", metavar="NAME|pkg.module:factory",
-        help="a built-in workload (digits, mnist-idx, textlm, speech, asr, images), or your "
-             "own: a factory returning a Workload",
+        help="a built-in workload (digits, mnist-idx, textlm, speech, asr, images), hf:DIR "
+             "(a Hugging Face model directory), or your own: a factory returning a Workload",
         details="see [workloads/README.md](workloads/README.md)")
     data_dir: str | None = option(
         None, metavar="DIR",
