@@ -99,7 +99,8 @@ def batching(workload: Workload, batch_seconds: float, steps: int,
         for scheme in schemes.values():
             scheme.step(number)
     result: dict[str, Any] = {"mean_batch_utterances": mean, "batches": len(buckets),
-                              "foreign_cpu_share": load.share()}
+                              "foreign_cpu_share": load.share(),
+                              "torch_threads": torch.get_num_threads()}
     for name, scheme in schemes.items():
         result[name] = {"epoch_padding_fraction": padding_fraction(durations, plans[name]),
                         **scheme.figures()}
