@@ -207,6 +207,12 @@ BUILTIN_WORKLOADS: dict[str, str] = {
 PREFIXED_WORKLOADS: dict[str, str] = {"hf": "gpuflow.workloads.hf_dir:build"}
 
 
+def is_builtin(spec: str) -> bool:
+    """Whether ``spec`` names a workload gpuflow ships (``hf:DIR`` included): these take
+    ``data="synthetic"``."""
+    return spec in BUILTIN_WORKLOADS or spec.partition(":")[0] in PREFIXED_WORKLOADS
+
+
 def resolve_workload(spec: str, options: Mapping[str, Any] | None = None) -> Workload:
     """Build a workload from a built-in name, ``hf:DIR`` (a Hugging Face model directory)
     or ``pkg.module:factory``."""

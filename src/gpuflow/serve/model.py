@@ -34,7 +34,7 @@ from gpuflow.hf import is_hf_model
 from gpuflow.model_dir import TOKENIZER_FILES, ModelDirectory, is_model_directory
 from gpuflow.precision import PrecisionPolicy, make_policy
 from gpuflow.serving import RUN_CONFIG_FILE, SERVING_FILE
-from gpuflow.workload import BUILTIN_WORKLOADS, Workload, call_model, resolve_workload
+from gpuflow.workload import Workload, call_model, is_builtin, resolve_workload
 
 
 @dataclass
@@ -132,7 +132,7 @@ def build_workload(config: dict[str, Any], workload: str | None = None) -> Workl
     try:
         return resolve_workload(spec, options)
     except UserError:
-        if spec not in BUILTIN_WORKLOADS or options.get("data") == "synthetic":
+        if not is_builtin(spec) or options.get("data") == "synthetic":
             raise
         return resolve_workload(spec, {**options, "data": "synthetic"})
 
