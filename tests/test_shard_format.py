@@ -1,5 +1,6 @@
-"""The packed-set format: records and shard files byte for byte as version 1 wrote them, read
-back as before, and damage named with its fix."""
+"""The packed-set format: records and shard files byte for byte as version 1 wrote them (and
+version 2 writes them, with its manifest's token width), version 1 sets read back as before,
+and damage named with its fix."""
 
 from __future__ import annotations
 
@@ -69,9 +70,40 @@ VERSION_1_MANIFEST = """{
  }
 }
 """
+# Version 2 writes the same shards; its manifest adds the width of token shards' tokens.
+VERSION_2_MANIFEST = """{
+ "format": "gpuflow-shards",
+ "format_version": 2,
+ "workload": "ids",
+ "kind": "records",
+ "splits": {
+  "train": [
+   {
+    "file": "train-00000.rec",
+    "bytes": 112,
+    "sha256": "6813d5a6b412d91494b9b6f049f31e4fb12deb1795a648459ba713776ec834b0",
+    "count": 2
+   }
+  ]
+ },
+ "layout": [
+  "t",
+  "i"
+ ],
+ "example": null,
+ "example_layout": null,
+ "meta": {},
+ "source": null,
+ "shard_bytes": 0,
+ "token_dtype": "uint8",
+ "counts": {
+  "train": 2
+ }
+}
+"""
 
 
-def test_writers_write_version_1_bytes(tmp_path: Path) -> None:
+def test_writers_write_version_2_bytes(tmp_path: Path) -> None:
     writer = RecordShardWriter(tmp_path / TensorRecords.shard_name("train", 0))
     for value in (0, 1):
         writer.write(encode_record((torch.tensor([value]), value)))
@@ -80,13 +112,17 @@ def test_writers_write_version_1_bytes(tmp_path: Path) -> None:
     write_manifest(tmp_path, Manifest(workload="ids", kind=TensorRecords.name,
                                       splits={"train": [info]},
                                       layout=layout_of((torch.tensor([0]), 0))))
-    assert (tmp_path / "manifest.json").read_text() == VERSION_1_MANIFEST
+    assert (tmp_path / "manifest.json").read_text() == VERSION_2_MANIFEST
     tokens = write_token_shard(tmp_path / TokenWindows.shard_name("train", 0),
                                np.arange(5, dtype=np.uint8))
     header = (b"\x93NUMPY\x01\x00v\x00{'descr': '|u1', 'fortran_order': False, "
               b"'shape': (5,), }").ljust(127) + b"\n"
     assert (tmp_path / "train-00000.npy").read_bytes() == header + bytes(range(5))
     assert (tokens.bytes, tokens.count) == (133, 5)
+    wide = write_token_shard(tmp_path / "wide.npy", np.array([1, 70_000]), np.dtype("<u4"))
+    assert (tmp_path / "wide.npy").read_bytes() == header.replace(b"|u1", b"<u4").replace(
+        b"(5,)", b"(2,)") + (1).to_bytes(4, "little") + (70_000).to_bytes(4, "little")
+    assert (wide.bytes, wide.count) == (136, 2)
 
 
 def test_a_version_1_set_reads_as_it_was_written(tmp_path: Path) -> None:
