@@ -1,8 +1,8 @@
 """What a tokenizer worker process runs: read one piece of the corpus, tokenize its
 documents, and return their ids with the separator after each document.
 
-It imports only numpy and ``tokenizers``, never torch (spawned workers start in a
-fraction of a second), and holds one tokenizer per process, built once from its JSON form: the same
+It imports only numpy and ``tokenizers``, never torch (spawned workers start in a fraction
+of a second), and holds one tokenizer per process, built once from its JSON form: the same
 backend that ``transformers``' ``encode`` calls, so a document's ids here are
 ``tokenizer.encode(document)``'s.
 """

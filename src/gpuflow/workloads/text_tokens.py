@@ -74,7 +74,7 @@ def check_vocabulary(manifest_meta: dict[str, Any], data_dir: str, vocab_size: i
                         f"of {what}'s embedding. Pack it with the model's own tokenizer.")
 
 
-
+# Random windows for throughput runs (--data synthetic), textlm's bytes or a tokenizer's ids.
 SYNTHETIC_TRAIN_ITEMS = 65_536
 SYNTHETIC_VAL_ITEMS = 32
 

@@ -30,7 +30,11 @@ from gpuflow.parallel.tensor import transformer_plan
 from gpuflow.workload import Workload, cross_entropy
 from gpuflow.workloads.hf_dir import copy_companions
 from gpuflow.workloads.text_codec import text_serving
-from gpuflow.workloads.text_tokens import first_windows
+from gpuflow.workloads.text_tokens import (
+    SYNTHETIC_TRAIN_ITEMS,
+    SYNTHETIC_VAL_ITEMS,
+    first_windows,
+)
 
 if TYPE_CHECKING:
     from gpuflow.data.pack_sources import TokenSource
@@ -38,8 +42,6 @@ if TYPE_CHECKING:
 
 VOCAB_SIZE = 256
 EXAMPLE_ITEMS = 4
-SYNTHETIC_TRAIN_ITEMS = 65_536
-SYNTHETIC_VAL_ITEMS = 32
 
 PRESETS: dict[str, GPTConfig] = {
     # Trains below 2.5 bits per byte on the pydoc corpus in minutes on 2 CPU cores.
