@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
+from hub_models import write_corpus
 from runs import losses, summary
-from test_pack_tokenizer import write_corpus
 
 from gpuflow import TrainConfig, train
 from gpuflow.errors import UserError

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hub_models import lessons
+from hub_models import lessons, write_corpus
 
 from gpuflow.cli import main
 from gpuflow.data import tokenize_pack
@@ -24,24 +24,6 @@ from gpuflow.errors import UserError
 from gpuflow.model_dir import load_hf_tokenizer
 from gpuflow.workloads.packing import pack
 from gpuflow.workloads.text_tokens import tokenizer_spec
-
-
-def write_corpus(root: Path) -> tuple[list[str], list[str]]:
-    """Three text files and a JSONL of 25 lines; the train and val documents, in order
-    (file 1 of 3 is held out, and JSONL lines 10 and 20)."""
-    root.mkdir(parents=True, exist_ok=True)
-    texts = list(lessons())
-    files = texts[:3]
-    for i, text in enumerate(files):
-        (root / f"{i}.md").write_text(text)
-    records = [f"{i}: {text}" for i, text in enumerate((texts * 2)[3:28])]
-    with open(root / "z.jsonl", "w") as handle:
-        for text in records:
-            handle.write(json.dumps({"body": text, "id": 1}) + "\n")
-    val_lines = {9, 19}
-    train = [files[0], files[2]] + [t for i, t in enumerate(records) if i not in val_lines]
-    val = [files[1]] + [records[i] for i in sorted(val_lines)]
-    return train, val
 
 
 def tokens(directory: Path, split: str) -> np.ndarray:
