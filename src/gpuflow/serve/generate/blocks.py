@@ -1,0 +1,155 @@
+"""The paged KV pool's bookkeeping: which blocks each sequence holds, which are free, and
+which full blocks are cached for prefix reuse. It knows no tensors; the model writes the
+keys and values of token ``i`` of a sequence at ``table[i // block_size]``, offset
+``i % block_size``.
+
+Block 0 is the null block: never handed out, so padding rows of a batch can write there.
+A full block whose keys and values are computed is keyed by the hash of its tokens and of
+the key of the block before it, so the key names the whole prefix it ends. A request's
+prompt reuses every cached block its prefix matches (a reference each), never the one
+holding its last token: that token is always computed, for its logits. Blocks nobody
+references stay cached in the free queue, oldest released first, and are evicted (their
+key dropped) only when handed out again: least recently used first.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+NULL_BLOCK = 0
+Name = tuple[int, tuple[int, ...]]  # a full block's cache name: (parent's key, its tokens)
+
+
+@dataclass(eq=False)
+class BlockTable:
+    """One sequence's blocks in order, and the keys of its leading full blocks that are
+    registered in the cache (``keys[i]`` is block ``blocks[i]``'s)."""
+
+    blocks: list[int] = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)
+
+
+class BlockManager:
+    """A pool of ``num_blocks`` blocks of ``block_size`` tokens (block 0 reserved)."""
+
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
+        if num_blocks < 2 or block_size < 1:
+            raise ValueError("a block pool needs a block size of at least 1 and two blocks "
+                             "or more (block 0 is the null block)")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.prefix_caching = prefix_caching
+        self._refs = [0] * num_blocks
+        self._name_of: list[Name | None] = [None] * num_blocks
+        self._cached: dict[Name, int] = {}
+        # Blocks no sequence references, least recently released first (an ordered set).
+        self._free: collections.OrderedDict[int, None] = collections.OrderedDict(
+            (block, None) for block in range(1, num_blocks))
+        self.prefix_queries = 0  # prompt tokens looked up in the cache
+        self.prefix_hits = 0  # of those, tokens found in cached blocks
+
+    @property
+    def total(self) -> int:
+        """Blocks sequences can hold (all but the null block)."""
+        return self.num_blocks - 1
+
+    @property
+    def free(self) -> int:
+        """Blocks that can be handed out now, cached ones nobody references included."""
+        return len(self._free)
+
+    @property
+    def used(self) -> int:
+        return self.total - self.free
+
+    def blocks_for(self, tokens: int) -> int:
+        """Blocks that hold ``tokens`` tokens."""
+        return -(-tokens // self.block_size)
+
+    def match(self, tokens: Sequence[int]) -> list[int]:
+        """The cached blocks holding the longest prefix of ``tokens`` made of whole blocks,
+        short of the block holding the last token; no reference is taken (``reuse``)."""
+        if not self.prefix_caching:
+            return []
+        found: list[int] = []
+        parent = 0
+        for index in range((len(tokens) - 1) // self.block_size):
+            chunk = tuple(tokens[index * self.block_size:(index + 1) * self.block_size])
+            block = self._cached.get((parent, chunk))
+            if block is None:
+                break
+            found.append(block)
+            parent = hash((parent, chunk))
+        return found
+
+    def cost(self, matched: Sequence[int], tokens: int) -> int:
+        """Free blocks that taking ``matched`` and growing to ``tokens`` tokens uses up:
+        new blocks, and matched ones that sit unreferenced in the free queue."""
+        idle = sum(1 for block in matched if self._refs[block] == 0)
+        return idle + max(0, self.blocks_for(tokens) - len(matched))
+
+    def reuse(self, table: BlockTable, matched: Sequence[int], looked_up: int = 0) -> None:
+        """Start an empty ``table`` with the ``matched`` cached blocks, a reference each;
+        ``looked_up`` prompt tokens (0: none, e.g. a recomputation) count as a lookup,
+        ``matched`` as its hits."""
+        assert not table.blocks
+        for block in matched:
+            if self._refs[block] == 0:
+                del self._free[block]
+            self._refs[block] += 1
+            table.blocks.append(block)
+            table.keys.append(hash(self._name_of[block]))
+        if self.prefix_caching and looked_up:
+            self.prefix_queries += looked_up
+            self.prefix_hits += len(matched) * self.block_size
+
+    def grow(self, table: BlockTable, tokens: int) -> bool:
+        """Give ``table`` the blocks ``tokens`` tokens need; False, taking none, if the pool
+        has too few free. A block handed out loses its cache key (eviction)."""
+        wanted = self.blocks_for(tokens) - len(table.blocks)
+        if wanted > len(self._free):
+            return False
+        for _ in range(max(0, wanted)):
+            block, _ = self._free.popitem(last=False)
+            self._evict(block)
+            self._refs[block] = 1
+            table.blocks.append(block)
+        return True
+
+    def _evict(self, block: int) -> None:
+        name = self._name_of[block]
+        if name is not None:
+            self._name_of[block] = None
+            del self._cached[name]
+
+    def register(self, table: BlockTable, tokens: Sequence[int], computed: int) -> None:
+        """Key the table's full blocks among its first ``computed`` tokens (their keys and
+        values now written) in the cache. A prefix already cached in another block keeps
+        that block; this one stays private and is freed unkeyed."""
+        if not self.prefix_caching:
+            return
+        size = self.block_size
+        for index in range(len(table.keys), computed // size):
+            parent = table.keys[-1] if table.keys else 0
+            name = (parent, tuple(tokens[index * size:(index + 1) * size]))
+            block = table.blocks[index]
+            if name not in self._cached and self._name_of[block] is None:
+                self._cached[name] = block
+                self._name_of[block] = name
+            table.keys.append(hash(name))
+
+    def release(self, table: BlockTable) -> None:
+        """Drop the table's references; blocks nobody references join the free queue, its
+        last blocks first so that they are evicted before the prefix they extend."""
+        for block in reversed(table.blocks):
+            self._refs[block] -= 1
+            assert self._refs[block] >= 0
+            if self._refs[block] == 0:
+                self._free[block] = None
+        table.blocks.clear()
+        table.keys.clear()
+
+    def hit_rate(self) -> float:
+        """Share of looked-up prompt tokens found cached."""
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0

@@ -1,0 +1,192 @@
+"""Which tokens each engine step computes: a state machine over sequences that knows no
+model, only the block pool and two budgets.
+
+A step first gives every running sequence that decodes its one token (a new block when it
+crosses a block boundary; when the pool has none, the newest running sequence not yet in
+the step is preempted: its blocks freed, itself put back at the front of the waiting queue
+to be recomputed from its prompt and what it generated). Then, within what is left of
+``max_num_batched_tokens``, it gives chunks to sequences still prefilling, oldest first,
+and admits waiting sequences in arrival order while the pool has their chunk's blocks and
+fewer than ``max_num_seqs`` run: a long prompt is prefilled over several steps, and only
+its last chunk yields logits. Admission stops at the first sequence that does not fit, so
+none is overtaken for ever (first come, first served).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from dataclasses import dataclass, field
+
+from gpuflow.serve.generate.blocks import BlockManager, BlockTable
+
+_arrivals = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's tokens (its prompt, then what it generated) and how many of them have
+    their keys and values in the pool. ``reuse_prefix`` False (a request that wants its
+    prompt's log-probabilities) computes every token itself. ``cached_tokens``: prompt
+    tokens its first admission found cached."""
+
+    tokens: list[int]
+    prompt_len: int
+    reuse_prefix: bool = True
+    table: BlockTable = field(default_factory=BlockTable)
+    num_computed: int = 0
+    cached_tokens: int = 0
+    admitted: bool = False
+    arrival: int = field(default_factory=lambda: next(_arrivals))
+
+    @classmethod
+    def of(cls, prompt: list[int], reuse_prefix: bool = True) -> Sequence:
+        return cls(list(prompt), len(prompt), reuse_prefix)
+
+    @property
+    def uncomputed(self) -> int:
+        return len(self.tokens) - self.num_computed
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Tokens ``start`` to ``start + length`` of ``seq``, computed in one step. ``final``:
+    they reach the sequence's last token, whose logits choose its next."""
+
+    seq: Sequence
+    start: int
+    length: int
+
+    @property
+    def final(self) -> bool:
+        return self.start + self.length == len(self.seq.tokens)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.seq.tokens[self.start:self.start + self.length]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One step: the decode chunks (one token each) first, then prefill chunks; and the
+    sequences preempted to make room."""
+
+    chunks: list[Chunk]
+    num_decodes: int
+    preempted: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(chunk.length for chunk in self.chunks)
+
+
+class Scheduler:
+    """Running and waiting sequences over a ``BlockManager``."""
+
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 chunked_prefill: bool = True) -> None:
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError("max_num_batched_tokens must cover one decode token of each of "
+                             "max_num_seqs sequences")
+        self.blocks = blocks
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.chunked_prefill = chunked_prefill
+        self.running: list[Sequence] = []  # admission order: the last is the newest
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def fits(self, tokens: int) -> bool:
+        """Whether a sequence of ``tokens`` tokens fits in the pool alone."""
+        return self.blocks.blocks_for(tokens) <= self.blocks.total
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def schedule(self) -> Plan:
+        """The next step's chunks; ``advance`` once it ran."""
+        budget = self.max_num_batched_tokens
+        decodes: list[Chunk] = []
+        prefills: list[Chunk] = []
+        preempted: list[Sequence] = []
+        planned: set[Sequence] = set()
+        for decoding in (True, False):
+            for seq in list(self.running):
+                if (budget == 0 or seq in planned or seq in preempted or seq.uncomputed == 0
+                        or (seq.uncomputed == 1) != decoding):
+                    continue
+                length = min(seq.uncomputed, budget)
+                if self._make_room(seq, seq.num_computed + length, planned, preempted):
+                    (decodes if decoding else prefills).append(
+                        Chunk(seq, seq.num_computed, length))
+                    planned.add(seq)
+                    budget -= length
+        # A step that preempted admits nothing: the pool just proved too small.
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.max_num_seqs):
+            chunk = self._admit(self.waiting[0], budget)
+            if chunk is None:
+                break
+            self.waiting.popleft()
+            self.running.append(chunk.seq)
+            prefills.append(chunk)
+            budget -= chunk.length
+        return Plan(decodes + prefills, len(decodes), preempted)
+
+    def _make_room(self, seq: Sequence, tokens: int, planned: set[Sequence],
+                   preempted: list[Sequence]) -> bool:
+        """Blocks for ``seq`` to hold ``tokens`` tokens, preempting the newest running
+        sequences not in the step until there are; False if ``seq`` itself was preempted."""
+        while not self.blocks.grow(seq.table, tokens):
+            victim = next(s for s in reversed(self.running) if s not in planned)
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.release(seq.table)
+        seq.num_computed = 0
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
+    def _admit(self, seq: Sequence, budget: int) -> Chunk | None:
+        """The first chunk of a waiting sequence, its cached prefix reused, if the budget
+        and the pool allow it."""
+        matched = self.blocks.match(seq.tokens) if seq.reuse_prefix else []
+        computed = len(matched) * self.blocks.block_size
+        length = min(len(seq.tokens) - computed, budget)
+        if not self.chunked_prefill and length < len(seq.tokens) - computed:
+            return None
+        if self.blocks.cost(matched, computed + length) > self.blocks.free:
+            return None
+        first = not seq.admitted
+        self.blocks.reuse(seq.table, matched, seq.prompt_len if first and seq.reuse_prefix
+                          else 0)
+        if first:
+            seq.cached_tokens, seq.admitted = computed, True
+        seq.num_computed = computed
+        grown = self.blocks.grow(seq.table, computed + length)
+        assert grown
+        return Chunk(seq, computed, length)
+
+    def advance(self, plan: Plan) -> None:
+        """The step ran: its chunks' keys and values are in the pool, full blocks cached."""
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            seq.num_computed = chunk.start + chunk.length
+            self.blocks.register(seq.table, seq.tokens, seq.num_computed)
+
+    def finish(self, seq: Sequence) -> None:
+        """Drop a sequence (finished, or its client gone), freeing its blocks at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.release(seq.table)
+        seq.num_computed = 0
