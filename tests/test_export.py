@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 from user_workloads import TinyMLP, mlp
 
 from gpuflow import TrainConfig, train
+from gpuflow.byte_vocab import END_OF_DOCUMENT
 from gpuflow.cli import main
 
 
@@ -103,3 +104,13 @@ def test_a_byte_model_export_carries_the_byte_tokenizer(tmp_path: Path, model: s
     for text in ("héllo 🚀", "東京の天気 — naïve 👍🏽\n\tx"):
         assert tokenizer.encode(text) == list(text.encode("utf-8"))
         assert tokenizer.decode(list(text.encode("utf-8"))) == text
+        ended = [*text.encode("utf-8"), END_OF_DOCUMENT]
+        assert tokenizer.decode(ended, skip_special_tokens=True) == text
+    # Byte 0xFF ends a document: the token tools reading the format stop and pad with.
+    assert tokenizer.eos_token_id == tokenizer.bos_token_id == tokenizer.pad_token_id \
+        == END_OF_DOCUMENT
+    if model == "textlm":
+        from transformers import AutoConfig, GenerationConfig
+
+        assert AutoConfig.from_pretrained(out).eos_token_id == END_OF_DOCUMENT
+        assert GenerationConfig.from_pretrained(out).eos_token_id == END_OF_DOCUMENT

@@ -10,6 +10,7 @@ import torch
 from conftest import run_cli
 from runs import events, step_records
 
+from gpuflow.byte_vocab import END_OF_DOCUMENT
 from gpuflow.data.text import (
     ByteWindows,
     RandomBytes,
@@ -154,6 +155,9 @@ def test_data_dir_reading_and_split(tmp_path: Path) -> None:
     assert "data.bin" not in names and "empty.txt" not in names
     split = split_documents(documents)
     assert len(split.val_names) == 1 and len(split.train_names) == 12
+    # Documents are joined by the end-of-document byte, which UTF-8 text never holds.
+    assert split.train.count(bytes([END_OF_DOCUMENT])) == 11
+    assert split.train.split(bytes([END_OF_DOCUMENT]))[0] == documents[0].data
     workload = build(data_dir=str(tmp_path), model_size="layers=1,dim=32,heads=2,seq=32")
     assert len(workload.val_dataset) >= 1 and workload.tokens_per_sample == 32
 

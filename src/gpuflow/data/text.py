@@ -4,8 +4,10 @@ The default corpus is the Python documentation that ships inside CPython
 (``pydoc_data.topics``: the language reference topics ``help()`` shows), so a real text
 workload needs no download. Any folder of text files can replace it.
 
-Held-out text is chosen by whole document, never by scattering bytes, so validation
-measures how well the model predicts text it has not seen, not text it has seen around.
+Documents are joined by the end-of-document byte (``gpuflow.byte_vocab``), so a model
+learns where one ends. Held-out text is chosen by whole document, never by scattering
+bytes, so validation measures how well the model predicts text it has not seen, not text
+it has seen around.
 Datasets are map-style and item ``i`` depends only on ``i`` (the engine's exact resume and
 its data-parallel sharding rely on that).
 """
@@ -19,10 +21,11 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
+from gpuflow.byte_vocab import END_OF_DOCUMENT
 from gpuflow.errors import UserError
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst")
-DOC_SEPARATOR = b"\n\n"
+DOC_SEPARATOR = bytes([END_OF_DOCUMENT])
 VAL_FRACTION = 0.1
 
 

@@ -8,6 +8,9 @@ head, ``(heads, 3, head_dim)``, so that tensor parallelism can split whole heads
 
 Token ``i`` is byte ``i``; the tokenizer maps text to its UTF-8 bytes and back, so
 ``AutoTokenizer`` and any tool reading the format feed the model what it was trained on.
+Byte 0xFF, which UTF-8 never uses, is the end-of-document token (``gpuflow.byte_vocab``):
+the tokenizer names it ``<|endoftext|>`` and makes it the end-of-sequence,
+beginning-of-sequence and padding token, and the config and generation config say so.
 """
 
 from __future__ import annotations
@@ -18,19 +21,22 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpuflow.byte_vocab import BYTE_VOCAB_SIZE, END_OF_DOCUMENT, END_OF_DOCUMENT_TEXT
 from gpuflow.models.gpt import GPT, GPTConfig
 
 
 def gpt2_config(config: GPTConfig) -> Any:
-    """The ``transformers.GPT2Config`` of the same shape."""
+    """The ``transformers.GPT2Config`` of the same shape; a byte-level model's names its
+    end-of-document token as the end, beginning and padding of sequences."""
     from transformers import GPT2Config
 
+    special = END_OF_DOCUMENT if config.vocab_size == BYTE_VOCAB_SIZE else None
     return GPT2Config(
         vocab_size=config.vocab_size, n_positions=config.seq_len, n_embd=config.dim,
         n_layer=config.layers, n_head=config.heads, activation_function="gelu_new",
         resid_pdrop=config.dropout, embd_pdrop=config.dropout, attn_pdrop=config.dropout,
-        layer_norm_epsilon=1e-5, tie_word_embeddings=True, bos_token_id=None,
-        eos_token_id=None)
+        layer_norm_epsilon=1e-5, tie_word_embeddings=True, bos_token_id=special,
+        eos_token_id=special, pad_token_id=special)
 
 
 def _qkv_to_gpt2(tensor: torch.Tensor, heads: int) -> torch.Tensor:
@@ -67,20 +73,23 @@ def gpt2_state_dict(model: GPT) -> dict[str, torch.Tensor]:
 
 
 def byte_tokenizer(model_max_length: int | None = None) -> Any:
-    """A fast tokenizer whose token ids are the text's UTF-8 bytes; ``model_max_length``:
-    the model's context, which tools reading the format cut prompts to (unset, transformers
-    writes 10^30)."""
+    """A fast tokenizer whose token ids are the text's UTF-8 bytes, byte 0xFF its special
+    ``<|endoftext|>``; ``model_max_length``: the model's context, which tools reading the
+    format cut prompts to (unset, transformers writes 10^30)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     symbols = bytes_to_unicode()  # GPT-2's printable stand-in for each byte
-    tokenizer = Tokenizer(models.BPE(vocab={symbols[b]: b for b in range(256)}, merges=[]))
+    vocab = {symbols[b]: b for b in range(BYTE_VOCAB_SIZE) if b != END_OF_DOCUMENT}
+    vocab[END_OF_DOCUMENT_TEXT] = END_OF_DOCUMENT
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False,
                                                        use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
+        tokenizer_object=tokenizer, bos_token=END_OF_DOCUMENT_TEXT,
+        eos_token=END_OF_DOCUMENT_TEXT, pad_token=END_OF_DOCUMENT_TEXT,
         **({} if model_max_length is None else {"model_max_length": model_max_length}))
 
 
@@ -93,5 +102,5 @@ def save_as_gpt2(model: nn.Module, directory: Path) -> None:
     gpt2 = GPT2LMHeadModel(gpt2_config(model.config))
     gpt2.load_state_dict(gpt2_state_dict(model), strict=True)
     gpt2.save_pretrained(directory)
-    if model.config.vocab_size == 256:
+    if model.config.vocab_size == BYTE_VOCAB_SIZE:
         byte_tokenizer(model.config.seq_len).save_pretrained(directory)

@@ -26,6 +26,7 @@ import torch
 from starlette.requests import HTTPConnection
 from uvicorn.config import STARTUP_FAILURE
 
+from gpuflow.byte_vocab import END_OF_DOCUMENT
 from gpuflow.errors import UserError
 from gpuflow.model_dir import GenerationDefaults
 from gpuflow.serve.batcher import Batcher
@@ -178,12 +179,14 @@ class ServerState:
         """The one place the generation engine is made from the loaded model: with the
         tokenizer, end-of-sequence ids and context of its directory when it has one (a
         directory's model that cannot generate is refused: generating is what it is served
-        for), with bytes for a model gpuflow trained on them."""
+        for), with bytes for a model gpuflow trained on them, ending at the end-of-document
+        byte its packs put between documents."""
         settings, loaded = self.settings, engine.loaded
         directory = loaded.directory
         if directory is None:
             return build_generator(loaded.model, engine.runner, settings.kv_cache_gib,
-                                   settings.max_batch_size, settings.max_queue, self.metrics)
+                                   settings.max_batch_size, settings.max_queue, self.metrics,
+                                   eos_ids=(END_OF_DOCUMENT,))
         tokenizer = load_tokenizer(directory.path)
         why = refusal(loaded.model, tokenized=True)
         if why is not None:
