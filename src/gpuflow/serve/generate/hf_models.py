@@ -13,6 +13,9 @@ Sliding-window layers (Mistral's, Qwen2's upper layers) keep every position too;
 mask shows each token only the last ``sliding_window`` positions, as transformers' own
 sliding-window mask does, and a model whose layers differ gets one mask per layer type.
 
+The paged engine's seam (``forward`` over a ``StepBatch``, ``decode_step``) reads and writes
+the pool through ``hf_paged.PagedCache`` under the same masks.
+
 Tokens are the model's own, from its directory's tokenizer; a model gpuflow trained on
 bytes without one has ids 0..255 as the bytes (a larger vocabulary's other ids are never
 chosen).
@@ -32,6 +35,8 @@ from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 from gpuflow.models.gpt import write_positions
+from gpuflow.serve.generate.hf_paged import PagedCache, PagedRows
+from gpuflow.serve.generate.paged import KVPool, StepBatch, check_context
 
 BYTES = 256
 ATTENTION = ("sdpa", "eager")  # the implementations that take a 4-D custom mask
@@ -292,21 +297,66 @@ class HFCausalLM:
         ``keep[b]`` (``[B, V]``)."""
         step = cache.step
         assert step is not None
-        extra: dict[str, Any] = {self._cache_argument: cache, "use_cache": True}
+        columns: torch.Tensor | int | None = None
         if self._keep_last and isinstance(keep, torch.Tensor):
             # The head over the rows' last positions only, not over every padded position.
-            wanted = torch.unique(keep)
-            extra["logits_to_keep"] = wanted
-            keep = torch.searchsorted(wanted, keep)
+            columns = torch.unique(keep)
+            keep = torch.searchsorted(columns, keep)
         elif self._keep_last and isinstance(keep, str) and keep == "last":
-            extra["logits_to_keep"] = 1
+            columns = 1
         positions = step.starts[:, None] + torch.arange(step.length, device=tokens.device)
         try:
-            out = self.model(input_ids=tokens, attention_mask=self._mask(positions, step.span),
-                             position_ids=positions, **extra)
+            logits = self._logits(tokens, positions, step.span, cache, columns)
         finally:
             cache.step = None
-        return kept(out.logits, keep)[..., :self.vocab_size]
+        return kept(logits, keep)[..., :self.vocab_size]
+
+    def _logits(self, tokens: torch.Tensor, positions: torch.Tensor, span: int, cache: Cache,
+                columns: torch.Tensor | int | None) -> torch.Tensor:
+        """The model's logits ``[B, T or columns, V]`` of ``tokens[B, T]`` at ``positions``,
+        row ``b`` seeing the first ``span`` entries its cache layers return, up to its own
+        position; only at ``columns`` (transformers' ``logits_to_keep``) where given."""
+        extra: dict[str, Any] = {self._cache_argument: cache, "use_cache": True}
+        if columns is not None:
+            extra["logits_to_keep"] = columns
+        out = self.model(input_ids=tokens, attention_mask=self._mask(positions, span),
+                         position_ids=positions, **extra)
+        return out.logits
+
+    def new_pool(self, num_blocks: int, block_size: int) -> KVPool:
+        shape, device = self.shape, next(self.model.parameters()).device
+        return KVPool(shape.layers, num_blocks, shape.heads, block_size, shape.key_dim, device,
+                      self.dtype, shape.value_dim)
+
+    def bytes_per_block(self, block_size: int) -> int:
+        shape = self.shape
+        return KVPool.bytes_per_block(shape.layers, shape.heads, shape.key_dim, block_size,
+                                      self.dtype, shape.value_dim)
+
+    def forward(self, batch: StepBatch, pool: KVPool) -> torch.Tensor:
+        """Logits ``[K, V]`` at ``batch.logits_at`` (see ``paged.PagedLM``), through the
+        model's own forward over the rows right-padded to ``[B, T]``."""
+        check_context(batch, self.context)
+        rows = PagedRows.of(batch)
+        at = batch.logits_at if rows.padded_at is None else rows.padded_at[batch.logits_at]
+        columns = None
+        if self._keep_last:  # the head over the columns some row wants, not over all
+            columns = torch.unique(at % rows.length)
+            at = at // rows.length * len(columns) + torch.searchsorted(columns, at % rows.length)
+        cache = PagedCache(pool, rows)
+        logits = self._logits(rows.padded(batch.tokens), rows.padded(batch.positions),
+                              cache.span, cache, columns)
+        return logits.flatten(0, 1)[at][..., :self.vocab_size]
+
+    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor,
+                    slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                    pool: KVPool) -> torch.Tensor:
+        """Logits ``[B, V]`` of one token per row in static shapes: every row attends over
+        all of ``block_tables[B, M]`` under its mask."""
+        cache = PagedCache(pool, PagedRows(slot_mapping, None, block_tables, 1))
+        logits = self._logits(tokens[:, None], positions[:, None], cache.span, cache,
+                              1 if self._keep_last else None)
+        return logits[:, -1, :self.vocab_size]
 
     def _mask(self, positions: torch.Tensor, span: int) -> torch.Tensor | dict[str, Any]:
         """Row ``b``'s token ``t`` sees its own slot's positions up to its own (within the
@@ -329,7 +379,9 @@ class HFCausalLM:
         mask = torch.zeros(visible.shape, dtype=self._mask_dtype, device=visible.device)
         return mask.masked_fill_(~visible, torch.finfo(self._mask_dtype).min)
 
-    def written(self, cache: SlotCache) -> list[torch.Tensor]:
+    def written(self, cache: SlotCache | KVPool) -> list[torch.Tensor]:
         """The tensors ``step`` writes into: each layer's keys and values (views of the
-        whole cache's, which the step never touches itself)."""
+        whole cache's, which the step never touches itself); ``decode_step``, the pool's."""
+        if isinstance(cache, KVPool):
+            return [cache.keys, cache.values]
         return [t for layer in cache.layers for t in (layer.keys, layer.values)]

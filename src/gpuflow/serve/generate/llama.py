@@ -6,13 +6,15 @@ token per sequence, a small model spends most of its step in the Python of trans
 modules (hooks, wrappers, keyword plumbing, mask and cache dispatch), not in arithmetic:
 this forward calls the same weights through ``torch.nn.functional`` and transformers' own
 rotary embedding (so every rope scaling the model's config names is computed as
-transformers computes it), and writes and reads the same ``SlotCache``. Its logits equal
+transformers computes it), and writes and reads the same ``SlotCache``, or the engine's
+paged ``KVPool`` on flat tokens, each layer's sliding window honoured. Its logits equal
 transformers' within fp32 rounding (tests compare greedy generations token for token).
 Any other architecture runs through transformers' forward (``HFCausalLM``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +25,14 @@ from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from gpuflow.serve.generate.hf_models import HFCausalLM, Keep, SlotCache, kept
+from gpuflow.serve.generate.paged import (
+    KVPool,
+    StepBatch,
+    check_context,
+    decode_attention,
+    paged_attention,
+    write_kv,
+)
 
 FAMILY = ("llama", "mistral", "qwen2")
 
@@ -42,6 +52,8 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
 
 
+# Attention of one layer: rotated q, k and v [N, heads, head_dim], the layer, its scale.
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
 Dense = tuple[torch.Tensor, torch.Tensor | None]  # a linear layer's weight, transposed, and bias
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # cos/sin depend on the position only
 MAX_TABLE = 2**22  # cos (and sin) values kept for the whole context at most: 16 MiB in fp32
@@ -109,28 +121,71 @@ class LlamaDecoder(HFCausalLM):
         batch, length = tokens.shape
         positions = step.starts[:, None] + torch.arange(length, device=tokens.device)
         gqa = self._heads != self._kv_heads
+
+        def split(flat: torch.Tensor) -> torch.Tensor:  # [B * T, heads, dim] -> [B, heads, T, dim]
+            return flat.view(batch, length, *flat.shape[1:]).transpose(1, 2)
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: int,
+                   scale: float) -> torch.Tensor:
+            keys, values = cache.layers[index].update(split(k), split(v))
+            layer_mask = mask if not isinstance(mask, dict) else \
+                mask[self.shape.layer_types[index]]  # type: ignore[index]
+            y = F.scaled_dot_product_attention(split(q), keys, values, attn_mask=layer_mask,
+                                               scale=scale, enable_gqa=gqa)
+            return y.transpose(1, 2).flatten(0, 1)
+
         try:
             mask = self._mask(positions, step.span)
-            x = F.embedding(tokens.view(-1), self._embed)  # [B * T, D] from here on
-            cos, sin = self._rotation(x, positions)
-            for index, layer in enumerate(self._layers):
-                h = _rms_norm(x, *layer.norm1)
-                q = self._split(_dense(h, layer.q), batch, self._heads)
-                k = self._split(_dense(h, layer.k), batch, self._kv_heads)
-                v = self._split(_dense(h, layer.v), batch, self._kv_heads)
-                q, k = apply_rotary_pos_emb(q, k, cos, sin)
-                keys, values = cache.layers[index].update(k, v)
-                layer_mask = mask if not isinstance(mask, dict) else \
-                    mask[self.shape.layer_types[index]]  # type: ignore[index]
-                y = F.scaled_dot_product_attention(q, keys, values, attn_mask=layer_mask,
-                                                   scale=layer.scale, enable_gqa=gqa)
-                x = x + _dense(y.transpose(1, 2).reshape(batch * length, -1), layer.o)
-                h = _rms_norm(x, *layer.norm2)
-                x = x + _dense(F.silu(_dense(h, layer.gate)) * _dense(h, layer.up), layer.down)
+            x = self._layers_over(tokens.view(-1), positions.view(-1), attend)
         finally:
             cache.step = None
-        last = kept(x.view(batch, length, -1), keep)
-        logits = F.linear(_rms_norm(last, *self._norm), self._head)
+        return self._head_over(kept(x.view(batch, length, -1), keep))
+
+    def forward(self, batch: StepBatch, pool: KVPool) -> torch.Tensor:
+        """Logits ``[K, V]`` at ``batch.logits_at`` (see ``paged.PagedLM``)."""
+        check_context(batch, self.context)
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: int,
+                   scale: float) -> torch.Tensor:
+            write_kv(pool, index, k, v, batch.slot_mapping)
+            return paged_attention(q, pool, index, batch, scale, self.shape.windows[index])
+
+        x = self._layers_over(batch.tokens, batch.positions, attend)
+        return self._head_over(x[batch.logits_at])
+
+    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor,
+                    slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                    pool: KVPool) -> torch.Tensor:
+        """Logits ``[B, V]`` of one token per row in static shapes (see ``paged``)."""
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: int,
+                   scale: float) -> torch.Tensor:
+            write_kv(pool, index, k, v, slot_mapping)
+            return decode_attention(q, pool, index, positions, block_tables, scale,
+                                    self.shape.windows[index])
+
+        return self._head_over(self._layers_over(tokens, positions, attend))
+
+    def _layers_over(self, tokens: torch.Tensor, positions: torch.Tensor,
+                     attend: Attend) -> torch.Tensor:
+        """The decoder layers over flat ``tokens[N]`` at ``positions[N]``: the last hidden
+        states ``[N, D]``; ``attend(q, k, v, layer, scale)`` takes each layer's rotated
+        queries and keys and its values ``[N, heads, head_dim]``, keeps the keys and
+        values, and returns the attention ``[N, heads, head_dim]``."""
+        x = F.embedding(tokens, self._embed)
+        cos, sin = (t[0] for t in self._rotation(x, positions[None]))  # [N, head_dim]
+        for index, layer in enumerate(self._layers):
+            h = _rms_norm(x, *layer.norm1)
+            q = _dense(h, layer.q).view(-1, self._heads, self._head_dim)
+            k = _dense(h, layer.k).view(-1, self._kv_heads, self._head_dim)
+            v = _dense(h, layer.v).view(-1, self._kv_heads, self._head_dim)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+            x = x + _dense(attend(q, k, v, index, layer.scale).flatten(1), layer.o)
+            h = _rms_norm(x, *layer.norm2)
+            x = x + _dense(F.silu(_dense(h, layer.gate)) * _dense(h, layer.up), layer.down)
+        return x
+
+    def _head_over(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(_rms_norm(hidden, *self._norm), self._head)
         return logits[..., :self.vocab_size]
 
     def _rotation(self, x: torch.Tensor, positions: torch.Tensor
@@ -150,7 +205,3 @@ class LlamaDecoder(HFCausalLM):
         positions = torch.arange(self.context, device=self._embed.device)[None]
         cos, sin = self._rotary(self._embed[:1][None], positions)
         return cos[0], sin[0]
-
-    def _split(self, projected: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
-        """``[B * T, heads * head_dim]`` as ``[B, heads, T, head_dim]``."""
-        return projected.view(batch, -1, heads, self._head_dim).transpose(1, 2)

@@ -1,9 +1,11 @@
-"""The models the generation engine can drive, behind its ``CachedLM`` interface: gpuflow's
-GPT here, Hugging Face causal LMs in ``hf_models`` (imported only for one, as it imports
+"""The models the generation engine can drive, behind its ``CachedLM`` interface (one cache
+slot per sequence) and its ``PagedLM`` one (a pool of KV blocks, ``paged``): gpuflow's GPT
+here, Hugging Face causal LMs in ``hf_models`` (imported only for one, as it imports
 ``transformers``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -12,6 +14,14 @@ from torch.nn import functional as F
 
 from gpuflow.hf import is_hf_model
 from gpuflow.models.gpt import GPT, CausalSelfAttention, KVCache
+from gpuflow.serve.generate.paged import (
+    KVPool,
+    StepBatch,
+    check_context,
+    decode_attention,
+    paged_attention,
+    write_kv,
+)
 
 if TYPE_CHECKING:
     from gpuflow.serve.generate.hf_models import HFCausalLM
@@ -79,9 +89,52 @@ class GPTDecoder:
         y = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
         return attn.proj(y.transpose(1, 2).reshape(batch, 1, -1))
 
-    def written(self, cache: KVCache) -> list[torch.Tensor]:
-        """The tensors ``step`` writes into."""
+    def written(self, cache: KVCache | KVPool) -> list[torch.Tensor]:
+        """The tensors ``step`` (or ``decode_step``) writes into."""
         return [cache.keys, cache.values]
+
+    def new_pool(self, num_blocks: int, block_size: int) -> KVPool:
+        config = self.model.config
+        device = next(self.model.parameters()).device
+        return KVPool(config.layers, num_blocks, config.heads, block_size,
+                      config.dim // config.heads, device, self.dtype)
+
+    def bytes_per_block(self, block_size: int) -> int:
+        config = self.model.config
+        return KVPool.bytes_per_block(config.layers, config.heads, config.dim // config.heads,
+                                      block_size, self.dtype)
+
+    def forward(self, batch: StepBatch, pool: KVPool) -> torch.Tensor:
+        """Logits ``[K, vocab]`` at ``batch.logits_at`` (see ``paged.PagedLM``)."""
+        check_context(batch, self.context)
+        hidden = self._paged(batch.tokens, batch.positions, batch.slot_mapping, pool,
+                             lambda q, layer: paged_attention(q, pool, layer, batch))
+        model = self.model
+        return model.lm_head(model.ln_f(hidden[batch.logits_at]))
+
+    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor,
+                    slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                    pool: KVPool) -> torch.Tensor:
+        """Logits ``[B, vocab]`` of one token per row in static shapes (see ``step``)."""
+        hidden = self._paged(tokens, positions, slot_mapping, pool,
+                             lambda q, layer: decode_attention(q, pool, layer, positions,
+                                                               block_tables))
+        return self.model.lm_head(self.model.ln_f(hidden))
+
+    def _paged(self, tokens: torch.Tensor, positions: torch.Tensor,
+               slot_mapping: torch.Tensor, pool: KVPool,
+               attend: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
+        """The last hidden states ``[N, dim]`` of flat ``tokens[N]``, each layer's new keys
+        and values written at ``slot_mapping`` before ``attend(q[N, heads, head_dim],
+        layer)`` reads them."""
+        model = self.model
+        x = model.tok_emb(tokens) + model.pos_emb(positions)
+        for layer, block in enumerate(model.blocks):
+            q, k, v = (t[0].transpose(0, 1) for t in block.attn._heads(block.ln1(x)[None]))
+            write_kv(pool, layer, k, v, slot_mapping)
+            x = x + block.attn.proj(attend(q, layer).reshape(len(x), -1))
+            x = x + block.mlp(block.ln2(x))
+        return x
 
 
 def refusal(model: nn.Module, tokenized: bool = False) -> str | None:

@@ -1,0 +1,253 @@
+"""The paged KV seam between the generation engine and its models.
+
+Keys and values live in one pool of fixed-size blocks allocated once; a sequence holds a
+table of the blocks it has filled, in order, so it costs only the memory of its real
+length. One engine step is a ``StepBatch``: the new tokens of several sequences laid flat
+(decode rows of one token first, then prefill chunks), each token's position and the pool
+slot its key and value go to, and each row's block table. A model (``PagedLM``) writes the
+new keys and values, then attends through the block tables: decode rows together in one
+SDPA over their gathered blocks, each prefill chunk in its own, causal from its offset.
+
+``decode_step`` is the static-shape variant for compiled decoding and CUDA graphs: every
+row attends over all the blocks its table can name under a mask, so shapes depend on the
+batch size alone and nothing is read back to the host.
+
+Block 0 is the null block: tables are padded with it, padding rows write into it, and no
+sequence is ever given it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, NamedTuple, Protocol
+
+import torch
+from torch.nn import functional as F
+
+NULL_BLOCK = 0
+Wanted = Literal["last", "all", "none"]  # the tokens of a row whose logits a forward returns
+
+
+class RowSpec(NamedTuple):
+    """One sequence in a step: its new tokens, the position of the first, its block table
+    (covering at least ``start + len(tokens)`` positions) and which logits it wants."""
+
+    tokens: Sequence[int]
+    start: int
+    blocks: Sequence[int]
+    logits: Wanted = "last"
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """One forward of the engine over several sequences, their new tokens laid flat.
+
+    ``host_context_lens`` repeats ``context_lens`` on the host, so that attention sizes its
+    gathers without reading the device."""
+
+    tokens: torch.Tensor  # [N] every row's new tokens; decode rows first, then prefill chunks
+    positions: torch.Tensor  # [N] each token's position in its sequence
+    slot_mapping: torch.Tensor  # [N] block * block_size + offset where its key/value go
+    row_starts: tuple[int, ...]  # B + 1: row b is tokens[row_starts[b]:row_starts[b + 1]]
+    context_lens: torch.Tensor  # [B] tokens row b sees after this step
+    block_tables: torch.Tensor  # [B, max_blocks] row b's blocks, padded with NULL_BLOCK
+    num_decodes: int  # rows 0..num_decodes-1 have one new token each
+    logits_at: torch.Tensor  # [K] flat indices into tokens whose logits the forward returns
+    host_context_lens: tuple[int, ...]
+    block_size: int
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.row_starts) - 1
+
+    @classmethod
+    def build(cls, rows: Sequence[RowSpec], block_size: int,
+              device: torch.device | str = "cpu", max_blocks: int | None = None) -> StepBatch:
+        """The batch of ``rows`` (decode rows first), every tensor made on the host in one
+        go and sent to ``device``. ``max_blocks`` pads the tables to a fixed width."""
+        if not rows:
+            raise ValueError("a step needs at least one row")
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        row_starts = [0]
+        logits_at: list[int] = []
+        for row in rows:
+            count, end = len(row.tokens), row.start + len(row.tokens)
+            if count == 0 or row.start < 0:
+                raise ValueError(f"a row needs new tokens at a position >= 0 (got {row})")
+            if len(row.blocks) * block_size < end:
+                raise ValueError(f"{len(row.blocks)} blocks of {block_size} cannot hold "
+                                 f"{end} positions")
+            if NULL_BLOCK in row.blocks[:(end + block_size - 1) // block_size]:
+                raise ValueError("no sequence may hold the null block")
+            first = row_starts[-1]
+            tokens.extend(row.tokens)
+            span = range(row.start, end)
+            positions.extend(span)
+            slots.extend(row.blocks[p // block_size] * block_size + p % block_size
+                         for p in span)
+            row_starts.append(first + count)
+            if row.logits == "last":
+                logits_at.append(first + count - 1)
+            elif row.logits == "all":
+                logits_at.extend(range(first, first + count))
+        width = max(len(row.blocks) for row in rows) if max_blocks is None else max_blocks
+        if any(len(row.blocks) > width for row in rows):
+            raise ValueError(f"a block table is wider than max_blocks ({width})")
+        tables = [list(row.blocks) + [NULL_BLOCK] * (width - len(row.blocks)) for row in rows]
+        contexts = tuple(row.start + len(row.tokens) for row in rows)
+        decodes = next((i for i, row in enumerate(rows) if len(row.tokens) != 1), len(rows))
+
+        def tensor(values: Sequence[int] | list[list[int]]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+        return cls(tensor(tokens), tensor(positions), tensor(slots), tuple(row_starts),
+                   tensor(contexts), tensor(tables), decodes, tensor(logits_at), contexts,
+                   block_size)
+
+
+def check_context(batch: StepBatch, context: int) -> None:
+    """Refuse a step that runs a sequence past the model's context, before a position
+    table is read out of its bounds (on the host: ``host_context_lens``)."""
+    longest = max(batch.host_context_lens)
+    if longest > context:
+        raise ValueError(f"a sequence of {longest} tokens is longer than the model's context "
+                         f"({context})")
+
+
+class KVPool:
+    """The paged KV cache: keys and values ``[layers, num_blocks, kv_heads, block_size,
+    head_dim]`` each, allocated once. Block 0 is the null block: padding rows and padding
+    tokens write there, and no sequence is ever given it."""
+
+    def __init__(self, layers: int, num_blocks: int, kv_heads: int, block_size: int,
+                 head_dim: int, device: torch.device | str, dtype: torch.dtype,
+                 value_dim: int | None = None) -> None:
+        if num_blocks < 2 or block_size < 1:
+            raise ValueError(f"a pool needs 2 blocks or more (the null block and one) of 1 "
+                             f"token or more (got {num_blocks} of {block_size})")
+        dims = (layers, num_blocks, kv_heads, block_size)
+        self.keys = torch.zeros((*dims, head_dim), device=device, dtype=dtype)
+        self.values = torch.zeros((*dims, value_dim or head_dim), device=device, dtype=dtype)
+        self.block_size, self.num_blocks = block_size, num_blocks
+
+    def nbytes(self) -> int:
+        return (self.keys.numel() + self.values.numel()) * self.keys.element_size()
+
+    @staticmethod
+    def bytes_per_block(layers: int, kv_heads: int, head_dim: int, block_size: int,
+                        dtype: torch.dtype, value_dim: int | None = None) -> int:
+        return layers * kv_heads * block_size * (head_dim + (value_dim or head_dim)) \
+            * dtype.itemsize
+
+
+def write_kv(pool: KVPool, layer: int, keys: torch.Tensor, values: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write ``keys[N, kv_heads, head_dim]`` (and values) at their pool slots, in place.
+    The whole pool tensor is indexed (layer, block and offset each a tensor index), not a
+    view of one layer: inductor then writes in place, where a write through the view made
+    it copy the pool."""
+    at = (torch.full_like(slot_mapping, layer), slot_mapping // pool.block_size,
+          slice(None), slot_mapping % pool.block_size)
+    pool.keys[at] = keys.to(pool.keys.dtype)
+    pool.values[at] = values.to(pool.values.dtype)
+
+
+def gather(pool: KVPool, layer: int, tables: torch.Tensor, dtype: torch.dtype
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values of ``tables[B, M]``'s blocks in order, ``[B, kv_heads, M *
+    block_size, dim]``: index ``j`` of row ``b`` holds its position ``j``."""
+    batch, width = tables.shape
+    flat = tables.reshape(-1)
+
+    def rows(tensor: torch.Tensor) -> torch.Tensor:
+        # index_select copies several times faster than advanced indexing.
+        blocks = tensor[layer].index_select(0, flat)  # [B * M, kv_heads, block_size, dim]
+        heads, size, dim = blocks.shape[1:]
+        return (blocks.view(batch, width, heads, size, dim).transpose(1, 2)
+                .reshape(batch, heads, width * size, dim).to(dtype))
+
+    return rows(pool.keys), rows(pool.values)
+
+
+def visible(positions: torch.Tensor, span: int, sliding_window: int | None) -> torch.Tensor:
+    """Whether a token at ``positions[..., 1]`` sees key positions ``0..span-1``: its own
+    and earlier ones, the last ``sliding_window`` of them only where one is set."""
+    keys = torch.arange(span, device=positions.device)
+    seen = keys <= positions
+    return seen if sliding_window is None else seen & (keys > positions - sliding_window)
+
+
+def decode_attention(q: torch.Tensor, pool: KVPool, layer: int, positions: torch.Tensor,
+                     block_tables: torch.Tensor, scale: float | None = None,
+                     sliding_window: int | None = None) -> torch.Tensor:
+    """Attention of one token per row, ``q[B, heads, head_dim]`` at ``positions[B]``, over
+    every position ``block_tables[B, M]`` names, under a mask: shapes depend on ``B`` and
+    ``M`` alone and nothing is read back to the host (for ``torch.compile(dynamic=False)``
+    and CUDA graphs). Returns ``[B, heads, value_dim]``."""
+    keys, values = gather(pool, layer, block_tables, q.dtype)
+    mask = visible(positions[:, None], keys.shape[2], sliding_window)  # [B, span]
+    y = F.scaled_dot_product_attention(q[:, :, None], keys, values,
+                                       attn_mask=mask[:, None, None], scale=scale,
+                                       enable_gqa=q.shape[1] != keys.shape[1])
+    return y[:, :, 0]
+
+
+def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, batch: StepBatch,
+                    scale: float | None = None,
+                    sliding_window: int | None = None) -> torch.Tensor:
+    """Attention of ``batch``'s new tokens, ``q[N, heads, head_dim]``, over their
+    sequences' blocks (their own keys and values written first): decode rows in one SDPA
+    over the blocks the longest of them needs, each prefill chunk in its own over its
+    blocks up to its context, token at position ``p`` seeing positions ``<= p``. Returns
+    ``[N, heads, value_dim]``."""
+    size, decodes = batch.block_size, batch.num_decodes
+    gqa = q.shape[1] != pool.keys.shape[2]
+    parts = []
+    if decodes:
+        width = (max(batch.host_context_lens[:decodes]) + size - 1) // size
+        parts.append(decode_attention(q[:decodes], pool, layer, batch.positions[:decodes],
+                                      batch.block_tables[:decodes, :width], scale,
+                                      sliding_window))
+    for row in range(decodes, batch.num_rows):
+        first, end = batch.row_starts[row], batch.row_starts[row + 1]
+        context = batch.host_context_lens[row]
+        tables = batch.block_tables[row:row + 1, :(context + size - 1) // size]
+        keys, values = gather(pool, layer, tables, q.dtype)
+        mask = visible(batch.positions[first:end, None], context, sliding_window)
+        y = F.scaled_dot_product_attention(q[first:end].transpose(0, 1)[None],
+                                           keys[:, :, :context], values[:, :, :context],
+                                           attn_mask=mask[None, None], scale=scale,
+                                           enable_gqa=gqa)
+        parts.append(y[0].transpose(0, 1))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+class PagedLM(Protocol):
+    """A model the engine drives over a ``KVPool``: gpuflow's GPT (``GPTDecoder``), any
+    Hugging Face causal LM (``HFCausalLM``) and the Llama family's own forward
+    (``LlamaDecoder``)."""
+
+    context: int
+    vocab_size: int
+
+    def new_pool(self, num_blocks: int, block_size: int) -> KVPool: ...
+
+    def bytes_per_block(self, block_size: int) -> int: ...
+
+    def forward(self, batch: StepBatch, pool: KVPool) -> torch.Tensor:
+        """Logits ``[K, vocab_size]`` at ``batch.logits_at``, every new token's key and
+        value written first."""
+        ...
+
+    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor,
+                    slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                    pool: KVPool) -> torch.Tensor:
+        """Logits ``[B, vocab_size]`` of one token per row, in static shapes."""
+        ...
+
+    def written(self, pool: KVPool) -> list[torch.Tensor]:
+        """The tensors ``decode_step`` writes into (for ``mark_static_address``)."""
+        ...

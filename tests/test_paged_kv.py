@@ -1,0 +1,199 @@
+"""The paged KV seam: prompts prefilled in chunks and decoded among each other over shuffled
+blocks of one pool give the logits of each model's own forward over the whole sequence
+(gpuflow's GPT, the Llama family's own forward, transformers' forward; full and sliding-window
+layers), and the static-shape decode step equals the step's forward, its padding rows
+writing only the null block."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from hub_models import HubModels
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Qwen2Config
+
+from gpuflow.models.gpt import GPT, GPTConfig
+from gpuflow.serve.generate.hf_models import HFCausalLM
+from gpuflow.serve.generate.llama import LlamaDecoder
+from gpuflow.serve.generate.models import GPTDecoder
+from gpuflow.serve.generate.paged import KVPool, PagedLM, RowSpec, StepBatch, Wanted
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# 5 divides no model's context (64, 128, 256); sequence B's prompt fills 4 blocks exactly,
+# and A's fifth decode step ends its fifth block.
+BLOCK = 5
+LENGTHS = {"A": 26, "B": 24, "C": 14}
+# Each step's rows (sequence, new tokens, logits wanted); the forward puts decode rows first.
+SCHEDULE: list[list[tuple[str, int, Wanted]]] = [
+    [("A", 7, "all"), ("B", 5, "last")],
+    [("A", 8, "none"), ("B", 15, "all")],
+    [("A", 8, "last"), ("B", 1, "last"), ("C", 6, "all")],
+    [("C", 6, "last"), ("A", 1, "last"), ("B", 1, "last")],
+    [("A", 1, "last"), ("B", 1, "last"), ("C", 1, "last")],
+]  # then one decode step of all three, through forward and decode_step
+Reference = Callable[[list[int]], torch.Tensor]  # a whole sequence's logits, no cache
+
+
+def gpt() -> tuple[PagedLM, Reference]:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, seq_len=64, layers=2, dim=32, heads=4)).eval()
+    return GPTDecoder(model, torch.float32), lambda tokens: model(torch.tensor([tokens]))[0]
+
+
+def hf(model: torch.nn.Module, lm: HFCausalLM) -> tuple[PagedLM, Reference]:
+    def reference(tokens: list[int]) -> torch.Tensor:
+        return model(input_ids=torch.tensor([tokens])).logits[0, :, :lm.vocab_size]
+
+    return lm, reference
+
+
+def gpt2() -> tuple[PagedLM, Reference]:
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256,
+                                       n_positions=128)).eval()
+    model.set_attn_implementation("sdpa")
+    return hf(model, HFCausalLM(model, torch.float32))
+
+
+def qwen2_sliding(kind: type[HFCausalLM]) -> tuple[PagedLM, Reference]:
+    """Layer 0 sees the whole prefix, layer 1 the last 6 positions (shorter than every
+    sequence here), with grouped key/value heads."""
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=128, use_sliding_window=True,
+                         sliding_window=6, max_window_layers=1)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    lm = kind(model, torch.float32)
+    assert lm.shape.windows == (None, 6)
+    return hf(model, lm)
+
+
+def hub_llama(directory: Path) -> tuple[PagedLM, Reference]:
+    model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="sdpa").eval()
+    return hf(model, LlamaDecoder(model, torch.float32, tokenized=True))
+
+
+MODELS = ["gpt", "llama", "gpt2", "qwen2-sliding", "qwen2-sliding-transformers"]
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def paged_lm(request: pytest.FixtureRequest,
+             hub_models: HubModels) -> tuple[PagedLM, Reference]:
+    name = request.param
+    if name == "llama":
+        return hub_llama(hub_models["llama"])
+    if name.startswith("qwen2"):
+        return qwen2_sliding(HFCausalLM if name.endswith("transformers") else LlamaDecoder)
+    return {"gpt": gpt, "gpt2": gpt2}[name]()
+
+
+class Sequences:
+    """Sequences A, B and C of random tokens, each with a shuffled, non-contiguous block
+    table of one pool, and how many tokens of each the pool holds so far."""
+
+    def __init__(self, lm: PagedLM) -> None:
+        rng = random.Random(0)
+        self.tokens = {name: [rng.randrange(lm.vocab_size) for _ in range(length)]
+                       for name, length in LENGTHS.items()}
+        blocks = list(range(1, 20))
+        rng.shuffle(blocks)
+        self.blocks: dict[str, list[int]] = {}
+        for name, length in LENGTHS.items():
+            count = -(-length // BLOCK)
+            self.blocks[name], blocks = blocks[:count], blocks[count:]
+        self.done = dict.fromkeys(LENGTHS, 0)
+        self.pool = lm.new_pool(20, BLOCK)
+
+    def step(self, rows: list[tuple[str, int, Wanted]], max_blocks: int | None = None
+             ) -> tuple[StepBatch, list[tuple[str, int]]]:
+        """The batch of ``rows``, decode rows first, and the (sequence, position) of each
+        logit it asks for."""
+        specs, wanted = [], []
+        for name, count, want in sorted(rows, key=lambda row: row[1] != 1):
+            start = self.done[name]
+            specs.append(RowSpec(self.tokens[name][start:start + count], start,
+                                 self.blocks[name], want))
+            ends = {"all": range(start, start + count), "last": [start + count - 1],
+                    "none": []}
+            wanted += [(name, position) for position in ends[want]]
+            self.done[name] += count
+        return StepBatch.build(specs, BLOCK, max_blocks=max_blocks), wanted
+
+
+@torch.inference_mode()
+def test_chunked_prefill_and_mixed_decode_equal_the_whole_sequence_forward(
+        paged_lm: tuple[PagedLM, Reference]) -> None:
+    lm, reference = paged_lm
+    sequences = Sequences(lm)
+    expected = {name: reference(tokens) for name, tokens in sequences.tokens.items()}
+    checked = 0
+    for rows in SCHEDULE:
+        batch, wanted = sequences.step(rows)
+        logits = lm.forward(batch, sequences.pool)
+        assert logits.shape == (len(wanted), lm.vocab_size)
+        for (name, position), row in zip(wanted, logits, strict=True):
+            torch.testing.assert_close(row, expected[name][position], atol=1e-4, rtol=1e-4)
+        checked += len(wanted)
+    assert checked == 7 + 1 + 15 + 1 + 1 + 6 + 1 + 1 + 1 + 3
+    assert sequences.done == {"A": 25, "B": 23, "C": 13}
+
+    # The last token of each through decode_step, in a batch of 4 padded to the widest
+    # table a sequence of the whole context has: the padding row writes the null block only.
+    width = -(-lm.context // BLOCK)
+    batch, wanted = sequences.step([(name, 1, "last") for name in LENGTHS], width)
+    stepped = lm.forward(batch, sequences.pool)
+    for (name, position), row in zip(wanted, stepped, strict=True):
+        torch.testing.assert_close(row, expected[name][position], atol=1e-4, rtol=1e-4)
+    pool = sequences.pool
+    before = pool.keys.clone(), pool.values.clone()
+    assert not before[0][:, 0].any()  # nothing wrote the null block so far
+    padded = [torch.cat([t, t.new_zeros(1, *t.shape[1:])])
+              for t in (batch.tokens, batch.positions, batch.slot_mapping, batch.block_tables)]
+    logits = lm.decode_step(*padded, pool)
+    assert logits.shape == (4, lm.vocab_size)
+    torch.testing.assert_close(logits[:3], stepped, atol=1e-5, rtol=1e-5)
+    for tensor, old in zip((pool.keys, pool.values), before, strict=True):
+        # The real rows write again what forward wrote, within rounding.
+        torch.testing.assert_close(tensor[:, 1:], old[:, 1:], atol=1e-5, rtol=1e-5)
+        assert tensor[:, 0].any()
+    assert lm.written(pool) == [pool.keys, pool.values]
+
+
+def test_the_pool_is_allocated_once_and_sized_by_the_model() -> None:
+    lm, _ = gpt()
+    pool = lm.new_pool(7, 16)
+    # 2 layers x 4 heads x 16 positions x (8 + 8) dims x 4 bytes, per block.
+    assert lm.bytes_per_block(16) == 2 * 4 * 16 * 16 * 4
+    assert pool.nbytes() == 7 * lm.bytes_per_block(16)
+    assert pool.keys.shape == (2, 7, 4, 16, 8) and pool.values.shape == pool.keys.shape
+    assert KVPool.bytes_per_block(2, 4, 8, 16, torch.bfloat16) == lm.bytes_per_block(16) // 2
+
+
+def test_a_step_is_refused_past_the_context_or_onto_the_null_block() -> None:
+    lm, _ = gpt()
+    pool = lm.new_pool(16, 5)
+    too_long = StepBatch.build([RowSpec([1] * 5, 62, list(range(1, 15)))], 5)
+    with pytest.raises(ValueError, match="longer than the model's context"):
+        lm.forward(too_long, pool)
+    with pytest.raises(ValueError, match="null block"):
+        StepBatch.build([RowSpec([1, 2], 0, [0])], 5)
+    with pytest.raises(ValueError, match="cannot hold"):
+        StepBatch.build([RowSpec([1] * 6, 0, [3])], 5)
+
+
+def test_a_batch_lays_rows_flat() -> None:
+    batch = StepBatch.build([RowSpec([7], 9, [4, 2]), RowSpec([1, 2, 3], 3, [5, 6], "all"),
+                             RowSpec([8, 9], 0, [1], "none")], 5, max_blocks=3)
+    assert batch.tokens.tolist() == [7, 1, 2, 3, 8, 9]
+    assert batch.positions.tolist() == [9, 3, 4, 5, 0, 1]
+    # Position 9 is offset 4 of the row's second block; 5 is offset 0 of its second.
+    assert batch.slot_mapping.tolist() == [2 * 5 + 4, 5 * 5 + 3, 5 * 5 + 4, 6 * 5, 5, 6]
+    assert batch.row_starts == (0, 1, 4, 6) and batch.num_decodes == 1
+    assert batch.context_lens.tolist() == [10, 6, 2]
+    assert batch.block_tables.tolist() == [[4, 2, 0], [5, 6, 0], [1, 0, 0]]
+    assert batch.logits_at.tolist() == [0, 1, 2, 3]
