@@ -197,3 +197,23 @@ def test_a_batch_lays_rows_flat() -> None:
     assert batch.context_lens.tolist() == [10, 6, 2]
     assert batch.block_tables.tolist() == [[4, 2, 0], [5, 6, 0], [1, 0, 0]]
     assert batch.logits_at.tolist() == [0, 1, 2, 3]
+
+
+@torch.inference_mode()
+def test_the_compiled_decode_step_equals_eager_and_writes_the_pool_in_place() -> None:
+    """The one compile of this module: ``torch.compile(dynamic=False)`` of GPT's decode
+    step gives eager's logits and writes the pool it is given, as eager does."""
+    lm, _ = gpt()
+    prompts = [RowSpec(list(range(12)), 0, [3, 7, 2]), RowSpec(list(range(5)), 0, [9, 4])]
+    pools = [lm.new_pool(16, BLOCK) for _ in range(2)]
+    for pool in pools:
+        lm.forward(StepBatch.build(prompts, BLOCK), pool)
+    step = StepBatch.build([RowSpec([40], 12, [3, 7, 2]), RowSpec([41], 5, [9, 4])], BLOCK,
+                           max_blocks=-(-lm.context // BLOCK))
+    inputs = (step.tokens, step.positions, step.slot_mapping, step.block_tables)
+    eager = lm.decode_step(*inputs, pools[0])
+    compiled = torch.compile(lm.decode_step, dynamic=False, fullgraph=True)(*inputs, pools[1])
+    torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pools[1].keys, pools[0].keys, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(pools[1].values, pools[0].values, atol=1e-6, rtol=1e-6)
+    assert pools[1].keys[:, 2, :, 2].any()  # position 12: block 2, offset 2
