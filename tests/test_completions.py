@@ -24,7 +24,7 @@ from gpuflow.models.gpt import GPT
 from gpuflow.serve.app import ServeSettings, create_app
 from gpuflow.serve.engine import Engine
 from gpuflow.serve.generate.models import GPTDecoder
-from gpuflow.serve.generate.runner import DecodeRunner
+from gpuflow.serve.generate.runner import ModelRunner
 
 
 def test_the_openai_client_completes_and_streams_through_the_server(
@@ -74,9 +74,14 @@ def test_the_openai_client_completes_and_streams_through_the_server(
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
     assert chunks[-1].usage.completion_tokens == 12
     assert found["by_ids"].choices[0].text == expected
-    assert found["ready"]["generation"]["slots"] == 4
+    assert whole.usage.prompt_tokens_details.cached_tokens == 0  # 11 tokens: no full block
+    generation = found["ready"]["generation"]
+    assert generation["max_num_seqs"] == 4 and generation["block_size"] == 16
+    assert generation["prefix_caching"] and generation["max_num_batched_tokens"] == 2048
     for name in ("gpuflow_time_to_first_token_seconds_count",
-                 "gpuflow_inter_token_latency_seconds_count", "gpuflow_generated_tokens_total"):
+                 "gpuflow_inter_token_latency_seconds_count", "gpuflow_generated_tokens_total",
+                 f"gpuflow_kv_cache_blocks_total {generation['kv_blocks']:.1f}",
+                 "gpuflow_preemptions_total 0.0", "gpuflow_prefix_cache_queries_tokens_total"):
         assert name in found["metrics"]
     generated = next(float(line.split()[-1]) for line in found["metrics"].splitlines()
                      if line.startswith("gpuflow_generated_tokens_total"))
@@ -112,13 +117,13 @@ def test_compiled_decode_generates_what_eager_does_once_every_bucket_has_run(
                 for p in prompts]
     monkeypatch.setattr(Engine, "warm_up", lambda self: 0.0)
     release = threading.Event()
-    warm_up = DecodeRunner.warm_up
+    warm_up = ModelRunner.warm_up
 
-    def held(self: DecodeRunner) -> None:
+    def held(self: ModelRunner) -> None:
         release.wait(60)
         warm_up(self)
 
-    monkeypatch.setattr(DecodeRunner, "warm_up", held)
+    monkeypatch.setattr(ModelRunner, "warm_up", held)
 
     from torch._dynamo.utils import counters
 
@@ -141,7 +146,7 @@ def test_compiled_decode_generates_what_eager_does_once_every_bucket_has_run(
     assert warming.status_code == 503 and warming.json()["state"] == "warming up"
     generation = ready["generation"]
     assert generation["decode"] == "decode compiled for batch buckets 1,2"
-    assert generation["warmup_s"] > 0 and generation["slots"] == 2
+    assert generation["warmup_s"] > 0 and generation["max_num_seqs"] == 2
     assert "CUDA graphs need a CUDA device; running without them" in ready["runs_on"]
     assert texts == expected
     assert counters["stats"]["unique_graphs"] - graphs == 2  # one graph per bucket, no more
@@ -204,9 +209,9 @@ def test_waiting_requests_are_bounded_and_dropped_without_a_first_token(
     textlm_run: tuple[Path, GPT]
 ) -> None:
     async def scenario() -> tuple[httpx.Response, httpx.Response]:
-        app = served_textlm(textlm_run[0], max_queue=1, timeout_ms=300)
+        app = served_textlm(textlm_run[0], max_queue=1, ttft_timeout_ms=300)
         async with serving(app) as client:
-            # With the engine stopped, requests wait for a slot that never frees.
+            # With the engine stopped, requests wait for a first token that never comes.
             await asyncio.to_thread(app.state.serve.generator.stop)
             waiting = asyncio.create_task(client.post("/v1/completions", json={"prompt": "a"}))
             await eventually(lambda: app.state.serve.generator.waiting == 1)
@@ -219,15 +224,15 @@ def test_waiting_requests_are_bounded_and_dropped_without_a_first_token(
     assert api_error(waiting, 504)["code"] == "deadline_exceeded"
 
 
-def test_a_client_leaving_mid_stream_frees_its_slot(textlm_run: tuple[Path, GPT],
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    step = GPTDecoder.logits
+def test_a_client_leaving_mid_stream_frees_its_blocks(textlm_run: tuple[Path, GPT],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    step = GPTDecoder.forward
 
     def slow(self, *args, **kwargs):  # 20 ms a step: the client leaves long before 60 tokens
         time.sleep(0.02)
         return step(self, *args, **kwargs)
 
-    monkeypatch.setattr(GPTDecoder, "logits", slow)
+    monkeypatch.setattr(GPTDecoder, "forward", slow)
 
     async def scenario() -> str:
         app = served_textlm(textlm_run[0])
@@ -237,7 +242,9 @@ def test_a_client_leaving_mid_stream_frees_its_slot(textlm_run: tuple[Path, GPT]
                 async for line in reply.aiter_lines():
                     if line.startswith("data: "):
                         break  # the first chunk came; leave
-            await eventually(lambda: app.state.serve.generator.active == 0)
+            generator = app.state.serve.generator
+            await eventually(lambda: generator.active == 0)
+            assert generator.scheduler.blocks.used == 0
             return (await client.get("/metrics")).text
 
     metrics = asyncio.run(scenario())

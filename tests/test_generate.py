@@ -1,5 +1,7 @@
-"""The generation engine: KV-cached continuous batching equal to recomputing every prefix,
-batch buckets, the compile fallback, sampling, stop strings and the waiting queue."""
+"""The generation engine: continuous batching over a paged KV cache equal to recomputing
+every prefix (with prefix caching, chunked prefill and preemption, each on and off), batch
+buckets, the compile fallback, sampling, stop strings, prompt log-probabilities and the
+waiting queue."""
 
 from __future__ import annotations
 
@@ -11,13 +13,16 @@ from generation import completion, greedy, greedy_text, through_engine
 
 from gpuflow.errors import UserError
 from gpuflow.models.gpt import GPT, GPTConfig
+from gpuflow.serve.generate.budget import pool_blocks
 from gpuflow.serve.generate.engine import (
     Done,
     GenerationEngine,
     WaitingFull,
-    cache_slots,
+    build_engine,
 )
+from gpuflow.serve.generate.limits import EngineLimits
 from gpuflow.serve.generate.models import GPTDecoder
+from gpuflow.serve.generate.requests import Generation
 from gpuflow.serve.generate.sampling import SamplingParams, filter_logits
 from gpuflow.serve.generate.text import TextStream
 
@@ -27,21 +32,25 @@ def tiny_gpt() -> GPT:
     return GPT(GPTConfig(vocab_size=256, seq_len=64, layers=2, dim=32, heads=4)).eval()
 
 
-def engine_for(model: GPT, slots: int, max_waiting: int = 64,
-               **decode: bool) -> GenerationEngine:
-    return GenerationEngine(GPTDecoder(model, torch.float32), slots, max_waiting,
-                            torch.inference_mode, **decode)
+def engine_for(model: GPT, max_num_seqs: int, max_queue: int = 64, num_blocks: int = 64,
+               bucketed: bool = False, compile: bool = False,
+               **limits: int | bool) -> GenerationEngine:
+    """An engine over ``num_blocks`` blocks (of 16 tokens unless ``limits`` say)."""
+    return build_engine(GPTDecoder(model, torch.float32), num_blocks,
+                        EngineLimits(max_num_seqs, max_queue, **limits),  # type: ignore[arg-type]
+                        torch.inference_mode, bucketed, compile)
 
 
 def test_continuous_batching_generates_what_recomputing_every_prefix_does() -> None:
-    """Six prompts through three slots: sequences join as others leave, every step decodes
-    several sequences at different positions, and each completion is the exact greedy one."""
+    """Six prompts, three sequences at a time: sequences join as others leave, every step
+    decodes several sequences at different positions, and each completion is the exact
+    greedy one."""
     model = tiny_gpt()
     prompts = [b"def f(x):", b"import torch", b"a", b"The quick brown fox jumps",
                b"class Engine:\n    ", b"0123456789"]
     budgets = [12, 5, 20, 9, 14, 3]
 
-    results = through_engine(engine_for(model, slots=3), greedy(prompts, budgets), first=4)
+    results = through_engine(engine_for(model, 3), greedy(prompts, budgets), first=4)
     for prompt, budget, (text, _, done) in zip(prompts, budgets, results, strict=True):
         expected = greedy_text(model, prompt, budget)
         assert text == expected, prompt
@@ -50,37 +59,99 @@ def test_continuous_batching_generates_what_recomputing_every_prefix_does() -> N
 
 
 def test_decode_steps_padded_to_batch_buckets_equal_recomputing_every_prefix() -> None:
-    """Five slots, buckets 1,2,4,5: as sequences leave and join, the active count crosses
-    the bucket sizes; a step of 3 runs as a bucket of 4 whose padding row writes only the
-    scratch slot (5, which no request holds) and whose logits are dropped. Every completion
-    is the exact greedy one."""
+    """Five sequences at a time, buckets 1,2,4,5: as sequences leave and join, the running
+    count crosses the bucket sizes; a step of 3 runs as a bucket of 4 whose padding row
+    writes only the null block and whose logits are dropped. Every completion is the exact
+    greedy one."""
     model = tiny_gpt()
     prompts = [b"def f(x):", b"import torch", b"a", b"The quick brown fox jumps",
                b"class Engine:\n    ", b"0123456789", b"xy"]
     budgets = [12, 5, 20, 9, 14, 3, 17]
-    engine = engine_for(model, slots=5, bucketed=True)
-    assert engine.runner.buckets == [1, 2, 4, 5] and engine.slots == 5
-    assert engine.cache.keys.shape[1] == 6  # the scratch slot beside the five
+    engine = engine_for(model, 5, bucketed=True)
+    assert engine.runner.buckets == [1, 2, 4, 5]
     assert engine.describe() == "decode eager over batch buckets 1,2,4,5"
     steps: list[list[int]] = []
     step = engine.runner.model_step
 
-    def recorded(tokens, cache, slots, starts):
-        steps.append(slots.tolist())
-        return step(tokens, cache, slots, starts)
+    def recorded(tokens, positions, slot_mapping, block_tables, pool):
+        assert block_tables.shape[1] == 4  # a whole context: 64 tokens in blocks of 16
+        steps.append(slot_mapping.tolist())
+        return step(tokens, positions, slot_mapping, block_tables, pool)
 
     engine.runner.model_step = recorded
     results = through_engine(engine, greedy(prompts, budgets), first=5)
     for prompt, budget, (text, _, done) in zip(prompts, budgets, results, strict=True):
         assert text == greedy_text(model, prompt, budget)
         assert done.completion_tokens == budget
-    assert steps[:4] == [[5], [5, 5], [5] * 4, [5] * 5]  # the warm-up: scratch rows only
+    assert steps[:4] == [[0], [0, 0], [0] * 4, [0] * 5]  # the warm-up: null-block rows only
     served = steps[4:]
-    assert {len(slots) for slots in served} == {1, 2, 4, 5}
-    assert any(len(slots) == 4 and slots.count(5) == 1 for slots in served)
-    for slots in served:  # padding rows come last, all in the scratch slot
-        real = [slot for slot in slots if slot != 5]
-        assert slots == real + [5] * (len(slots) - len(real))
+    assert {len(slots) for slots in served} >= {2, 4, 5}
+    assert any(len(slots) == 4 and slots.count(0) == 1 for slots in served)
+    for slots in served:  # padding rows come last, all in the null block
+        real = [slot for slot in slots if slot != 0]
+        assert slots == real + [0] * (len(slots) - len(real))
+
+
+SYSTEM = b"You are terse. Answer in one line. "  # 35 bytes: two blocks of 16 and more
+
+
+@pytest.mark.parametrize("limits", [
+    {"block_size": 4, "max_num_batched_tokens": 16},  # prefix cache and chunks of prompts
+    {"block_size": 4, "max_num_batched_tokens": 16, "prefix_caching": False},
+    {"block_size": 4, "chunked_prefill": False},
+    {"num_blocks": 17, "block_size": 4},  # one context's blocks: three sequences preempt
+], ids=["cached-chunked", "no-prefix-cache", "no-chunked-prefill", "preempting"])
+def test_paged_generation_equals_recomputing_every_prefix(limits: dict) -> None:
+    """Prompts sharing a system prompt arrive in two waves; whatever the engine reuses,
+    splits or preempts, each greedy completion is the exact one."""
+    model = tiny_gpt()
+    prompts = [SYSTEM + p for p in (b"def f(x):", b"import torch", b"a", b"0123")] + [b"xy"]
+    budgets = [12, 5, 20, 9, 14]
+    engine = engine_for(model, 3, **limits)
+    results = through_engine(engine, greedy(prompts, budgets), first=2)
+    for prompt, budget, (text, _, done) in zip(prompts, budgets, results, strict=True):
+        assert text == greedy_text(model, prompt, budget), prompt
+        assert done.completion_tokens == budget
+    blocks = engine.scheduler.blocks
+    assert blocks.used == 0  # every sequence gave its blocks back
+    cached = [done.cached_tokens for _, _, done in results]
+    if blocks.prefix_caching:  # the later arrivals found the system prompt's blocks
+        assert cached[2] >= 32 and cached[4] == 0 and blocks.hit_rate() > 0
+    else:
+        assert cached == [0] * 5
+    assert (engine.scheduler.preemptions > 0) == ("num_blocks" in limits)
+
+
+def test_prompt_logprobs_are_exact_when_the_prompt_is_cached() -> None:
+    """A request that wants its prompt's log-probabilities computes the prompt itself, in
+    chunks, though its prefix is cached; one that does not reuses it, same completion."""
+    model = tiny_gpt()
+    prompt = list(SYSTEM + b"2 + 2 =")
+    with torch.inference_mode():
+        expected = torch.log_softmax(model(torch.tensor([prompt]))[0], -1)
+    wanted = [p[prompt[i + 1]] for i, p in enumerate(expected[:-1].tolist())]
+
+    async def scenario() -> list[Generation]:
+        engine = engine_for(model, 2, block_size=4, max_num_batched_tokens=8)
+        engine.start()
+        try:
+            runs = []
+            for logprobs in (None, 2, None):
+                params = SamplingParams(max_tokens=4, temperature=0.0,
+                                        prompt_logprobs=logprobs)
+                runs.append(engine.submit(prompt, params))
+                await completion(runs[-1])
+            return runs
+        finally:
+            engine.stop()
+
+    first, scored, reused = asyncio.run(scenario())
+    assert scored.seq.cached_tokens == 0 and reused.seq.cached_tokens == 40
+    assert first.generated == scored.generated == reused.generated
+    assert scored.prompt_logprobs is not None and scored.prompt_logprobs[0] is None
+    got = [entry.logprob for entry in scored.prompt_logprobs[1:]]
+    assert got == pytest.approx(wanted, abs=1e-5)
+    assert all(len(entry.top) == 2 for entry in scored.prompt_logprobs[1:])
 
 
 def test_a_decode_compile_that_fails_falls_back_to_eager_saying_so(
@@ -92,7 +163,7 @@ def test_a_decode_compile_that_fails_falls_back_to_eager_saying_so(
 
     monkeypatch.setattr(torch, "compile", failing)
     model = tiny_gpt()
-    engine = engine_for(model, slots=2, compile=True)
+    engine = engine_for(model, 2, compile=True)
     with caplog.at_level("WARNING", logger="gpuflow.serve"):
         (text, _, _), = through_engine(engine, greedy([b"abc"], [6]), first=1)
     assert text == greedy_text(model, b"abc", 6)
@@ -101,10 +172,13 @@ def test_a_decode_compile_that_fails_falls_back_to_eager_saying_so(
                                  "(RuntimeError: no backend for this model)")
 
 
-def test_the_scratch_slot_comes_out_of_the_cache_budget() -> None:
-    assert cache_slots(100, 550, 8) == 5 and cache_slots(100, 550, 8, spare=1) == 4
-    with pytest.raises(UserError, match="beside the scratch slot"):
-        cache_slots(100, 150, 8, spare=1)
+def test_the_pool_holds_what_the_budget_allows_between_one_context_and_all_sequences(
+) -> None:
+    # 100 bytes a block, a context of 64 tokens in blocks of 16: four blocks and the null one.
+    assert pool_blocks(100, 1_000, 16, 64, max_seqs=8) == 10
+    assert pool_blocks(100, 1_000_000, 16, 64, max_seqs=8) == 8 * 4 + 1
+    with pytest.raises(UserError, match="cannot hold one sequence"):
+        pool_blocks(100, 450, 16, 64, max_seqs=8)
 
 
 def test_sampling_is_repeatable_by_seed_and_stop_strings_end_a_completion() -> None:
@@ -113,7 +187,7 @@ def test_sampling_is_repeatable_by_seed_and_stop_strings_end_a_completion() -> N
     seeded = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=7)
 
     async def scenario(runs: list[SamplingParams]) -> list[tuple[str, Done]]:
-        engine = engine_for(model, slots=len(runs))
+        engine = engine_for(model, len(runs))
         engine.start()
         try:
             return await asyncio.gather(*(completion(engine.submit(list(b"x = "), params))
@@ -133,7 +207,7 @@ def test_sampling_is_repeatable_by_seed_and_stop_strings_end_a_completion() -> N
     stop = a[5:7]  # a stop string that the seeded completion reaches
 
     async def stopped() -> tuple[str, Done]:
-        engine = engine_for(model, slots=1)
+        engine = engine_for(model, 1)
         engine.start()
         try:
             params = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=7,
@@ -146,21 +220,23 @@ def test_sampling_is_repeatable_by_seed_and_stop_strings_end_a_completion() -> N
     assert text == a[:a.index(stop)] and done.finish_reason == "stop"
 
 
-def test_a_full_waiting_queue_refuses_and_a_cancelled_request_frees_its_slot() -> None:
+def test_a_full_waiting_queue_refuses_and_a_cancelled_request_frees_its_blocks() -> None:
     model = tiny_gpt()
 
     async def scenario() -> tuple[str, Done]:
-        engine = engine_for(model, slots=1, max_waiting=1)
+        engine = engine_for(model, 1, max_queue=1)
         # Not started: requests stay waiting.
         leaving = engine.submit(list(b"abc"), SamplingParams(max_tokens=60, temperature=0.0))
         with pytest.raises(WaitingFull):
             engine.submit(list(b"abc"), SamplingParams(max_tokens=4, temperature=0.0))
         engine.start()
         try:
-            await asyncio.wait_for(leaving.events.get(), 10)  # it holds the one slot
+            await asyncio.wait_for(leaving.events.get(), 10)  # the one sequence running
+            assert engine.scheduler.blocks.used == 1
             leaving.cancel()
             done = await completion(leaving)
             assert done[1].finish_reason == "cancelled"
+            assert engine.scheduler.blocks.used == 0
             after = engine.submit(list(b"abc"), SamplingParams(max_tokens=4, temperature=0.0))
             return await asyncio.wait_for(completion(after), 10)
         finally:

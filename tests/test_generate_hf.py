@@ -1,6 +1,7 @@
-"""Hugging Face causal LMs in the generation engine: continuous batching over one slot cache
-through transformers' cache API equals recomputing every prefix, for GPT-2 and Llama, and
-serves /v1/completions for a Hugging Face workload gpuflow trained."""
+"""Hugging Face causal LMs in the generation engine: continuous batching over the paged KV
+pool (through transformers' cache API, or the Llama family's own forward) equals
+recomputing every prefix, for GPT-2 and Llama, and serves /v1/completions for a Hugging
+Face workload gpuflow trained."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from gpuflow.export import export_model
 from gpuflow.serve.app import ServeSettings, create_app
-from gpuflow.serve.generate.engine import Done, GenerationEngine
-from gpuflow.serve.generate.hf_models import HFCausalLM, SlotCache
+from gpuflow.serve.generate.engine import Done, build_engine
+from gpuflow.serve.generate.hf_models import HFCausalLM
+from gpuflow.serve.generate.limits import EngineLimits
 from gpuflow.serve.generate.models import cached_lm, refusal
 from gpuflow.serve.generate.sampling import SamplingParams
 
@@ -48,76 +50,82 @@ MODELS = {"gpt2": gpt2, "llama": llama, "gpt2-eager": lambda: gpt2(attention="ea
           "gpt2-50257": lambda: gpt2(vocab_size=50257)}
 
 
-def generate(lm: HFCausalLM, requests: list[tuple[bytes, SamplingParams]], slots: int,
-             stagger: int = 0, bucketed: bool = False) -> list[tuple[list[int], Done]]:
-    """Each request's generated tokens; the first ``stagger`` go in first, the rest once
-    the engine runs, joining a running batch."""
-    engine = GenerationEngine(lm, slots, 64, torch.inference_mode, bucketed=bucketed)
+def generate(lm: HFCausalLM, requests: list[tuple[bytes, SamplingParams]], seqs: int,
+             stagger: int = 0, bucketed: bool = False,
+             **limits: int | bool) -> list[tuple[list[int], Done]]:
+    """Each request's generated tokens, ``seqs`` sequences at a time over a pool of 64
+    blocks; the first ``stagger`` go in first, the rest once the engine runs, joining a
+    running batch."""
+    engine = build_engine(lm, 64, EngineLimits(seqs, 64, **limits),  # type: ignore[arg-type]
+                          torch.inference_mode, bucketed)
     return [(tokens, done) for _, tokens, done in through_engine(engine, requests, stagger)]
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_continuous_batching_equals_recomputing_every_prefix(
-        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Seven prompts through three slots: sequences join as others leave (slots in use are
-    not always consecutive), each decode step runs several sequences at their own
-    positions, and every completion is the model's exact greedy one."""
+def test_continuous_batching_equals_recomputing_every_prefix(name: str) -> None:
+    """Seven prompts, three sequences at a time, prompts in chunks of at most 16 tokens
+    (blocks of 4) and shared blocks reused: sequences join as others leave, each step runs
+    several sequences at their own positions, and every completion is the model's exact
+    greedy one."""
     model = MODELS[name]()
     lm = cached_lm(model, torch.float32)
     assert isinstance(lm, HFCausalLM) and lm.context == 128 and lm.vocab_size == 256
     batches: list[tuple[int, bool]] = []
-    at = SlotCache.at
+    forward = lm.forward
 
-    def recorded(self, slots, starts, length, span):
-        batches.append((len(slots), len(set(starts.tolist())) > 1))
-        return at(self, slots, starts, length, span)
+    def recorded(batch, pool):
+        batches.append((batch.num_rows, len(set(batch.host_context_lens)) > 1))
+        return forward(batch, pool)
 
-    monkeypatch.setattr(SlotCache, "at", recorded)
-    requests = greedy(PROMPTS, BUDGETS)
-    results = generate(lm, requests, slots=3, stagger=4)
-    for prompt, budget, (tokens, done) in zip(PROMPTS, BUDGETS, results, strict=True):
+    lm.forward = recorded  # type: ignore[method-assign]
+    prompts = [PROMPTS[0] + p for p in PROMPTS]  # a shared prefix of two blocks
+    requests = greedy(prompts, BUDGETS)
+    results = generate(lm, requests, seqs=3, stagger=4, block_size=4,
+                       max_num_batched_tokens=16)
+    for prompt, budget, (tokens, done) in zip(prompts, BUDGETS, results, strict=True):
         assert tokens == greedy_reference(model, prompt, budget), prompt
         assert done.finish_reason == "length" and done.completion_tokens == budget
     assert any(size == 3 and mixed for size, mixed in batches)  # one step, many positions
+    assert any(done.cached_tokens >= 8 for _, done in results)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_bucketed_decode_steps_equal_recomputing_every_prefix(name: str) -> None:
     """Decode steps padded to batch buckets 1,2,4,5 (the static-shape step that --compile
-    compiles, over the whole context under a mask): padding rows write only the scratch
-    slot, and every completion is still the exact greedy one."""
+    compiles, over the whole context under a mask): padding rows write only the null
+    block, and every completion is still the exact greedy one."""
     model = MODELS[name]()
     lm = cached_lm(model, torch.float32)
     assert isinstance(lm, HFCausalLM)
     steps: list[list[int]] = []
-    step = lm.step
+    step = lm.decode_step
 
-    def recorded(tokens, cache, slots, starts):
-        steps.append(slots.tolist())
-        return step(tokens, cache, slots, starts)
+    def recorded(tokens, positions, slot_mapping, block_tables, pool):
+        steps.append(slot_mapping.tolist())
+        return step(tokens, positions, slot_mapping, block_tables, pool)
 
-    lm.step = recorded  # type: ignore[method-assign]
+    lm.decode_step = recorded  # type: ignore[method-assign]
     requests = greedy(PROMPTS, BUDGETS)
-    results = generate(lm, requests, slots=5, stagger=5, bucketed=True)
+    results = generate(lm, requests, seqs=5, stagger=5, bucketed=True)
     for prompt, budget, (tokens, done) in zip(PROMPTS, BUDGETS, results, strict=True):
         assert tokens == greedy_reference(model, prompt, budget), prompt
         assert done.completion_tokens == budget
     assert {len(slots) for slots in steps} <= {1, 2, 4, 5}
-    # 3 sequences and 1 padding row in the scratch slot (5): the bucket of 4.
-    assert any(len(slots) == 4 and slots.count(5) == 1 for slots in steps)
+    # 3 sequences and 1 padding row in the null block: the bucket of 4.
+    assert any(len(slots) == 4 and slots.count(0) == 1 for slots in steps)
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch() -> None:
     lm = cached_lm(llama(), torch.float32)
     assert lm is not None
     params = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=7)
-    (alone, _), = generate(lm, [(b"x = ", params)], slots=1)
+    (alone, _), = generate(lm, [(b"x = ", params)], seqs=1)
     others = [(p, SamplingParams(max_tokens=n, temperature=0.8, seed=i))
               for i, (p, n) in enumerate(zip(PROMPTS, BUDGETS, strict=True))]
-    batched = generate(lm, [*others[:3], (b"x = ", params), *others[3:]], slots=4, stagger=2)
+    batched = generate(lm, [*others[:3], (b"x = ", params), *others[3:]], seqs=4, stagger=2)
     assert batched[3][0] == alone
     again = generate(lm, [(b"x = ", SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9,
-                                                     seed=8))], slots=1)
+                                                     seed=8))], seqs=1)
     assert again[0][0] != alone
 
 
@@ -134,14 +142,14 @@ def test_a_vocabulary_that_is_not_bytes_and_models_that_are_not_lms_are_refused(
     assert cached_lm(vit, torch.float32) is None
 
 
-def test_the_cache_is_allocated_once_and_sized_by_the_model() -> None:
+def test_the_pool_is_allocated_once_and_sized_by_the_model() -> None:
     lm = cached_lm(llama(), torch.bfloat16)
     assert lm is not None
-    cache = lm.new_cache(5)
-    # 2 layers x 2 key/value heads x 128 positions x (16 + 16) dims x 2 bytes, per slot.
-    assert lm.bytes_per_slot() == 2 * 2 * 128 * 32 * 2
-    assert cache.nbytes() == 5 * lm.bytes_per_slot()
-    assert cache.keys.shape == (2, 5, 2, 128, 16) and cache.keys.dtype == torch.bfloat16
+    pool = lm.new_pool(5, 16)
+    # 2 layers x 2 key/value heads x 16 positions x (16 + 16) dims x 2 bytes, per block.
+    assert lm.bytes_per_block(16) == 2 * 2 * 16 * 32 * 2
+    assert pool.nbytes() == 5 * lm.bytes_per_block(16)
+    assert pool.keys.shape == (2, 5, 2, 16, 16) and pool.keys.dtype == torch.bfloat16
 
 
 def test_a_trained_hf_workload_completes_through_the_server(
@@ -168,7 +176,10 @@ def test_a_trained_hf_workload_completes_through_the_server(
         answers, too_long, ready = asyncio.run(scenario(source))
         assert [a["choices"][0]["text"] for a in answers] == [expected] * 3
         assert answers[0]["usage"] == {"prompt_tokens": 11, "completion_tokens": 12,
-                                       "total_tokens": 23}
+                                       "total_tokens": 23,
+                                       "prompt_tokens_details": {"cached_tokens": 0}}
         assert too_long.status_code == 400  # the workload's context is 32 tokens
         assert too_long.json()["error"]["code"] == "context_length_exceeded"
-        assert ready["generation"]["slots"] == 2
+        # Two whole contexts of 32 tokens in blocks of 16, and the null block.
+        assert ready["generation"]["kv_blocks"] == 4
+        assert ready["generation"]["max_num_seqs"] == 2

@@ -56,9 +56,14 @@ def register(commands: argparse._SubParsersAction) -> None:
              "thread, while lone runs of its kind of input take less than this (a running "
              f"estimate; default {INLINE_BELOW_MS:g}; 0: always hand off)")
     add("--max-queue", type=int, default=1024,
-        help="requests that may wait; more get 503 queue_full (default 1024)")
+        help="requests that may wait (predictions for a batch, generations to start); more "
+             "get 503 queue_full (default 1024)")
     add("--timeout-ms", type=float, default=2000.0,
-        help="deadline of a request in the queue; 504 when it passes (default 2000)")
+        help="/v1/predict: deadline of a request in the queue; 504 when it passes "
+             "(default 2000)")
+    add("--ttft-timeout-ms", type=float, metavar="MS",
+        help="language models: deadline of a generation's first token; 504 when it passes "
+             "(default: none, a generation waits for KV blocks as long as its client does)")
     add("--max-body-bytes", type=int, default=8 << 20,
         help="larger request bodies get 413 (default 8 MiB)")
     add("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
@@ -73,9 +78,19 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="CUDA only: capture CUDA graphs for the fixed buckets, decode steps included "
              "(implies --compile)")
     add("--kv-cache-gib", type=float,
-        help="language models: memory for the KV cache of /v1/completions, which holds up "
-             "to --max-batch-size sequences (default: half the GPU's free memory, a quarter "
-             "of a CPU's RAM)")
+        help="language models: memory for the paged KV cache, in blocks; admission counts "
+             "blocks, up to --max-batch-size sequences at once (default: half the GPU's free "
+             "memory, a quarter of a CPU's RAM, at most what --max-batch-size whole contexts "
+             "fill)")
+    add("--block-size", type=int, default=16, metavar="TOKENS",
+        help="language models: tokens per KV cache block (default 16)")
+    add("--no-prefix-cache", dest="prefix_cache", action="store_false",
+        help="language models: do not reuse the cached KV blocks of a prompt's prefix "
+             "(shared system prompts, few-shot examples, chat histories)")
+    add("--max-num-batched-tokens", type=int, default=2048, metavar="TOKENS",
+        help="language models: tokens one engine step computes at most, running sequences' "
+             "next tokens first, then chunks of prompts (a longer prompt is prefilled over "
+             "several steps; default 2048)")
     add("--workers", type=int, default=1,
         help="server processes, each with its own copy of the model (default 1)")
     add("--threads", type=int,
@@ -107,14 +122,15 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                         f"--token TOKEN (or set {TOKEN_ENV}) so that every request must carry "
                         "'Authorization: Bearer TOKEN'.")
     for name in ("max_batch_size", "max_queue", "workers", "max_body_bytes", "threads",
-                 "max_model_len"):
+                 "max_model_len", "block_size", "max_num_batched_tokens"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1.")
     if args.kv_cache_gib is not None and args.kv_cache_gib <= 0:
         raise UserError("--kv-cache-gib must be positive.")
-    if args.max_wait_ms < 0 or args.timeout_ms <= 0 or args.inline_below_ms < 0:
-        raise UserError("--max-wait-ms and --inline-below-ms must be 0 or more and "
-                        "--timeout-ms positive.")
+    if args.max_wait_ms < 0 or args.timeout_ms <= 0 or args.inline_below_ms < 0 \
+            or (args.ttft_timeout_ms is not None and args.ttft_timeout_ms <= 0):
+        raise UserError("--max-wait-ms and --inline-below-ms must be 0 or more, "
+                        "--timeout-ms and --ttft-timeout-ms positive.")
     check_source(Path(args.source))  # exit code 2 on a wrong path, before uvicorn starts
     if args.chat_template is not None and not args.chat_template.is_file():
         raise UserError(f"--chat-template {args.chat_template} is not a file.")
@@ -125,6 +141,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         max_body_bytes=args.max_body_bytes, device=args.device, precision=args.precision,
         compile=args.compile or args.cuda_graphs, cuda_graphs=args.cuda_graphs, token=token,
         threads=args.threads, workers=args.workers, kv_cache_gib=args.kv_cache_gib,
+        block_size=args.block_size, prefix_cache=args.prefix_cache,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        ttft_timeout_ms=args.ttft_timeout_ms,
         served_model_name=tuple(args.served_model_name or ()),
         chat_template=str(args.chat_template) if args.chat_template else None,
         max_model_len=args.max_model_len)

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from gpuflow.serve.generate.requests import Occupancy
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -10,7 +15,8 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 class ServeMetrics:
     """Requests by status, end-to-end / queue / compute time, batch sizes, queue and
     in-flight; for generation, time to first token, inter-token latency, generated tokens,
-    active and waiting sequences, and the share of KV cache slots in use."""
+    running and waiting sequences, KV cache blocks in use, preemptions, and the prefix
+    cache's lookups, hits and hit rate."""
 
     def __init__(self, max_batch_size: int) -> None:
         self.registry = CollectorRegistry()
@@ -44,11 +50,27 @@ class ServeMetrics:
                                      buckets=LATENCY_BUCKETS, registry=reg)
         self.generated = Counter("gpuflow_generated_tokens", "Tokens generated", registry=reg)
         self.active_sequences = Gauge("gpuflow_active_sequences",
-                                      "Sequences holding a KV cache slot", registry=reg)
+                                      "Sequences holding KV cache blocks", registry=reg)
         self.waiting_sequences = Gauge("gpuflow_waiting_sequences",
-                                       "Completion requests waiting for a slot", registry=reg)
+                                       "Completion requests waiting to start", registry=reg)
         self.kv_cache_usage = Gauge("gpuflow_kv_cache_usage",
-                                    "Share of KV cache slots in use (0-1)", registry=reg)
+                                    "Share of KV cache blocks in use (0-1)", registry=reg)
+        self.kv_blocks_used = Gauge("gpuflow_kv_cache_blocks_used",
+                                    "KV cache blocks held by sequences", registry=reg)
+        self.kv_blocks_total = Gauge("gpuflow_kv_cache_blocks_total",
+                                     "KV cache blocks sequences can hold", registry=reg)
+        self.preemptions = Counter("gpuflow_preemptions",
+                                   "Sequences preempted (blocks freed, recomputed later) "
+                                   "when the KV cache ran out", registry=reg)
+        self.prefix_queries = Counter("gpuflow_prefix_cache_queries_tokens",
+                                      "Prompt tokens looked up in the prefix cache",
+                                      registry=reg)
+        self.prefix_hits = Counter("gpuflow_prefix_cache_hits_tokens",
+                                   "Prompt tokens found in the prefix cache", registry=reg)
+        self.prefix_hit_rate = Gauge("gpuflow_prefix_cache_hit_rate",
+                                     "Share of looked-up prompt tokens found cached (0-1)",
+                                     registry=reg)
+        self._totals = (0, 0, 0)  # preemptions, prefix queries and hits counted so far
 
     def first_token(self, seconds: float) -> None:
         self.first_token_time.observe(seconds)
@@ -58,10 +80,21 @@ class ServeMetrics:
         self.inter_token.observe(seconds)
         self.generated.inc()
 
-    def occupancy(self, active: int, waiting: int, slots: int) -> None:
-        self.active_sequences.set(active)
-        self.waiting_sequences.set(waiting)
-        self.kv_cache_usage.set(active / slots if slots else 0.0)
+    def occupancy(self, now: Occupancy) -> None:
+        """The generation engine after a step; its totals turn into counter increments."""
+        self.active_sequences.set(now.running)
+        self.waiting_sequences.set(now.waiting)
+        self.kv_blocks_used.set(now.blocks_used)
+        self.kv_blocks_total.set(now.blocks_total)
+        self.kv_cache_usage.set(now.blocks_used / now.blocks_total if now.blocks_total else 0.0)
+        totals = (now.preemptions, now.prefix_queries, now.prefix_hits)
+        for counter, total, counted in zip((self.preemptions, self.prefix_queries,
+                                            self.prefix_hits), totals, self._totals,
+                                           strict=True):
+            counter.inc(total - counted)
+        self._totals = totals
+        if now.prefix_queries:
+            self.prefix_hit_rate.set(now.prefix_hits / now.prefix_queries)
 
     def batch_formed(self, rows: int) -> None:
         self.batch_size.observe(rows)

@@ -10,6 +10,7 @@ from gpuflow.devices import resolve_device
 from gpuflow.errors import UserError
 from gpuflow.serve.batcher import INLINE_BELOW_MS
 from gpuflow.serve.engine import EngineOptions
+from gpuflow.serve.generate.limits import EngineLimits
 
 SETTINGS_ENV = "GPUFLOW_SERVE_SETTINGS"
 
@@ -36,6 +37,10 @@ class ServeSettings:
     threads: int | None = None
     retry_after_s: int = 1
     kv_cache_gib: float | None = None
+    block_size: int = 16  # tokens per KV block
+    prefix_cache: bool = True
+    max_num_batched_tokens: int = 2048  # tokens one generation step computes at most
+    ttft_timeout_ms: float | None = None  # a generation's wait for its first token
     workers: int = 1
     failure_file: str | None = None
     served_model_name: tuple[str, ...] = ()  # the first is the one answers name
@@ -52,6 +57,11 @@ class ServeSettings:
             raise UserError(f"--cuda-graphs captures CUDA graphs, and this server runs on "
                             f"{device} (--device {self.device}): drop --cuda-graphs, or serve "
                             "on a GPU with --device cuda.")
+
+    def engine_limits(self) -> EngineLimits:
+        """The generation engine's: ``--max-batch-size`` sequences running at once."""
+        return EngineLimits(self.max_batch_size, self.max_queue, self.kv_cache_gib,
+                            self.block_size, self.prefix_cache, self.max_num_batched_tokens)
 
     def engine_options(self) -> EngineOptions:
         return EngineOptions(self.device, self.precision, self.compile, self.cuda_graphs,

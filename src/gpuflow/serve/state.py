@@ -131,8 +131,8 @@ class ServerState:
         generator = self.generator
         return True, {"ready": True, "warmup_s": self.warmup_s, **self.engine.describe(),
                       "generation": None if generator is None else {
-                          "slots": generator.slots, "kv_cache_bytes": generator.cache.nbytes(),
-                          "decode": generator.describe(), "warmup_s": generator.warmup_s}}
+                          **generator.limits(), "decode": generator.describe(),
+                          "warmup_s": generator.warmup_s}}
 
     async def _prepare(self) -> None:
         """Load and warm up both engines, then turn ready; on failure, say why and stop."""
@@ -184,17 +184,15 @@ class ServerState:
         settings, loaded = self.settings, engine.loaded
         directory = loaded.directory
         if directory is None:
-            return build_generator(loaded.model, engine.runner, settings.kv_cache_gib,
-                                   settings.max_batch_size, settings.max_queue, self.metrics,
-                                   eos_ids=(END_OF_DOCUMENT,))
+            return build_generator(loaded.model, engine.runner, settings.engine_limits(),
+                                   self.metrics, eos_ids=(END_OF_DOCUMENT,))
         tokenizer = load_tokenizer(directory.path)
         why = refusal(loaded.model, tokenized=True)
         if why is not None:
             raise UserError(f"{directory.path} cannot be served: the generation engine "
                             f"cannot drive it ({why}).")
         return build_generator(
-            loaded.model, engine.runner, settings.kv_cache_gib, settings.max_batch_size,
-            settings.max_queue, self.metrics, tokenizer,
+            loaded.model, engine.runner, settings.engine_limits(), self.metrics, tokenizer,
             directory.generation.eos_ids or _eos_of(tokenizer),
             directory.context_length(settings.max_model_len))
 

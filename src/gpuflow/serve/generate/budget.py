@@ -1,4 +1,4 @@
-"""How many sequences the KV cache holds: its memory budget over one sequence's share."""
+"""How many KV blocks the pool holds: its memory budget over one block's share."""
 
 from __future__ import annotations
 
@@ -8,17 +8,22 @@ from gpuflow.devices import total_memory
 from gpuflow.errors import UserError
 
 
-def cache_slots(bytes_per_slot: int, budget_bytes: int, max_seqs: int, spare: int = 0) -> int:
-    """Sequences the cache holds: as many as ``budget_bytes`` allows beside ``spare`` slots
-    (the scratch slot of bucketed decoding), at most ``max_seqs``."""
-    slots = min(max_seqs, budget_bytes // bytes_per_slot - spare)
-    if slots < 1:
-        beside = " beside the scratch slot that compiled decoding pads with" if spare else ""
+def pool_blocks(bytes_per_block: int, budget_bytes: int, block_size: int, context: int,
+                max_seqs: int) -> int:
+    """Blocks of the pool, the null block among them: as many as ``budget_bytes`` allows, at
+    most what ``max_seqs`` sequences of the whole ``context`` fill (more would never be
+    used), and at least one whole context's (a sequence the pool cannot hold alone would
+    be preempted for ever)."""
+    per_context = -(-context // block_size)
+    blocks = min(budget_bytes // bytes_per_block, max_seqs * per_context + 1)
+    if blocks < per_context + 1:
+        need = (per_context + 1) * bytes_per_block
         raise UserError(
-            f"The KV cache budget ({budget_bytes / 2**30:.3g} GiB) holds no sequence of this "
-            f"model{beside}, which needs {bytes_per_slot / 2**20:.1f} MiB per sequence; raise "
-            "--kv-cache-gib.")
-    return slots
+            f"The KV cache budget ({budget_bytes / 2**30:.3g} GiB) cannot hold one sequence "
+            f"of this model's context ({context} tokens: {per_context} blocks of "
+            f"{block_size} and the null block, {need / 2**20:.1f} MiB); raise "
+            "--kv-cache-gib or lower --max-model-len.")
+    return blocks
 
 
 def default_cache_budget(device: torch.device) -> int:

@@ -1,33 +1,34 @@
-"""Continuous batching over a KV cache allocated once.
+"""Continuous batching over a paged KV pool: the thread loop and its hand-off to asyncio.
 
-The engine owns ``slots`` cache rows and a thread that loops: admit waiting requests into
-free slots (their prompts prefilled together, right-padded, each giving its first token),
-then run one decode step over every active sequence together, each at its own position.
-A request joins at the next step after a slot frees; a finished one (its ``max_tokens``, a
-stop string, an end-of-sequence id, or the context's end) leaves and frees its slot at
-once, and so does one whose client went away. Events (text deltas with the tokens'
+A thread of its own loops: take the requests submitted since the last step into the
+``Scheduler`` (``scheduler.py``: which tokens a step computes, admission by KV blocks,
+chunked prefill, preemption), drop those whose client went away (their blocks freed at
+once), run the step through the ``ModelRunner`` (``runner.py``: one mixed forward, or a
+bucketed, compiled or CUDA-graph decode step), then take each finished chunk's next token
+(``sampling.py``) and retire a sequence on its ``max_tokens``, a stop string, an
+end-of-sequence id, or the context's end. Events (text deltas with the tokens'
 log-probabilities when asked, then the finish) are handed to the requests' asyncio queues
 on the server's event loop, all of a step's at once: one wake-up of the loop a step, not
-one a sequence. How the model runs (eagerly, over batch buckets, compiled, as CUDA graphs)
-is the ``DecodeRunner``'s (``runner.py``); the engine thread runs every bucket before it
-serves (``wait_warm``).
+one a sequence. The thread runs every decode bucket before it serves (``wait_warm``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from gpuflow.serve.generate.budget import cache_slots, default_cache_budget
+from gpuflow.serve.generate.blocks import BlockManager
+from gpuflow.serve.generate.budget import default_cache_budget, pool_blocks
+from gpuflow.serve.generate.limits import EngineLimits
 from gpuflow.serve.generate.models import cached_lm, refusal
+from gpuflow.serve.generate.paged import PagedLM, RowSpec, Wanted
 from gpuflow.serve.generate.requests import (
     Delta,
     Done,
@@ -35,66 +36,33 @@ from gpuflow.serve.generate.requests import (
     Event,
     Failed,
     Generation,
+    Occupancy,
     WaitingFull,
 )
-from gpuflow.serve.generate.runner import DecodeRunner
-from gpuflow.serve.generate.sampling import (
-    SamplingParams,
-    choose_tokens,
-    token_logprobs,
-)
+from gpuflow.serve.generate.runner import ModelRunner
+from gpuflow.serve.generate.sampling import SamplingParams, choose_tokens, token_logprobs
+from gpuflow.serve.generate.scheduler import Chunk, Plan, Scheduler
 from gpuflow.serve.generate.tokenizer import ByteTokenizer, Tokenizer
 
 log = logging.getLogger("gpuflow.serve")
-PREFILL_TOKENS = 4096  # padded prompt tokens one prefill forward takes, beyond a lone prompt
-
-
-class CachedLM(Protocol):
-    """A causal LM that decodes over a cache: what the engine needs of a model. The cache
-    (``new_cache``) has ``keys`` (a tensor on the model's device) and ``nbytes()``.
-    ``vocab_size`` is the number of logits the engine chooses among."""
-
-    context: int
-    vocab_size: int
-
-    def new_cache(self, slots: int) -> Any: ...
-    def bytes_per_slot(self) -> int: ...
-    def logits(self, tokens: torch.Tensor, cache: Any, slots: torch.Tensor,
-               starts: torch.Tensor, lengths: torch.Tensor | None = None,
-               all_positions: bool = False) -> torch.Tensor:
-        """Logits ``[B, V]`` of each row's last token of ``tokens[B, T]`` (token
-        ``lengths[b] - 1`` of a right-padded batch; default the last), or ``[B, T, V]`` of
-        every position with ``all_positions``; row ``b`` is the sequence in cache slot
-        ``slots[b]`` whose tokens so far end at ``starts[b]``. The new tokens' keys and
-        values are written into the cache (a padded row's padding too, past its end, where
-        its next tokens overwrite them before any step can see them)."""
-    def step(self, tokens: torch.Tensor, cache: Any, slots: torch.Tensor,
-             starts: torch.Tensor) -> torch.Tensor:
-        """``logits`` of one new token per row (``tokens[B, 1]``), ``[B, V]``, in shapes
-        that depend on ``B`` alone and without waiting for the device: what
-        ``torch.compile(dynamic=False)`` and CUDA graphs need."""
-    def written(self, cache: Any) -> list[torch.Tensor]:
-        """The cache tensors ``step`` writes into."""
 
 
 class GenerationEngine:
     """Admits, steps and retires sequences in a thread of its own."""
 
-    def __init__(self, lm: CachedLM, slots: int, max_waiting: int,
-                 context: Callable[[], contextlib.AbstractContextManager[Any]],
+    def __init__(self, lm: PagedLM, scheduler: Scheduler, runner: ModelRunner,
+                 max_queue: int, context: Callable[[], contextlib.AbstractContextManager[Any]],
                  tokenizer: Tokenizer | None = None, eos_ids: Iterable[int] = (),
-                 observer: EngineObserver | None = None, bucketed: bool = False,
-                 compile: bool = False, cuda_graphs: bool = False) -> None:
-        self.lm, self.slots, self.max_waiting = lm, slots, max_waiting
+                 observer: EngineObserver | None = None) -> None:
+        self.lm, self.scheduler, self.runner = lm, scheduler, runner
+        self.max_queue = max_queue
         self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
         self.eos_ids, self.observer = frozenset(eos_ids), observer
         self._context = context
-        self.runner = DecodeRunner(lm, slots, bucketed, compile, cuda_graphs)
         self._warm = threading.Event()
         self._warm_error: BaseException | None = None
-        self._free = list(range(slots))
-        self._active: list[Generation] = []
-        self._waiting: collections.deque[Generation] = collections.deque()
+        self._arrivals: list[Generation] = []  # submitted, not yet in the scheduler
+        self._live: dict[Any, Generation] = {}  # each scheduled sequence's request
         self._outbox: list[tuple[Generation, Event]] = []  # events not yet handed over
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -104,17 +72,13 @@ class GenerationEngine:
 
     @property
     def active(self) -> int:
-        """Sequences holding a cache slot."""
-        return len(self._active)
+        """Sequences holding KV blocks."""
+        return len(self.scheduler.running)
 
     @property
     def waiting(self) -> int:
-        """Requests waiting for a slot."""
-        return len(self._waiting)
-
-    @property
-    def cache(self) -> Any:
-        return self.runner.cache
+        """Requests waiting to start (or, preempted, to start again)."""
+        return len(self._arrivals) + len(self.scheduler.waiting)
 
     @property
     def warmup_s(self) -> float | None:
@@ -124,6 +88,15 @@ class GenerationEngine:
     def describe(self) -> str:
         """How decode steps run, e.g. ``decode compiled for batch buckets 1,2,4``."""
         return self.runner.describe()
+
+    def limits(self) -> dict[str, Any]:
+        """The pool and the scheduler's limits, for /readyz."""
+        blocks, scheduler = self.scheduler.blocks, self.scheduler
+        return {"kv_blocks": blocks.total, "block_size": blocks.block_size,
+                "kv_cache_bytes": self.runner.pool.nbytes(),
+                "prefix_caching": blocks.prefix_caching,
+                "max_num_seqs": scheduler.max_num_seqs,
+                "max_num_batched_tokens": scheduler.max_num_batched_tokens}
 
     def start(self) -> None:
         self._thread.start()
@@ -149,13 +122,14 @@ class GenerationEngine:
         self._thread.join(timeout=30)
 
     def submit(self, prompt: list[int], params: SamplingParams) -> Generation:
-        """Queue a request for a slot; raises WaitingFull. Call on the event loop."""
+        """Queue a request; raises WaitingFull past ``max_queue`` waiting. Call on the
+        event loop."""
         generation = Generation(prompt, params, asyncio.get_running_loop(),
                                 self.tokenizer.detokenizer(prompt))
         with self._lock:
-            if len(self._waiting) >= self.max_waiting:
+            if self.waiting >= self.max_queue:
                 raise WaitingFull
-            self._waiting.append(generation)
+            self._arrivals.append(generation)
         self._wake.set()
         return generation
 
@@ -173,9 +147,11 @@ class GenerationEngine:
                 self._warm.set()
             while not self._stopped:
                 try:
-                    self._admit()
-                    if self._active:
-                        self._step()
+                    self._take_arrivals()
+                    self._drop_cancelled()
+                    plan = self.scheduler.schedule()
+                    if plan.chunks:
+                        self._step(plan)
                     else:
                         self._wake.wait(0.5)
                         self._wake.clear()
@@ -184,61 +160,59 @@ class GenerationEngine:
                 self._hand_over()
                 self._observe()
 
-    def _admit(self) -> None:
-        """Give waiting requests free slots and prefill them: together in one forward, as
-        many as ``PREFILL_TOKENS`` padded tokens hold (a burst of arrivals waits for one
-        prefill, not one each); one asking for its prompt's log-probabilities alone."""
-        batch: list[Generation] = []
-        while self._free:
-            with self._lock:
-                if not self._waiting:
-                    break
-                generation = self._waiting[0]
-                longest = max([len(generation.prompt), *(len(g.prompt) for g in batch)])
-                if batch and longest * (len(batch) + 1) > PREFILL_TOKENS:
-                    break
-                self._waiting.popleft()
-            if generation.cancelled:
-                self._emit(generation, Done("cancelled", len(generation.prompt), 0))
-                continue
-            generation.slot = min(self._free)  # low slots first, to keep them consecutive
-            self._free.remove(generation.slot)
-            self._active.append(generation)
-            if generation.params.prompt_logprobs is not None:
-                self._prefill_scored(generation)
-            else:
-                batch.append(generation)
-        if batch:
-            self._prefill(batch)
-        self._hand_over()  # first tokens go out now, not after the decode step
+    def _take_arrivals(self) -> None:
+        with self._lock:
+            arrivals, self._arrivals = self._arrivals, []
+        for generation in arrivals:
+            self._live[generation.seq] = generation
+            self.scheduler.add(generation.seq)
 
-    def _prefill(self, batch: list[Generation]) -> None:
-        """Run the prompts, right-padded, into their slots and take each first token."""
-        logits = self.runner.prefill([g.prompt for g in batch], _slots(batch))
-        for row, (generation, token) in enumerate(zip(
-                batch, choose_tokens([g.sampler for g in batch], logits), strict=True)):
-            self._advance(generation, token, logits[row:row + 1])
-
-    def _prefill_scored(self, generation: Generation) -> None:
-        """Prefill one prompt and keep its tokens' log-probabilities from the same forward."""
-        prompt = generation.prompt
-        rows = self.runner.prefill([prompt], _slots([generation]), all_positions=True)[0]
-        generation.prompt_logprobs = [None, *token_logprobs(
-            rows[:-1], prompt[1:], generation.params.prompt_logprobs or 0)]
-        self._advance(generation, generation.sampler.choose(rows[-1]), rows[-1:])
-
-    def _step(self) -> None:
-        """One decode step of every active sequence."""
-        for generation in [g for g in self._active if g.cancelled]:
+    def _drop_cancelled(self) -> None:
+        for generation in [g for g in self._live.values() if g.cancelled]:
             self._retire(generation, "cancelled")
-        if not self._active:
+
+    def _step(self, plan: Plan) -> None:
+        """Run the plan's chunks, then take the next token of each that reached its end."""
+        rows = [RowSpec(chunk.tokens, chunk.start, chunk.seq.table.blocks,
+                        self._wanted(chunk)) for chunk in plan.chunks]
+        logits = self.runner.run(rows)
+        self.scheduler.advance(plan)
+        finished: list[tuple[Generation, torch.Tensor]] = []
+        for row, chunk, chunk_logits in zip(rows, plan.chunks, logits, strict=True):
+            generation = self._live[chunk.seq]
+            if row.logits == "all":
+                self._score_prompt(generation, chunk, chunk_logits)
+            if chunk.final:
+                finished.append((generation, chunk_logits[-1:]))
+        if not finished:
             return
-        batch = sorted(self._active, key=lambda g: g.slot)  # consecutive slots: no copies
-        logits = self.runner.decode([g.generated[-1] for g in batch], _slots(batch),
-                                    [g.length - 1 for g in batch])
-        tokens = choose_tokens([g.sampler for g in batch], logits)
-        for row, (generation, token) in enumerate(zip(batch, tokens, strict=True)):
-            self._advance(generation, token, logits[row:row + 1])
+        tokens = choose_tokens([g.sampler for g, _ in finished],
+                               torch.cat([row for _, row in finished]))
+        for (generation, row), token in zip(finished, tokens, strict=True):
+            self._advance(generation, token, row)
+
+    def _wanted(self, chunk: Chunk) -> Wanted:
+        """Every position's logits while the chunk holds prompt tokens whose
+        log-probabilities are still wanted; else the last one's if it ends the sequence."""
+        generation = self._live[chunk.seq]
+        scored = generation.prompt_logprobs
+        if scored is not None and chunk.start + chunk.length > len(scored) - 1 \
+                and len(scored) < len(generation.prompt):
+            return "all"
+        return "last" if chunk.final else "none"
+
+    def _score_prompt(self, generation: Generation, chunk: Chunk,
+                      logits: torch.Tensor) -> None:
+        """The log-probabilities of the prompt tokens the chunk's logits predict and that
+        are not scored yet (a preempted sequence recomputes chunks already scored)."""
+        scored = generation.prompt_logprobs
+        assert scored is not None
+        first = max(chunk.start, len(scored) - 1)
+        end = min(chunk.start + chunk.length, len(generation.prompt) - 1)
+        if end > first:
+            scored += token_logprobs(logits[first - chunk.start:end - chunk.start],
+                                     generation.prompt[first + 1:end + 1],
+                                     generation.params.prompt_logprobs or 0)
 
     def _advance(self, generation: Generation, token: int, logits: torch.Tensor) -> None:
         """Take ``token`` as the sequence's next, send its text, retire when finished.
@@ -255,6 +229,7 @@ class GenerationEngine:
             self._retire(generation, "stop")
             return
         generation.generated.append(token)
+        generation.seq.tokens.append(token)
         generation.sampler.observe(token)
         if params.logprobs is not None:
             generation.unsent_logprobs += token_logprobs(logits, [token], params.logprobs)
@@ -278,18 +253,18 @@ class GenerationEngine:
         rest = generation.stream.finish(generation.detokenizer.finish())
         if (rest or generation.unsent_logprobs) and reason != "cancelled":
             self._emit(generation, self._delta(generation, rest))
-        self._emit(generation, Done(reason, len(generation.prompt), len(generation.generated)))
-        self._active.remove(generation)
-        assert generation.slot is not None
-        self._free.append(generation.slot)
-        generation.slot = None
+        self._emit(generation, Done(reason, len(generation.prompt), len(generation.generated),
+                                    generation.seq.cached_tokens))
+        self._forget(generation)
+
+    def _forget(self, generation: Generation) -> None:
+        self.scheduler.finish(generation.seq)
+        del self._live[generation.seq]
 
     def _fail_all(self, message: str) -> None:
-        for generation in list(self._active):
+        for generation in list(self._live.values()):
             self._emit(generation, Failed(message))
-            self._active.remove(generation)
-            if generation.slot is not None:
-                self._free.append(generation.slot)
+            self._forget(generation)
 
     def _emit(self, generation: Generation, event: Event) -> None:
         self._outbox.append((generation, event))
@@ -309,13 +284,10 @@ class GenerationEngine:
 
     def _observe(self) -> None:
         if self.observer is not None:
-            self.observer.occupancy(self.active, self.waiting, self.slots)
-
-
-def _slots(generations: list[Generation]) -> list[int]:
-    slots = [g.slot for g in generations]
-    assert None not in slots
-    return slots  # type: ignore[return-value]
+            blocks = self.scheduler.blocks
+            self.observer.occupancy(Occupancy(
+                self.active, self.waiting, blocks.used, blocks.total,
+                self.scheduler.preemptions, blocks.prefix_queries, blocks.prefix_hits))
 
 
 def _deliver(events: list[tuple[Generation, Event]]) -> None:
@@ -323,9 +295,28 @@ def _deliver(events: list[tuple[Generation, Event]]) -> None:
         generation.events.put_nowait(event)
 
 
-def build_generator(model: torch.nn.Module, runner: Any, kv_cache_gib: float | None,
-                    max_seqs: int, max_waiting: int, observer: EngineObserver | None,
-                    tokenizer: Tokenizer | None = None, eos_ids: Iterable[int] = (),
+def build_engine(lm: PagedLM, num_blocks: int, limits: EngineLimits,
+                 context: Callable[[], contextlib.AbstractContextManager[Any]],
+                 bucketed: bool = False, compile: bool = False, cuda_graphs: bool = False,
+                 **options: Any) -> GenerationEngine:
+    """An engine over a pool of ``num_blocks`` blocks (the null block among them);
+    ``options`` are the engine's own (tokenizer, eos_ids, observer). Without chunked
+    prefill a step's budget covers a whole context, and always a decode token of every
+    sequence."""
+    tokens = limits.max_num_batched_tokens
+    if not limits.chunked_prefill:
+        tokens = max(tokens, lm.context)
+    blocks = BlockManager(num_blocks, limits.block_size, limits.prefix_caching)
+    scheduler = Scheduler(blocks, limits.max_num_seqs, max(tokens, limits.max_num_seqs),
+                          limits.chunked_prefill)
+    runner = ModelRunner(lm, num_blocks, limits.block_size, limits.max_num_seqs, bucketed,
+                         compile, cuda_graphs)
+    return GenerationEngine(lm, scheduler, runner, limits.max_queue, context, **options)
+
+
+def build_generator(model: torch.nn.Module, runner: Any, limits: EngineLimits,
+                    observer: EngineObserver | None, tokenizer: Tokenizer | None = None,
+                    eos_ids: Iterable[int] = (),
                     context: int | None = None) -> GenerationEngine | None:
     """A generation engine for the served model on the runner's device and precision, its
     decode steps compiled (and on CUDA replayed as graphs) when the runner's model is, or
@@ -336,9 +327,10 @@ def build_generator(model: torch.nn.Module, runner: Any, kv_cache_gib: float | N
     if lm is None:
         log.info("gpuflow serve: no /v1/completions: %s", refusal(model, tokenizer is not None))
         return None
-    budget = (int(kv_cache_gib * 2**30) if kv_cache_gib is not None
+    budget = (int(limits.kv_cache_gib * 2**30) if limits.kv_cache_gib is not None
               else default_cache_budget(runner.device))
-    slots = cache_slots(lm.bytes_per_slot(), budget, max_seqs, spare=int(runner.compiled))
-    return GenerationEngine(lm, slots, max_waiting, runner.context, tokenizer=tokenizer,
-                            eos_ids=eos_ids, observer=observer, compile=runner.compiled,
-                            cuda_graphs=runner.cuda_graphs)
+    blocks = pool_blocks(lm.bytes_per_block(limits.block_size), budget, limits.block_size,
+                         lm.context, limits.max_num_seqs)
+    return build_engine(lm, blocks, limits, runner.context, compile=runner.compiled,
+                        cuda_graphs=runner.cuda_graphs, tokenizer=tokenizer,
+                        eos_ids=eos_ids, observer=observer)

@@ -9,12 +9,13 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from gpuflow.serve.generate.sampling import Sampler, SamplingParams, TokenLogprob
+from gpuflow.serve.generate.scheduler import Sequence
 from gpuflow.serve.generate.text import TextStream
 from gpuflow.serve.generate.tokenizer import Detokenizer
 
 
 class WaitingFull(Exception):
-    """As many requests wait for a slot as the engine queues."""
+    """As many requests wait to start as the engine queues (``--max-queue``)."""
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class Done:
     finish_reason: str  # "stop" | "length" | "cancelled"
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,8 @@ Event = Delta | Done | Failed
 @dataclass(eq=False)
 class Generation:
     """One request in the engine: its prompt and sampling, what it produced, where its
-    events go."""
+    events go, and its ``seq`` in the scheduler (a request that wants its prompt's
+    log-probabilities computes its whole prompt itself, so that they are exact)."""
 
     prompt: list[int]
     params: SamplingParams
@@ -51,15 +54,17 @@ class Generation:
     detokenizer: Detokenizer
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     generated: list[int] = field(default_factory=list)
-    slot: int | None = None
     cancelled: bool = False
     submitted: float = field(default_factory=time.monotonic)
     last_token_at: float | None = None
     # The prompt's log-probabilities (``params.prompt_logprobs``; None for its first token),
-    # set by the engine thread before the first event is handed over.
+    # complete once the first event is handed over (gathered chunk by chunk).
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def __post_init__(self) -> None:
+        self.seq = Sequence.of(self.prompt, reuse_prefix=self.params.prompt_logprobs is None)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
         self.sampler = Sampler(self.params, self.prompt)
         self.stream = TextStream(self.params.stop)
         self.unsent_logprobs: list[TokenLogprob] = []
@@ -73,7 +78,22 @@ class Generation:
         return len(self.prompt) + len(self.generated)
 
 
+@dataclass(frozen=True)
+class Occupancy:
+    """The engine after a step: sequences running and waiting, KV blocks in use of those
+    sequences can hold, preemptions so far, and prompt tokens looked up in the prefix
+    cache so far and found there."""
+
+    running: int
+    waiting: int
+    blocks_used: int
+    blocks_total: int
+    preemptions: int
+    prefix_queries: int
+    prefix_hits: int
+
+
 class EngineObserver(Protocol):
     def first_token(self, seconds: float) -> None: ...
     def next_token(self, seconds: float) -> None: ...
-    def occupancy(self, active: int, waiting: int, slots: int) -> None: ...
+    def occupancy(self, now: Occupancy) -> None: ...

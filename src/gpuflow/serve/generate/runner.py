@@ -1,15 +1,15 @@
-"""How the engine's model runs: the KV cache, prefill forwards, and decode steps eagerly over
-exactly the active rows, or over fixed batch buckets, eager, compiled or replayed as CUDA
-graphs.
+"""How the engine's model runs one scheduled step over the paged KV pool.
 
-Over buckets (``bucketed``; always so when compiled) the active rows are padded up to the
-next bucket size, the predict path's ``batch_buckets`` of the slot count, with rows that
-point at a scratch slot no request ever holds (their writes land there, their logits are
-dropped), and the step is the model's static-shape one (``CachedLM.step``: the whole
-context under a mask). ``compile`` runs that step through ``torch.compile(dynamic=False)``,
-one graph per bucket, and ``cuda_graphs`` (CUDA only) with ``mode="reduce-overhead"``,
-which replays each bucket's step as a CUDA graph. ``warm_up`` runs every bucket before
-the server is ready, in the engine's thread.
+A step with prompt chunks (or any step, unbucketed) is one ``StepBatch`` through the
+model's ``forward``: decode rows and prefill chunks of several sequences in one forward.
+A step of decode rows alone, over buckets (``bucketed``; always so when compiled), is the
+model's static-shape ``decode_step``, its rows padded up to the next bucket size (the
+predict path's ``batch_buckets`` of ``max_num_seqs``) with rows that write into the null
+block and whose logits are dropped, every block table padded to the context's width.
+``compile`` runs that step through ``torch.compile(dynamic=False)``, one graph per bucket,
+and ``cuda_graphs`` (CUDA only) with ``mode="reduce-overhead"``, which replays each
+bucket's step as a CUDA graph. ``warm_up`` runs every bucket before the server is ready,
+in the engine's thread.
 """
 
 from __future__ import annotations
@@ -17,29 +17,26 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
+from gpuflow.serve.generate.paged import NULL_BLOCK, KVPool, PagedLM, RowSpec, StepBatch
 from gpuflow.serve.model import batch_buckets
-
-if TYPE_CHECKING:
-    from gpuflow.serve.generate.engine import CachedLM
 
 log = logging.getLogger("gpuflow.serve")
 
 
-class DecodeRunner:
-    """The model's cache and forwards, as the engine's thread calls them."""
+class ModelRunner:
+    """The model's KV pool and forwards, as the engine's thread calls them."""
 
-    def __init__(self, lm: CachedLM, slots: int, bucketed: bool = False,
-                 compile: bool = False, cuda_graphs: bool = False) -> None:
-        self.lm = lm
+    def __init__(self, lm: PagedLM, num_blocks: int, block_size: int, max_num_seqs: int,
+                 bucketed: bool = False, compile: bool = False,
+                 cuda_graphs: bool = False) -> None:
+        self.lm, self.block_size = lm, block_size
+        self.pool: KVPool = lm.new_pool(num_blocks, block_size)
+        self.max_blocks = -(-lm.context // block_size)  # a whole context's block table
         self.compiled = compile or cuda_graphs
-        self.buckets = batch_buckets(slots) if bucketed or self.compiled else None
-        # The scratch slot, one past the requests' slots, takes the padding rows' writes.
-        self.scratch = slots
-        self.cache = lm.new_cache(slots + 1 if self.buckets else slots)
+        self.buckets = batch_buckets(max_num_seqs) if bucketed or self.compiled else None
         # As the predict path's Runner: no CUDA graphs off CUDA (describe() says so).
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.model_step = self._compiled_step()
@@ -49,12 +46,12 @@ class DecodeRunner:
 
     @property
     def device(self) -> torch.device:
-        return self.cache.keys.device
+        return self.pool.keys.device
 
     def describe(self) -> str:
         """How decode steps run, e.g. ``decode compiled for batch buckets 1,2,4``."""
         if self.buckets is None:
-            return "decode eager, one row per active sequence"
+            return "decode eager, one row per running sequence"
         sizes = ",".join(map(str, self.buckets))
         if not self.compiled:
             return f"decode eager over batch buckets {sizes}"
@@ -70,11 +67,11 @@ class DecodeRunner:
     def _compiled_step(self) -> Callable[..., torch.Tensor]:
         """The decode step over buckets: the model's static-shape step, compiled or not."""
         if not self.compiled:
-            return self.lm.step
-        # The step writes the new keys and values into the cache, a graph input: held at
-        # a fixed address (allocated once), it may be mutated inside a CUDA graph, which
+            return self.lm.decode_step
+        # The step writes the new keys and values into the pool, a graph input: held at a
+        # fixed address (allocated once), it may be mutated inside a CUDA graph, which
         # cudagraph trees otherwise refuse (they would skip the graph).
-        for tensor in self.lm.written(self.cache):
+        for tensor in self.lm.written(self.pool):
             torch._dynamo.mark_static_address(tensor)
         config = torch._dynamo.config
         name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
@@ -82,20 +79,20 @@ class DecodeRunner:
         if getattr(config, name) < len(self.buckets):  # one graph per bucket, none eager
             setattr(config, name, len(self.buckets))
         mode = "reduce-overhead" if self.cuda_graphs else None
-        return torch.compile(self.lm.step, mode=mode, dynamic=False)  # type: ignore[return-value]
+        return torch.compile(self.lm.decode_step, mode=mode,  # type: ignore[return-value]
+                             dynamic=False)
 
     def warm_up(self) -> None:
-        """Every bucket's decode step, all rows in the scratch slot: compiled, and on CUDA
-        with graphs warmed up, recorded and replayed once (cudagraph trees record a
-        function on its second call). In the thread that serves them: cudagraph trees
-        keep their graphs per thread. A compile that fails falls back to the eager step,
-        saying so."""
+        """Every bucket's decode step, all rows padding: compiled, and on CUDA with graphs
+        warmed up, recorded and replayed once (cudagraph trees record a function on its
+        second call). In the thread that serves them: cudagraph trees keep their graphs per
+        thread. A compile that fails falls back to the eager step, saying so."""
         start = time.perf_counter()
         skips = self._graph_skips()
         for size in self.buckets or []:
             for _ in range(3 if self.cuda_graphs else 1):
                 try:
-                    self._padded([], [], [], size)
+                    self._decode_padded([], size)
                 except Exception as exc:
                     if not self.compiled or self.compile_failure is not None:
                         raise
@@ -103,8 +100,8 @@ class DecodeRunner:
                     log.warning("gpuflow serve: torch.compile of the decode step failed "
                                 "(%s); decoding eagerly over the same buckets",
                                 self.compile_failure)
-                    self.model_step, self.cuda_graphs = self.lm.step, False
-                    self._padded([], [], [], size)
+                    self.model_step, self.cuda_graphs = self.lm.decode_step, False
+                    self._decode_padded([], size)
                     break
         if self.cuda_graphs and self._graph_skips() > skips:
             # Inductor runs a graph it cannot capture (an op on the CPU, a mutated input
@@ -121,46 +118,38 @@ class DecodeRunner:
 
         return int(counters["inductor"]["cudagraph_skips"])
 
-    def prefill(self, prompts: Sequence[Sequence[int]], slots: Sequence[int],
-                all_positions: bool = False) -> torch.Tensor:
-        """Prompts, right-padded, into their slots: the logits of each one's last token
-        (``[B, V]``), or of every position of a lone prompt (``[1, T, V]``); on the CPU,
-        in fp32."""
-        longest = max(len(prompt) for prompt in prompts)
-        tokens = torch.zeros(len(prompts), longest, dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            tokens[row, :len(prompt)] = torch.tensor(prompt)
-        lengths = torch.tensor([len(prompt) for prompt in prompts])
-        logits = self.lm.logits(tokens.to(self.device), self.cache,
-                                torch.tensor(slots, device=self.device),
-                                torch.zeros_like(lengths, device=self.device),
-                                None if all_positions else lengths.to(self.device),
-                                all_positions=all_positions)
-        return logits.float().cpu()
+    def run(self, rows: Sequence[RowSpec]) -> list[torch.Tensor]:
+        """One step over ``rows`` (one-token rows first): each row's logits as it asked
+        (``[1, V]`` for its last token, ``[T, V]`` for all, ``[0, V]`` for none), on the
+        CPU, in fp32."""
+        if self.buckets is not None and all(len(r.tokens) == 1 and r.logits == "last"
+                                            for r in rows):
+            size = next(b for b in self.buckets if b >= len(rows))
+            return list(self._decode_padded(rows, size)[:, None])
+        batch = StepBatch.build(rows, self.block_size, self.device)
+        logits = self.lm.forward(batch, self.pool).float().cpu()
+        counts = [len(r.tokens) if r.logits == "all" else int(r.logits == "last")
+                  for r in rows]
+        return list(logits.split(counts))
 
-    def decode(self, tokens: Sequence[int], slots: Sequence[int],
-               starts: Sequence[int]) -> torch.Tensor:
-        """One decode step: ``tokens[b]`` at position ``starts[b]`` of slot ``slots[b]``;
-        the logits ``[B, V]``, on the CPU, in fp32."""
-        if self.buckets is not None:
-            size = next(b for b in self.buckets if b >= len(tokens))
-            return self._padded(tokens, slots, starts, size)
-        rows = torch.tensor([list(tokens), list(slots), list(starts)]).to(self.device)
-        logits = self.lm.logits(rows[0][:, None], self.cache, rows[1], rows[2])
-        return logits.float().cpu()
-
-    def _padded(self, tokens: Sequence[int], slots: Sequence[int], starts: Sequence[int],
-                size: int) -> torch.Tensor:
-        """One decode step padded to ``size`` rows, the padding rows (token 0 at position
-        0) in the scratch slot; the real rows' logits, on the CPU."""
-        pad = size - len(tokens)
-        rows = torch.tensor([[*tokens, *[0] * pad], [*slots, *[self.scratch] * pad],
-                             [*starts, *[0] * pad]])
-        tokens_, slots_, starts_ = rows.to(self.device).unbind(0)  # one copy to the device
+    def _decode_padded(self, rows: Sequence[RowSpec], bucket: int) -> torch.Tensor:
+        """One decode step padded to ``bucket`` rows, the padding rows (token 0 at position
+        0) writing into the null block; the real rows' logits ``[B, V]``, on the CPU."""
+        width, size = self.max_blocks, self.block_size
+        table = []
+        for row in rows:
+            (token,), position = row.tokens, row.start
+            slot = row.blocks[position // size] * size + position % size
+            table.append([token, position, slot, *row.blocks,
+                          *[NULL_BLOCK] * (width - len(row.blocks))])
+        table += [[0, 0, NULL_BLOCK, *[NULL_BLOCK] * width]] * (bucket - len(rows))
+        host = torch.tensor(table, dtype=torch.long)
+        on_device = host.to(self.device)  # one copy to the device
+        tokens, positions, slots = on_device[:, :3].unbind(1)
         if self.cuda_graphs:
             # A new step of cudagraph trees: the previous replay's outputs (copied to the
             # CPU below, before this replay overwrites them) may be reused. The inputs
             # are fresh tensors, which the trees copy into the graph's own.
             torch.compiler.cudagraph_mark_step_begin()
-        logits = self.model_step(tokens_[:, None], self.cache, slots_, starts_)
-        return logits[:len(tokens)].float().cpu()
+        logits = self.model_step(tokens, positions, slots, on_device[:, 3:], self.pool)
+        return logits[:len(rows)].float().cpu()

@@ -7,9 +7,10 @@ A route begins with ``accept`` (the engine, the body parsed by ``parse_body``, i
 returns ``await generate(request, prompt, params, answer, stream)`` with an ``Answer``
 that writes its own JSON (``text_completion``, ``chat.completion``, ...).
 ``generate`` handles the rest the same way for all: 503 ``queue_full`` when the engine's
-waiting queue is full, 504 when the first token has not come within ``--timeout-ms``, a
-client that goes away freeing its slot (status 499), server-sent events ending with
-``data: [DONE]``.
+waiting queue is full (``--max-queue``), 504 when the first token has not come within
+``--ttft-timeout-ms`` (no deadline by default: a request waits for KV blocks as long as its
+client does), a client that goes away freeing its KV blocks at the next step (status
+499), server-sent events ending with ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -134,14 +135,20 @@ class Reply:
                 "choices": choices, **extra}
 
 
-def usage(choices: list[Choice]) -> dict[str, int]:
+def usage(choices: list[Choice]) -> dict[str, Any]:
     """Token counts: each prompt once, however many choices continue it, and every
-    choice's completion."""
+    choice's completion; of the prompts' tokens, those found in the prefix cache (the
+    fewest any choice of a prompt found)."""
     prompts = {c.prompt_index: len(c.generation.prompt) for c in choices}
+    cached: dict[int, int] = {}
+    for c in choices:
+        found = c.done.cached_tokens if c.done is not None else 0
+        cached[c.prompt_index] = min(cached.get(c.prompt_index, found), found)
     prompt = sum(prompts.values())
     completion = sum(c.done.completion_tokens for c in choices if c.done is not None)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
 
 async def generate(request: Request, prompts: list[list[int]], params: list[SamplingParams],
@@ -152,12 +159,13 @@ async def generate(request: Request, prompts: list[list[int]], params: list[Samp
     state = ServerState.of(request)
     choices = _submit(state, [(i, prompt, p) for i, prompt in enumerate(prompts)
                               for p in params])
-    firsts = await _first_events(choices, state.settings.timeout_ms / 1000)
+    deadline_ms = state.settings.ttft_timeout_ms
+    firsts = await _first_events(choices, None if deadline_ms is None else deadline_ms / 1000)
     if stream:
         return StreamingResponse(_stream(choices, firsts, answer),
                                  media_type="text/event-stream")
     collected = asyncio.ensure_future(_collect(choices, firsts, answer))
-    if not await finished_unless_gone(request, collected):  # free the slots of a client gone
+    if not await finished_unless_gone(request, collected):  # free a gone client's blocks
         _cancel(choices)
         collected.cancel()
         return Response(status_code=CLIENT_CLOSED)
@@ -174,25 +182,26 @@ def _submit(state: ServerState, jobs: list[tuple[int, list[int], SamplingParams]
             choices.append(Choice(len(choices), prompt_index, engine.submit(prompt, params)))
     except WaitingFull:
         _cancel(choices)
-        raise ApiError(503, f"{engine.max_waiting} requests wait for a slot already; retry "
-                       "later.", "queue_full", headers=state.retry_after()) from None
+        raise ApiError(503, f"{engine.max_queue} requests wait to start already (--max-queue); "
+                       "retry later.", "queue_full", headers=state.retry_after()) from None
     return choices
 
 
 def _cancel(choices: list[Choice]) -> None:
-    for choice in choices:  # a no-op for one finished; frees the slot of one still running
+    for choice in choices:  # a no-op for one finished; frees the blocks of one running
         choice.generation.cancel()
 
 
-async def _first_events(choices: list[Choice], timeout_s: float) -> list[Event]:
-    """Every choice's first event, within the deadline (504 otherwise)."""
+async def _first_events(choices: list[Choice], timeout_s: float | None) -> list[Event]:
+    """Every choice's first event, within the deadline if there is one (504 otherwise)."""
     try:
         return await asyncio.wait_for(
             asyncio.gather(*(c.generation.events.get() for c in choices)), timeout_s)
     except TimeoutError:
         _cancel(choices)
-        raise ApiError(504, f"No token within {timeout_s * 1000:g} ms (--timeout-ms); the "
-                       "request was dropped.", "deadline_exceeded") from None
+        assert timeout_s is not None
+        raise ApiError(504, f"No token within {timeout_s * 1000:g} ms (--ttft-timeout-ms); "
+                       "the request was dropped.", "deadline_exceeded") from None
 
 
 def _failed(event: Failed) -> ApiError:
@@ -276,7 +285,7 @@ async def _stream(choices: list[Choice], firsts: list[Event],
             yield b"".join(parts)
         yield b"".join(map(sse, answer.last(choices))) + b"data: [DONE]\n\n"
     finally:
-        _cancel(choices)  # frees the slots if the client left
+        _cancel(choices)  # frees the blocks if the client left
 
 
 def sse(payload: dict[str, Any]) -> bytes:

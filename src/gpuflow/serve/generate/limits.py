@@ -1,0 +1,24 @@
+"""What the operator bounds the generation engine by: the ``gpuflow serve`` flags of
+language models, in one value the server settings make and the engine reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """``max_num_seqs`` sequences run at once (``--max-batch-size``); ``max_queue`` wait
+    (503 past it); the KV pool takes ``kv_cache_gib`` (None: half the GPU's free memory, a
+    quarter of a CPU's RAM) in blocks of ``block_size`` tokens, full blocks cached for
+    reuse unless ``prefix_caching`` is off; a step computes at most
+    ``max_num_batched_tokens`` tokens, a long prompt split over steps unless
+    ``chunked_prefill`` is off (then a step takes a whole prompt, up to the context)."""
+
+    max_num_seqs: int = 32
+    max_queue: int = 1024
+    kv_cache_gib: float | None = None
+    block_size: int = 16
+    prefix_caching: bool = True
+    max_num_batched_tokens: int = 2048
+    chunked_prefill: bool = True
