@@ -6,10 +6,6 @@ embedding. The linear layers carry stable names (``attn.qkv``, ``attn.proj``, ``
 ``mlp.proj``) because tensor-parallel plans address them by name: ``qkv`` and ``fc`` split
 by output columns, ``attn.proj`` and ``mlp.proj`` by input rows.
 
-For generation it also runs cached: ``decode`` takes new tokens of several sequences, each
-at its own position, appends their keys and values to a ``KVCache`` allocated once, and
-attends over each sequence's cached prefix instead of recomputing it.
-
 The model knows nothing of parallelism, precision or telemetry.
 """
 
@@ -54,73 +50,6 @@ class GPTConfig:
         return v * d + t * d + self.layers * per_block + 2 * d
 
 
-class KVCache:
-    """Keys and values of every layer for ``slots`` sequences of up to ``seq_len`` tokens,
-    allocated once: ``[layers, slots, heads, seq_len, head_dim]`` each."""
-
-    def __init__(self, config: GPTConfig, slots: int, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
-        shape = (config.layers, slots, config.heads, config.seq_len, config.dim // config.heads)
-        self.keys = torch.zeros(shape, device=device, dtype=dtype)
-        self.values = torch.zeros(shape, device=device, dtype=dtype)
-        self.slots, self.seq_len = slots, config.seq_len
-
-    def nbytes(self) -> int:
-        return 2 * self.keys.numel() * self.keys.element_size()
-
-    @staticmethod
-    def bytes_per_slot(config: GPTConfig, dtype: torch.dtype = torch.float32) -> int:
-        return 2 * config.layers * config.seq_len * config.dim * dtype.itemsize
-
-
-def write_positions(cache: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
-                    new: torch.Tensor) -> None:
-    """``cache[slots[b], :, starts[b] + t] = new[b, :, t]`` for one layer's
-    ``[slots, heads, context, dim]`` keys or values and ``new[B, heads, T, dim]``. One row
-    on the CPU is written through a slice: for decoding a lone sequence, advanced
-    indexing's set-up costs more than the copy itself. (Not while compiling: reading the
-    position would break the graph.)"""
-    batch, _, length, _ = new.shape
-    new = new.to(cache.dtype)
-    if batch == 1 and slots.device.type == "cpu" and not torch.compiler.is_compiling():
-        start = int(starts[0])
-        cache[int(slots[0]), :, start:start + length] = new[0]
-        return
-    offsets = starts[:, None] + torch.arange(length, device=new.device)
-    rows = slots[:, None].expand(batch, length)
-    cache[rows, :, offsets] = new.transpose(1, 2)
-
-
-@dataclass(frozen=True)
-class CacheView:
-    """Where a decode step reads and writes: cache slots, the position of each sequence's
-    first new token, and the length of the longest prefix after the step. ``run`` is the
-    slots as a slice when they are consecutive, so their prefixes are read in place."""
-
-    cache: KVCache
-    slots: torch.Tensor
-    starts: torch.Tensor
-    span: int
-    run: slice | None = None
-
-    @classmethod
-    def of(cls, cache: KVCache, slots: torch.Tensor, starts: torch.Tensor,
-           span: int) -> CacheView:
-        run = None
-        if slots.device.type == "cpu":  # looking costs a device sync elsewhere
-            first = int(slots[0])
-            if torch.equal(slots, torch.arange(first, first + len(slots))):
-                run = slice(first, first + len(slots))
-        return cls(cache, slots, starts, span, run)
-
-    def prefix(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor[slots, :, :span]`` (one layer's keys or values)."""
-        if self.run is not None:
-            return tensor[self.run, :, :self.span]
-        # index_select copies several times faster than advanced indexing.
-        return tensor[:, :, :self.span].index_select(0, self.slots)
-
-
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention through ``scaled_dot_product_attention(is_causal=True)``."""
 
@@ -148,23 +77,6 @@ class CausalSelfAttention(nn.Module):
         )
         return self.proj(y.transpose(1, 2).reshape(batch, length, -1))
 
-    def cached(self, x: torch.Tensor, layer: int, view: CacheView) -> torch.Tensor:
-        """Attention of new tokens over their sequences' cached prefixes and themselves,
-        their keys and values written into the cache first."""
-        batch, length, _ = x.shape
-        q, k, v = self._heads(x)
-        offsets = view.starts[:, None] + torch.arange(length, device=x.device)  # [B, T]
-        keys, values = view.cache.keys[layer], view.cache.values[layer]
-        write_positions(keys, view.slots, view.starts, k)
-        write_positions(values, view.slots, view.starts, v)
-        span = torch.arange(view.span, device=x.device)
-        visible = span[None, None, :] <= offsets[:, :, None]  # [B, T, span]
-        y = F.scaled_dot_product_attention(q, view.prefix(keys).to(q.dtype),
-                                           view.prefix(values).to(q.dtype),
-                                           attn_mask=visible[:, None])
-        return self.proj(y.transpose(1, 2).reshape(batch, length, -1))
-
-
 class MLP(nn.Module):
     """The position-wise feed-forward network: ``dim -> 4*dim -> GELU -> dim``."""
 
@@ -191,11 +103,6 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.drop(self.attn(self.ln1(x)))
         return x + self.drop(self.mlp(self.ln2(x)))
-
-    def cached(self, x: torch.Tensor, layer: int, view: CacheView) -> torch.Tensor:
-        x = x + self.attn.cached(self.ln1(x), layer, view)
-        return x + self.mlp(self.ln2(x))
-
 
 class GPT(nn.Module):
     """``forward(tokens[B, T]) -> logits[B, T, vocab]`` for integer tokens, T <= seq_len.
@@ -244,24 +151,6 @@ class GPT(nn.Module):
         x = self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.ln_f(x))
-
-    def decode(self, tokens: torch.Tensor, cache: KVCache, slots: torch.Tensor,
-               starts: torch.Tensor) -> torch.Tensor:
-        """Logits ``[B, T, vocab]`` of ``tokens[B, T]``, sequence ``b`` being the one in cache
-        slot ``slots[b]`` whose tokens so far end at ``starts[b]``: a prompt's prefill
-        (``starts`` 0, T its length) or one decode step of many sequences (T 1). Equal to
-        ``forward`` on each whole sequence, without recomputing its prefix."""
-        length = tokens.shape[1]
-        end = int(starts.max()) + length
-        if end > self.config.seq_len:
-            raise ValueError(f"a sequence of {end} tokens is longer than the model's context "
-                             f"({self.config.seq_len})")
-        positions = starts[:, None] + torch.arange(length, device=tokens.device)
-        x = self.tok_emb(tokens) + self.pos_emb(positions)
-        view = CacheView.of(cache, slots, starts, end)
-        for layer, block in enumerate(self.blocks):
-            x = block.cached(x, layer, view)
         return self.lm_head(self.ln_f(x))
 
     def num_parameters(self) -> int:

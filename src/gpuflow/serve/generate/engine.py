@@ -27,7 +27,7 @@ import torch
 from gpuflow.serve.generate.blocks import BlockManager
 from gpuflow.serve.generate.budget import default_cache_budget, pool_blocks
 from gpuflow.serve.generate.limits import EngineLimits
-from gpuflow.serve.generate.models import cached_lm, refusal
+from gpuflow.serve.generate.models import paged_lm, refusal
 from gpuflow.serve.generate.paged import PagedLM, RowSpec, Wanted
 from gpuflow.serve.generate.requests import (
     Delta,
@@ -323,7 +323,7 @@ def build_generator(model: torch.nn.Module, runner: Any, limits: EngineLimits,
     None for a model that does not generate text. ``tokenizer`` (default: bytes) and
     ``eos_ids`` are the model's; ``context`` caps its sequences' length."""
     dtype = runner.policy.autocast_dtype or torch.float32
-    lm = cached_lm(model, dtype, tokenizer is not None, context)
+    lm = paged_lm(model, dtype, tokenizer is not None, context)
     if lm is None:
         log.info("gpuflow serve: no /v1/completions: %s", refusal(model, tokenizer is not None))
         return None

@@ -1,20 +1,15 @@
 """Hugging Face causal LMs in the generation engine, through transformers' own cache API.
 
-``SlotCache`` is a ``transformers.Cache`` whose layers hold the keys and values of every
-cache slot, allocated once: ``[slots, kv_heads, context, head_dim]`` per layer. Before each
-forward the adapter tells it where each row of the batch writes (its slot and the position
-of its first new token); every attention layer's ``cache.update(...)`` then writes the new
-keys and values there and reads back the rows' prefixes up to the longest one's end. With
-per-row ``position_ids`` and a 4-D attention mask (row ``b``'s token ``t`` sees its own
-slot's positions up to ``starts[b] + t``), one forward decodes every active sequence at its
-own position, as ``GPT.decode`` does for gpuflow's GPT.
+The engine's paged KV pool is read and written through ``hf_paged.PagedCache``, a
+``transformers.Cache`` whose layers' ``cache.update(...)`` write each new token's keys and
+values at its pool slot and return each row's blocks gathered in order. With per-row
+``position_ids`` and a 4-D attention mask (row ``b``'s token ``t`` sees its own positions
+up to its own), one forward (``forward`` over a ``StepBatch``, or the static-shape
+``decode_step``) runs every sequence of a step at its own position.
 
 Sliding-window layers (Mistral's, Qwen2's upper layers) keep every position too; their
 mask shows each token only the last ``sliding_window`` positions, as transformers' own
 sliding-window mask does, and a model whose layers differ gets one mask per layer type.
-
-The paged engine's seam (``forward`` over a ``StepBatch``, ``decode_step``) reads and writes
-the pool through ``hf_paged.PagedCache`` under the same masks.
 
 Tokens are the model's own, from its directory's tokenizer; a model gpuflow trained on
 bytes without one has ids 0..255 as the bytes (a larger vocabulary's other ids are never
@@ -27,14 +22,13 @@ import dataclasses
 import inspect
 import weakref
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import Cache, DynamicCache, PreTrainedModel
-from transformers.cache_utils import CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from gpuflow.models.gpt import write_positions
 from gpuflow.serve.generate.hf_paged import PagedCache, PagedRows
 from gpuflow.serve.generate.paged import KVPool, StepBatch, check_context
 
@@ -43,95 +37,8 @@ ATTENTION = ("sdpa", "eager")  # the implementations that take a 4-D custom mask
 
 
 @dataclass(frozen=True)
-class _Step:
-    """Where one forward reads and writes: each row's cache slot and first new position,
-    its new tokens' count, and the longest prefix after it. ``run`` is the slots as a
-    slice when they are consecutive, so their prefixes are read in place."""
-
-    slots: torch.Tensor
-    starts: torch.Tensor
-    length: int
-    span: int
-    run: slice | None
-
-    def prefix(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor[slots, :, :span]`` of one layer's ``[slots, heads, context, dim]``."""
-        if self.run is not None:
-            return tensor[self.run, :, :self.span]
-        return tensor[:, :, :self.span].index_select(0, self.slots)
-
-
-class SlotLayer(CacheLayerMixin):
-    """One attention layer's keys and values for every slot, written at each row's own
-    positions."""
-
-    is_sliding = False
-    is_compileable = False
-
-    def __init__(self, owner: SlotCache, keys: torch.Tensor, values: torch.Tensor) -> None:
-        super().__init__()
-        self.owner = owner
-        self.keys, self.values = keys, values
-        self.device = keys.device
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        pass  # allocated once, up front
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write ``key_states[B, heads, T, dim]`` (and values) at each row's slot and
-        positions; return the rows' keys and values up to the longest row's end."""
-        step = self.owner.step
-        assert step is not None, "SlotCache.at(...) sets each forward's rows first"
-        write_positions(self.keys, step.slots, step.starts, key_states)
-        write_positions(self.values, step.slots, step.starts, value_states)
-        return (step.prefix(self.keys).to(key_states.dtype),
-                step.prefix(self.values).to(value_states.dtype))
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        step = self.owner.step
-        return (query_length if step is None else step.span), 0
-
-    def get_seq_length(self) -> int:
-        step = self.owner.step
-        return 0 if step is None else step.span - step.length
-
-    def get_max_length(self) -> int:
-        return self.keys.shape[2]
-
-
-class SlotCache(Cache):
-    """Every layer's keys and values for ``slots`` sequences of up to ``context`` tokens,
-    ``[layers, slots, kv_heads, context, head_dim]`` each, allocated once."""
-
-    def __init__(self, shape: CacheShape, slots: int, device: torch.device,
-                 dtype: torch.dtype) -> None:
-        dims = (shape.layers, slots, shape.heads, shape.context)
-        self.keys = torch.zeros((*dims, shape.key_dim), device=device, dtype=dtype)
-        self.values = torch.zeros((*dims, shape.value_dim), device=device, dtype=dtype)
-        self.slots = slots
-        self.step: _Step | None = None
-        super().__init__(layers=[SlotLayer(self, k, v)
-                                 for k, v in zip(self.keys, self.values, strict=True)])
-
-    def nbytes(self) -> int:
-        return (self.keys.numel() + self.values.numel()) * self.keys.element_size()
-
-    def at(self, slots: torch.Tensor, starts: torch.Tensor, length: int, span: int) -> None:
-        """The rows of the next forward: slot and first position of each, ``length`` new
-        tokens each, ``span`` the longest prefix after it."""
-        run = None
-        if slots.device.type == "cpu":  # looking costs a device sync elsewhere
-            first = int(slots[0])
-            if torch.equal(slots, torch.arange(first, first + len(slots))):
-                run = slice(first, first + len(slots))
-        self.step = _Step(slots, starts, length, span, run)
-
-
-@dataclass(frozen=True)
 class CacheShape:
-    """What one slot holds: layers, key/value heads and dims, and the context length; each
+    """What a sequence's cache holds: layers, key/value heads and dims, and the context; each
     layer's sliding window (None: it sees the whole prefix) and, for a model whose masks
     are keyed by layer type, the types (``config.layer_types``)."""
 
@@ -142,20 +49,6 @@ class CacheShape:
     context: int
     windows: tuple[int | None, ...]
     layer_types: tuple[str, ...] | None = None
-
-    def bytes_per_slot(self, dtype: torch.dtype) -> int:
-        return (self.layers * self.heads * self.context * (self.key_dim + self.value_dim)
-                * dtype.itemsize)
-
-
-Keep = Literal["last", "all"] | torch.Tensor  # the positions whose logits a forward returns
-
-
-def kept(values: torch.Tensor, keep: Keep) -> torch.Tensor:
-    """``values[B, T, ...]`` at the positions ``keep`` names (see ``HFCausalLM._forward``)."""
-    if isinstance(keep, torch.Tensor):
-        return values[torch.arange(values.shape[0], device=values.device), keep]
-    return values if keep == "all" else values[:, -1]
 
 
 _shapes: weakref.WeakKeyDictionary[nn.Module, CacheShape | str] = weakref.WeakKeyDictionary()
@@ -238,7 +131,7 @@ def refusal(model: PreTrainedModel, tokenized: bool = False) -> str | None:
 
 class HFCausalLM:
     """A ``transformers`` causal LM (Llama, Qwen2, Mistral, GPT-2 and their kind) over a
-    ``SlotCache``: per-row positions and per-row 4-D masks."""
+    ``KVPool``: per-row positions and per-row 4-D masks."""
 
     def __init__(self, model: PreTrainedModel, dtype: torch.dtype, tokenized: bool = False,
                  context: int | None = None) -> None:
@@ -259,57 +152,6 @@ class HFCausalLM:
         self._keep_last = "logits_to_keep" in parameters
         self._eager = model.config._attn_implementation == "eager"
         self._mask_dtype = next(model.parameters()).dtype
-
-    def new_cache(self, slots: int) -> SlotCache:
-        device = next(self.model.parameters()).device
-        return SlotCache(self.shape, slots, device, self.dtype)
-
-    def bytes_per_slot(self) -> int:
-        return self.shape.bytes_per_slot(self.dtype)
-
-    def logits(self, tokens: torch.Tensor, cache: SlotCache, slots: torch.Tensor,
-               starts: torch.Tensor, lengths: torch.Tensor | None = None,
-               all_positions: bool = False) -> torch.Tensor:
-        """Logits ``[B, V]`` of each row's last token of ``tokens[B, T]`` (token
-        ``lengths[b] - 1`` of a right-padded batch; default the last), or ``[B, T, V]`` of
-        every position with ``all_positions``; row ``b`` is the sequence in cache slot
-        ``slots[b]`` whose tokens so far end at ``starts[b]``."""
-        length = tokens.shape[1]
-        span = int(starts.max()) + length
-        if span > self.context:
-            raise ValueError(f"a sequence of {span} tokens is longer than the model's context "
-                             f"({self.context})")
-        cache.at(slots, starts, length, span)
-        keep: Keep = "all" if all_positions else "last" if lengths is None else lengths - 1
-        return self._forward(tokens, cache, keep)
-
-    def step(self, tokens: torch.Tensor, cache: SlotCache, slots: torch.Tensor,
-             starts: torch.Tensor) -> torch.Tensor:
-        """``logits`` of one new token per row, ``[B, V]``, in static shapes: every row
-        attends over the whole context under its mask, and nothing waits for the device,
-        so that ``torch.compile(dynamic=False)`` makes one graph per batch bucket."""
-        cache.step = _Step(slots, starts, 1, self.context, None)
-        return self._forward(tokens, cache, "last")
-
-    def _forward(self, tokens: torch.Tensor, cache: SlotCache, keep: Keep) -> torch.Tensor:
-        """Logits of ``tokens`` at the rows ``cache.step`` holds, at the positions ``keep``
-        says: each row's last (``[B, V]``), every one (``[B, T, V]``), or row ``b``'s
-        ``keep[b]`` (``[B, V]``)."""
-        step = cache.step
-        assert step is not None
-        columns: torch.Tensor | int | None = None
-        if self._keep_last and isinstance(keep, torch.Tensor):
-            # The head over the rows' last positions only, not over every padded position.
-            columns = torch.unique(keep)
-            keep = torch.searchsorted(columns, keep)
-        elif self._keep_last and isinstance(keep, str) and keep == "last":
-            columns = 1
-        positions = step.starts[:, None] + torch.arange(step.length, device=tokens.device)
-        try:
-            logits = self._logits(tokens, positions, step.span, cache, columns)
-        finally:
-            cache.step = None
-        return kept(logits, keep)[..., :self.vocab_size]
 
     def _logits(self, tokens: torch.Tensor, positions: torch.Tensor, span: int, cache: Cache,
                 columns: torch.Tensor | int | None) -> torch.Tensor:
@@ -359,7 +201,7 @@ class HFCausalLM:
         return logits[:, -1, :self.vocab_size]
 
     def _mask(self, positions: torch.Tensor, span: int) -> torch.Tensor | dict[str, Any]:
-        """Row ``b``'s token ``t`` sees its own slot's positions up to its own (within the
+        """Row ``b``'s token ``t`` sees its own sequence's positions up to its own (within the
         layer's window): ``[B, 1, T, span]``, one per layer type when windows differ."""
         keys = torch.arange(span, device=positions.device)[None, None, :]
         at = positions[:, :, None]
@@ -379,9 +221,6 @@ class HFCausalLM:
         mask = torch.zeros(visible.shape, dtype=self._mask_dtype, device=visible.device)
         return mask.masked_fill_(~visible, torch.finfo(self._mask_dtype).min)
 
-    def written(self, cache: SlotCache | KVPool) -> list[torch.Tensor]:
-        """The tensors ``step`` writes into: each layer's keys and values (views of the
-        whole cache's, which the step never touches itself); ``decode_step``, the pool's."""
-        if isinstance(cache, KVPool):
-            return [cache.keys, cache.values]
-        return [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    def written(self, pool: KVPool) -> list[torch.Tensor]:
+        """The tensors ``decode_step`` writes into."""
+        return [pool.keys, pool.values]

@@ -6,8 +6,8 @@ token per sequence, a small model spends most of its step in the Python of trans
 modules (hooks, wrappers, keyword plumbing, mask and cache dispatch), not in arithmetic:
 this forward calls the same weights through ``torch.nn.functional`` and transformers' own
 rotary embedding (so every rope scaling the model's config names is computed as
-transformers computes it), and writes and reads the same ``SlotCache``, or the engine's
-paged ``KVPool`` on flat tokens, each layer's sliding window honoured. Its logits equal
+transformers computes it), and writes and reads the engine's paged ``KVPool`` on flat
+tokens, each layer's sliding window honoured. Its logits equal
 transformers' within fp32 rounding (tests compare greedy generations token for token).
 Any other architecture runs through transformers' forward (``HFCausalLM``).
 """
@@ -24,7 +24,7 @@ from torch.nn import functional as F
 from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from gpuflow.serve.generate.hf_models import HFCausalLM, Keep, SlotCache, kept
+from gpuflow.serve.generate.hf_models import HFCausalLM
 from gpuflow.serve.generate.paged import (
     KVPool,
     StepBatch,
@@ -114,32 +114,6 @@ class LlamaDecoder(HFCausalLM):
             config.hidden_size // config.num_attention_heads)
         with torch.no_grad():
             self._cos_sin = self._cos_sin_table()
-
-    def _forward(self, tokens: torch.Tensor, cache: SlotCache, keep: Keep) -> torch.Tensor:
-        step = cache.step
-        assert step is not None
-        batch, length = tokens.shape
-        positions = step.starts[:, None] + torch.arange(length, device=tokens.device)
-        gqa = self._heads != self._kv_heads
-
-        def split(flat: torch.Tensor) -> torch.Tensor:  # [B * T, heads, dim] -> [B, heads, T, dim]
-            return flat.view(batch, length, *flat.shape[1:]).transpose(1, 2)
-
-        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: int,
-                   scale: float) -> torch.Tensor:
-            keys, values = cache.layers[index].update(split(k), split(v))
-            layer_mask = mask if not isinstance(mask, dict) else \
-                mask[self.shape.layer_types[index]]  # type: ignore[index]
-            y = F.scaled_dot_product_attention(split(q), keys, values, attn_mask=layer_mask,
-                                               scale=scale, enable_gqa=gqa)
-            return y.transpose(1, 2).flatten(0, 1)
-
-        try:
-            mask = self._mask(positions, step.span)
-            x = self._layers_over(tokens.view(-1), positions.view(-1), attend)
-        finally:
-            cache.step = None
-        return self._head_over(kept(x.view(batch, length, -1), keep))
 
     def forward(self, batch: StepBatch, pool: KVPool) -> torch.Tensor:
         """Logits ``[K, V]`` at ``batch.logits_at`` (see ``paged.PagedLM``)."""

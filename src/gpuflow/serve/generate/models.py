@@ -1,7 +1,6 @@
-"""The models the generation engine can drive, behind its ``CachedLM`` interface (one cache
-slot per sequence) and its ``PagedLM`` one (a pool of KV blocks, ``paged``): gpuflow's GPT
-here, Hugging Face causal LMs in ``hf_models`` (imported only for one, as it imports
-``transformers``)."""
+"""The models the generation engine can drive, behind its ``PagedLM`` interface (a pool of
+KV blocks, ``paged``): gpuflow's GPT here, Hugging Face causal LMs in ``hf_models``
+(imported only for one, as it imports ``transformers``)."""
 
 from __future__ import annotations
 
@@ -10,10 +9,9 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from gpuflow.hf import is_hf_model
-from gpuflow.models.gpt import GPT, CausalSelfAttention, KVCache
+from gpuflow.models.gpt import GPT
 from gpuflow.serve.generate.paged import (
     KVPool,
     StepBatch,
@@ -28,7 +26,7 @@ if TYPE_CHECKING:
 
 
 class GPTDecoder:
-    """gpuflow's GPT (``textlm``): byte tokens, its own ``KVCache`` and ``decode``."""
+    """gpuflow's GPT (``textlm``): byte tokens, its layers' own modules over the pool."""
 
     def __init__(self, model: GPT, dtype: torch.dtype) -> None:
         self.model = model
@@ -36,62 +34,9 @@ class GPTDecoder:
         self.context = model.config.seq_len
         self.vocab_size = model.config.vocab_size
 
-    def new_cache(self, slots: int) -> KVCache:
-        device = next(self.model.parameters()).device
-        return KVCache(self.model.config, slots, device, self.dtype)
-
-    def bytes_per_slot(self) -> int:
-        return KVCache.bytes_per_slot(self.model.config, self.dtype)
-
-    def logits(self, tokens: torch.Tensor, cache: KVCache, slots: torch.Tensor,
-               starts: torch.Tensor, lengths: torch.Tensor | None = None,
-               all_positions: bool = False) -> torch.Tensor:
-        logits = self.model.decode(tokens, cache, slots, starts)
-        if all_positions:
-            return logits
-        if lengths is None:
-            return logits[:, -1]
-        return logits[torch.arange(len(logits), device=logits.device), lengths - 1]
-
-    def step(self, tokens: torch.Tensor, cache: KVCache, slots: torch.Tensor,
-             starts: torch.Tensor) -> torch.Tensor:
-        """``GPT.decode`` of one new token per row, logits ``[B, vocab]``, in static shapes:
-        every row attends over the whole context under its mask, so the step's shapes
-        depend on ``B`` alone, and nothing in it waits for the device (no prefix length to
-        read back, no check of ``starts``: the engine keeps every position in the
-        context). One graph per batch bucket for ``torch.compile(dynamic=False)``, and one
-        a CUDA graph can replay."""
-        model = self.model
-        x = model.tok_emb(tokens) + model.pos_emb(starts[:, None])
-        context = torch.arange(cache.seq_len, device=tokens.device)
-        visible = (context[None, :] <= starts[:, None])[:, None, None]  # [B, 1, 1, context]
-        for layer, block in enumerate(model.blocks):
-            x = x + self._attend(block.attn, block.ln1(x), cache, layer, slots, starts,
-                                 visible)
-            x = x + block.mlp(block.ln2(x))
-        return model.lm_head(model.ln_f(x[:, -1]))
-
-    @staticmethod
-    def _attend(attn: CausalSelfAttention, x: torch.Tensor, cache: KVCache, layer: int,
-                slots: torch.Tensor, starts: torch.Tensor,
-                visible: torch.Tensor) -> torch.Tensor:
-        """``CausalSelfAttention.cached`` of one token per row over the whole context. The
-        new keys and values are written by indexing the whole cache tensor (layer, slot and
-        position each a tensor index), not through a view of one layer: inductor then
-        writes them in place, where a write through the view made it copy the cache."""
-        batch = x.shape[0]
-        q, k, v = attn._heads(x)  # [B, heads, 1, head_dim]
-        at = (torch.full_like(slots, layer), slots, slice(None), starts)
-        cache.keys[at] = k[:, :, 0].to(cache.keys.dtype)
-        cache.values[at] = v[:, :, 0].to(cache.values.dtype)
-        keys = cache.keys[layer].index_select(0, slots).to(q.dtype)
-        values = cache.values[layer].index_select(0, slots).to(q.dtype)
-        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
-        return attn.proj(y.transpose(1, 2).reshape(batch, 1, -1))
-
-    def written(self, cache: KVCache | KVPool) -> list[torch.Tensor]:
-        """The tensors ``step`` (or ``decode_step``) writes into."""
-        return [cache.keys, cache.values]
+    def written(self, pool: KVPool) -> list[torch.Tensor]:
+        """The tensors ``decode_step`` writes into."""
+        return [pool.keys, pool.values]
 
     def new_pool(self, num_blocks: int, block_size: int) -> KVPool:
         config = self.model.config
@@ -115,7 +60,7 @@ class GPTDecoder:
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor,
                     slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                     pool: KVPool) -> torch.Tensor:
-        """Logits ``[B, vocab]`` of one token per row in static shapes (see ``step``)."""
+        """Logits ``[B, vocab]`` of one token per row in static shapes (see ``paged``)."""
         hidden = self._paged(tokens, positions, slot_mapping, pool,
                              lambda q, layer: decode_attention(q, pool, layer, positions,
                                                                block_tables))
@@ -153,7 +98,7 @@ def refusal(model: nn.Module, tokenized: bool = False) -> str | None:
     return f"{type(model).__name__} is not a causal language model"
 
 
-def cached_lm(model: nn.Module, dtype: torch.dtype, tokenized: bool = False,
+def paged_lm(model: nn.Module, dtype: torch.dtype, tokenized: bool = False,
               context: int | None = None) -> GPTDecoder | HFCausalLM | None:
     """The engine's view of ``model``, or None for a model it cannot generate with (one
     that is no causal LM, or whose tokens are not bytes and that has no tokenizer;
