@@ -109,6 +109,29 @@ def test_serve_refuses_cuda_graphs_without_a_cuda_device(
     assert "--cuda-graphs captures CUDA graphs, and this server runs on cpu" in err
 
 
+def test_serve_passes_the_generation_engine_flags_to_its_limits(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    import uvicorn
+
+    from gpuflow.serve.generate.limits import EngineLimits
+    from gpuflow.serve.settings import SETTINGS_ENV, settings_from_json
+
+    (tmp_path / "config.json").write_text("{}")
+    seen: list[str] = []
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: seen.append(os.environ[SETTINGS_ENV]))
+    monkeypatch.setenv(SETTINGS_ENV, "")  # serve sets it; put back as it was afterwards
+    code = main(["serve", str(tmp_path), "--device", "cpu", "--max-batch-size", "8",
+                 "--max-queue", "5", "--block-size", "8", "--no-prefix-cache",
+                 "--max-num-batched-tokens", "512", "--ttft-timeout-ms", "250"])
+    assert code in (0, None)
+    settings = settings_from_json(seen[0])
+    assert settings.engine_limits() == EngineLimits(8, 5, None, 8, False, 512)
+    assert settings.ttft_timeout_ms == 250 and settings.timeout_ms == 2000
+    assert main(["serve", str(tmp_path), "--block-size", "0"]) == 2
+
+
 def test_plan_says_once_when_it_builds_the_model_for_real(
         monkeypatch: pytest.MonkeyPatch) -> None:
     def build(spec: str, options: dict) -> Workload:
