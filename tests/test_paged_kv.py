@@ -16,6 +16,7 @@ from hub_models import HubModels
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Qwen2Config
 
 from gpuflow.models.gpt import GPT, GPTConfig
+from gpuflow.serve.generate import paged
 from gpuflow.serve.generate.hf_models import HFCausalLM
 from gpuflow.serve.generate.llama import LlamaDecoder
 from gpuflow.serve.generate.models import GPTDecoder
@@ -170,8 +171,33 @@ def test_the_pool_is_allocated_once_and_sized_by_the_model() -> None:
     # 2 layers x 4 heads x 16 positions x (8 + 8) dims x 4 bytes, per block.
     assert lm.bytes_per_block(16) == 2 * 4 * 16 * 16 * 4
     assert pool.nbytes() == 7 * lm.bytes_per_block(16)
-    assert pool.keys.shape == (2, 7, 4, 16, 8) and pool.values.shape == pool.keys.shape
+    assert pool.keys.shape == (2, 7, 16, 4, 8) and pool.values.shape == pool.keys.shape
     assert KVPool.bytes_per_block(2, 4, 8, 16, torch.bfloat16) == lm.bytes_per_block(16) // 2
+
+
+def test_decode_rows_in_groups_attend_over_their_own_blocks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows gathered one at a time (``GATHER_BYTES`` below one row) or all together attend,
+    with grouped key/value heads and a window, as SDPA over each row's positions laid out
+    by hand from its blocks."""
+    torch.manual_seed(0)
+    pool = KVPool(1, 9, 2, 3, 4, "cpu", torch.float32)
+    pool.keys.normal_(), pool.values.normal_()
+    tables = torch.tensor([[5, 2, 8], [1, 7, 0], [3, 0, 0]])
+    positions = torch.tensor([7, 4, 1])
+    q = torch.randn(3, 4, 4)
+    expected = []
+    for row, position in enumerate(positions.tolist()):
+        first = max(0, position - 3)  # a window of 4: the position and the 3 before it
+        keys, values = (torch.cat(list(t[0, tables[row]]))[first:position + 1].transpose(0, 1)
+                        for t in (pool.keys, pool.values))
+        expected.append(torch.nn.functional.scaled_dot_product_attention(
+            q[row][:, None], keys, values, enable_gqa=True)[:, 0])
+    together = paged.decode_attention(q, pool, 0, positions, tables, sliding_window=4)
+    monkeypatch.setattr(paged, "GATHER_BYTES", 1)
+    alone = paged.decode_attention(q, pool, 0, positions, tables, sliding_window=4)
+    torch.testing.assert_close(together, torch.stack(expected))
+    torch.testing.assert_close(alone, together)
 
 
 def test_a_step_is_refused_past_the_context_or_onto_the_null_block() -> None:
@@ -216,4 +242,4 @@ def test_the_compiled_decode_step_equals_eager_and_writes_the_pool_in_place() ->
     torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(pools[1].keys, pools[0].keys, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(pools[1].values, pools[0].values, atol=1e-6, rtol=1e-6)
-    assert pools[1].keys[:, 2, :, 2].any()  # position 12: block 2, offset 2
+    assert pools[1].keys[:, 2, 2].any()  # position 12: block 2, offset 2
