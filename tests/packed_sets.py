@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from gpuflow.data.manifest import Manifest, write_manifest
+from gpuflow.data.manifest import Manifest, ShardInfo, write_manifest
 from gpuflow.data.record_codec import encode_record, layout_of
 from gpuflow.data.shard_files import RecordShardWriter
 from gpuflow.workloads.packing import pack
@@ -14,16 +14,22 @@ from gpuflow.workloads.packing import pack
 SMALL_SHARDS_MB = 0.05  # digits: 9 train shards of ~178 samples
 
 
+def write_records(path: Path, items: list) -> ShardInfo:
+    """One record shard holding ``items``, in order."""
+    writer = RecordShardWriter(path)
+    for item in items:
+        writer.write(encode_record(item))
+    return writer.close()
+
+
 def write_id_set(directory: Path, counts: list[int]) -> None:
     """A record set whose sample i is ``(tensor([i]), i)``, in shards of the given sizes."""
     directory.mkdir(parents=True)
     infos, sample = [], 0
     for number, count in enumerate(counts):
-        writer = RecordShardWriter(directory / f"train-{number:05d}.rec")
-        for _ in range(count):
-            writer.write(encode_record((torch.tensor([sample]), sample)))
-            sample += 1
-        infos.append(writer.close())
+        infos.append(write_records(directory / f"train-{number:05d}.rec",
+                                   [(torch.tensor([i]), i) for i in range(sample, sample + count)]))
+        sample += count
     write_manifest(directory, Manifest(workload="ids", kind="records", splits={"train": infos},
                                        layout=layout_of((torch.tensor([0]), 0))))
 

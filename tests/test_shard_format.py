@@ -12,13 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from packed_sets import leaves, write_id_set
+from packed_sets import leaves, write_id_set, write_records
 
 from gpuflow.data.kinds import TensorRecords, TokenWindows, kind_of
 from gpuflow.data.manifest import Manifest, load_manifest, write_manifest
 from gpuflow.data.reader import SplitReader
-from gpuflow.data.record_codec import decode_record, encode_record, layout_of
-from gpuflow.data.shard_files import RecordShard, RecordShardWriter, write_token_shard
+from gpuflow.data.record_codec import decode_record, layout_of
+from gpuflow.data.shard_files import RecordShard, write_token_shard
 from gpuflow.data.streaming import open_packed
 from gpuflow.errors import UserError
 
@@ -71,43 +71,16 @@ VERSION_1_MANIFEST = """{
 }
 """
 # Version 2 writes the same shards; its manifest adds the width of token shards' tokens.
-VERSION_2_MANIFEST = """{
- "format": "gpuflow-shards",
- "format_version": 2,
- "workload": "ids",
- "kind": "records",
- "splits": {
-  "train": [
-   {
-    "file": "train-00000.rec",
-    "bytes": 112,
-    "sha256": "6813d5a6b412d91494b9b6f049f31e4fb12deb1795a648459ba713776ec834b0",
-    "count": 2
-   }
-  ]
- },
- "layout": [
-  "t",
-  "i"
- ],
- "example": null,
- "example_layout": null,
- "meta": {},
- "source": null,
- "shard_bytes": 0,
- "token_dtype": "uint8",
- "counts": {
-  "train": 2
- }
-}
-"""
+VERSION_2_MANIFEST = VERSION_1_MANIFEST.replace(
+    '"format_version": 1', '"format_version": 2').replace(
+    ' "shard_bytes": 0,\n', ' "shard_bytes": 0,\n "token_dtype": "uint8",\n')
+assert VERSION_2_MANIFEST.count('"format_version": 2') == VERSION_2_MANIFEST.count(
+    '"token_dtype": "uint8",') == 1
 
 
 def test_writers_write_version_2_bytes(tmp_path: Path) -> None:
-    writer = RecordShardWriter(tmp_path / TensorRecords.shard_name("train", 0))
-    for value in (0, 1):
-        writer.write(encode_record((torch.tensor([value]), value)))
-    info = writer.close()
+    info = write_records(tmp_path / TensorRecords.shard_name("train", 0),
+                         [(torch.tensor([value]), value) for value in (0, 1)])
     assert (tmp_path / "train-00000.rec").read_bytes() == version_1_record_shard([0, 1])
     write_manifest(tmp_path, Manifest(workload="ids", kind=TensorRecords.name,
                                       splits={"train": [info]},
@@ -158,10 +131,7 @@ def test_record_round_trip_keeps_dtypes_shapes_and_nesting(tmp_path: Path) -> No
         (torch.arange(6, dtype=torch.int16).reshape(2, 3), torch.zeros(0), 0.1),
         (torch.randn(4).to(torch.bfloat16), torch.tensor([True, False])),
     ]
-    writer = RecordShardWriter(tmp_path / "a.rec")
-    for item in items:
-        writer.write(encode_record(item))
-    info = writer.close()
+    info = write_records(tmp_path / "a.rec", items)
     assert info.count == 3 and info.bytes == (tmp_path / "a.rec").stat().st_size
     shard = RecordShard(tmp_path / "a.rec")
     for index, item in enumerate(items):
