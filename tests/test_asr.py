@@ -5,35 +5,34 @@ tests/test_asr_train.py."""
 from __future__ import annotations
 
 import json
-import wave
 from pathlib import Path
 
 import numpy as np
 import pytest
 import soundfile
 import torch
+from speech_clips import write_wav
 
 from gpuflow.data.audio_file import read_audio, resample
 from gpuflow.data.duration_buckets import DurationBuckets, bucket_batches, padding_fraction
 from gpuflow.errors import UserError
+from gpuflow.input_schema import InputError
 from gpuflow.models.asr import ConformerCTC
 from gpuflow.workload import IGNORE_INDEX
 from gpuflow.workloads.asr import alignable, collate_utterances, ctc_frames_needed, ctc_loss
-from gpuflow.workloads.asr_codec import TranscriptionCodec, chunk_starts, join, word_timings
+from gpuflow.workloads.asr_codec import (
+    LONGEST_SECONDS,
+    TranscriptionCodec,
+    chunk_starts,
+    join,
+    word_timings,
+)
 from gpuflow.workloads.asr_decode import Lexicon, beam_search, error_counts, error_rate, greedy
 from gpuflow.workloads.asr_manifest import Utterance, load_splits, read_manifest
 from gpuflow.workloads.asr_text import Vocabulary, normalise
+from gpuflow.workloads.speech_codec import SpeechCodec
 
 DIGITS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
-
-
-def write_wav(path: Path, samples: np.ndarray, rate: int = 8000) -> Path:
-    with wave.open(str(path), "wb") as writer:
-        writer.setnchannels(1)
-        writer.setsampwidth(2)
-        writer.setframerate(rate)
-        writer.writeframes((np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes())
-    return path
 
 
 def test_transcripts_are_normalised_by_one_rule() -> None:
@@ -238,6 +237,22 @@ def test_long_audio_is_cut_in_its_pauses_and_joined_with_its_timings() -> None:
     joined = join(parts)
     assert joined["text"] == "one one" and joined["duration"] == pytest.approx(9.8)
     assert [w["start"] for w in joined["words"]] == [0.1, 7.0]
+
+
+def test_both_audio_codecs_refuse_empty_and_overlong_clips_by_one_rule() -> None:
+    rate = 100
+    transcribe = TranscriptionCodec(Vocabulary.from_texts(["one"]), rate, max_seconds=4.0)
+    classify = SpeechCodec(10, sample_rate=rate, max_seconds=4.0)
+    # Transcription cuts long audio into chunks, up to its limit of 600 s; a classifier
+    # takes one clip of at most its 4 s.
+    for clips, limit in ((transcribe.clips, LONGEST_SECONDS), (classify._clips, 4.0)):
+        assert clips([torch.ones(int(limit * rate))]).rows
+        with pytest.raises(InputError, match=rf"a clip of {limit + 0.1:.1f} s is longer "
+                           rf"than the {limit:g} s this server takes"):
+            clips([torch.ones(5), torch.ones(int(limit * rate) + 10)])
+        for empty in ([], [torch.ones(5), torch.ones(0)], [torch.ones(2, 5)]):
+            with pytest.raises(InputError, match="each clip must be a non-empty list"):
+                clips(empty)
 
 
 def test_utterances_ctc_cannot_align_or_too_long_are_dropped_with_a_count() -> None:

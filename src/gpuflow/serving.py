@@ -95,6 +95,18 @@ def length_buckets(smallest: int, largest: int) -> list[int]:
     return [*buckets, largest]
 
 
+def check_clips(clips: Sequence[torch.Tensor], limit: int, sample_rate: int) -> int:
+    """The longest clip's length in samples, once every clip is a non-empty 1-D wave of at
+    most ``limit`` samples; otherwise the InputError that names what is wrong."""
+    if not clips or any(c.ndim != 1 or len(c) == 0 for c in clips):
+        raise InputError("each clip must be a non-empty list of samples.")
+    longest = max(len(c) for c in clips)
+    if longest > limit:
+        raise InputError(f"a clip of {longest / sample_rate:.1f} s is longer than the "
+                         f"{limit / sample_rate:g} s this server takes.")
+    return longest
+
+
 def b64decode(text: str, field: str) -> bytes:
     try:
         return base64.b64decode(text, validate=True)

@@ -28,6 +28,7 @@ from gpuflow.serving import (
     PredictRequest,
     ServingSpec,
     b64decode,
+    check_clips,
     length_bucket,
     length_buckets,
 )
@@ -111,12 +112,7 @@ class TranscriptionCodec(Codec):
 
     def clips(self, clips: list[torch.Tensor]) -> Decoded:
         """Each clip's chunks as rows, batched by the longest chunk's padded length."""
-        if not clips or any(c.ndim != 1 or len(c) == 0 for c in clips):
-            raise InputError("the audio holds no samples.")
-        longest = max(len(c) for c in clips)
-        if longest > self.limit:
-            raise InputError(f"the audio lasts {longest / self.sample_rate:.1f} s, longer "
-                             f"than the {self.limit / self.sample_rate:g} s this server takes.")
+        check_clips(clips, self.limit, self.sample_rate)
         rows = []
         for clip in clips:
             starts = chunk_starts(clip, self.longest, self.sample_rate)

@@ -18,6 +18,7 @@ from gpuflow.serving import (
     PredictRequest,
     ServingSpec,
     b64decode,
+    check_clips,
     class_labels,
     classify,
     length_bucket,
@@ -43,13 +44,7 @@ class SpeechCodec(Codec):
         return ("inputs", "audio")
 
     def _clips(self, clips: list[torch.Tensor]) -> Decoded:
-        if not clips or any(c.ndim != 1 or len(c) == 0 for c in clips):
-            raise InputError("each clip must be a non-empty list of samples.")
-        longest = max(len(c) for c in clips)
-        if longest > self.longest:
-            raise InputError(f"a clip of {longest} samples is longer than the "
-                             f"{self.longest} this server takes "
-                             f"({self.longest / self.sample_rate:g} s).")
+        longest = check_clips(clips, self.longest, self.sample_rate)
         return Decoded((self.kind, length_bucket(longest, self.SHORTEST, self.longest)), clips)
 
     def _decode_inputs(self, inputs: Any, request: PredictRequest) -> Decoded:
