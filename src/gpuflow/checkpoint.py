@@ -16,6 +16,7 @@ a crash mid-save leaves no folder that looks valid.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -23,13 +24,16 @@ import random
 import shutil
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from gpuflow import storage
 
 FORMAT_VERSION = 1
 MODEL_FILE = "model.safetensors"
@@ -108,53 +112,137 @@ def _unshared(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+ADVICE = ("Free some space, keep fewer checkpoints (--keep-checkpoints 1), or train into "
+          "another --run-dir on a larger disk. The earlier checkpoints are intact: "
+          "--resume continues from the newest.")
+
+# Every rank's view of a save, gathered by all of them so that all decide alike.
+Gather = Callable[[Any], list[Any]]
+
+
+def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor],
+                      metadata: dict[str, str]) -> None:
+    """Serialize in memory, write with Python's file I/O: its errors carry an errno (and a
+    test can fill the disk partway through the file)."""
+    from safetensors.torch import save  # imported when a checkpoint is written
+
+    with path.open("wb") as handle:
+        handle.write(save(_unshared(tensors), metadata=metadata))
+
+
 def save_checkpoint(directory: Path, step: int, model_state: Mapping[str, torch.Tensor],
                     trainer_state: dict[str, Any], keep: int) -> Checkpoint:
-    """Write a full checkpoint atomically, then prune all but the newest ``keep``.
+    """Write a full checkpoint atomically and read it back; only then prune all but the
+    newest ``keep``. A full or unwritable disk leaves no trace and raises one clear
+    :class:`~gpuflow.errors.UserError`.
 
     ``model_state`` is the full (unsharded) state dict, so any strategy or world size can
     load it.
     """
-    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / f"{PREFIX}{step:08d}"
     tmp = directory / f".tmp-{PREFIX}{step:08d}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    from safetensors.torch import save_file  # imported when a checkpoint is written
-
-    save_file(_unshared(model_state), str(tmp / MODEL_FILE), metadata={"step": str(step)})
-    return _finish(directory, tmp, step, trainer_state, keep)
+    needed = storage.tensor_bytes(dict(model_state)) + storage.tensor_bytes(trainer_state)
+    with storage.guarded(final, ADVICE, needed):
+        storage.ensure_room(directory, needed, ADVICE)
+        try:
+            _fresh_folder(directory, tmp)
+            write_safetensors(tmp / MODEL_FILE, model_state, metadata={"step": str(step)})
+            _seal(directory, tmp, step, trainer_state)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    _prune(directory, keep)
+    return Checkpoint(final, step)
 
 
 def save_sharded_checkpoint(directory: Path, step: int, state: dict[str, Any],
                             trainer_state: dict[str, Any], keep: int, is_main: bool,
-                            barrier: Callable[[], None]) -> Checkpoint:
+                            gather: Gather) -> Checkpoint:
     """Every rank writes its shards of ``state`` (a collective); rank 0 then seals it.
 
     ``state`` holds each rank's local view (DTensor shards under FSDP and TP, a stage's
     weights under pipelining); torch.distributed.checkpoint records how the pieces fit, so
-    a different world size or strategy can read them back.
+    a different world size or strategy can read them back. ``gather`` (all_gather_object)
+    makes every rank take the same decision at each phase: a full disk on any rank fails
+    the save on all of them, before anything is written when the room is known to be short,
+    and the previous checkpoint stays the newest.
     """
     import torch.distributed.checkpoint as dcp  # only distributed jobs pay for importing it
 
     final = directory / f"{PREFIX}{step:08d}"
     tmp = directory / f".tmp-{PREFIX}{step:08d}-sharded"
+    needed = storage.tensor_bytes(state) + (storage.tensor_bytes(trainer_state) if is_main
+                                            else 0)
+    try:
+        setup = _attempt(lambda: _fresh_folder(directory, tmp) if is_main else None, final)
+        views = gather((needed, storage.free_bytes(directory), setup))
+        total = sum(view[0] for view in views)
+        failed = next((view[2] for view in views if view[2] is not None), None)
+        if failed is None and min(view[1] for view in views) < total:
+            failed = storage.storage_error(errno.ENOSPC, final, total, ADVICE)
+        if failed is None:
+            with storage.guarded(final, ADVICE, total):
+                dcp.save(state, storage_writer=_shard_writer(tmp / STATE_DIR))
+            sealed = _attempt(lambda: _seal(directory, tmp, step, trainer_state)
+                              if is_main else None, final)
+            failed = next((error for error in gather(sealed) if error is not None), None)
+        if failed is not None:
+            raise failed
+    except BaseException:
+        if is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if is_main:
-        directory.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    barrier()
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp / STATE_DIR, sync_files=True))
-    barrier()
-    if is_main:
-        _finish(directory, tmp, step, trainer_state, keep)
-    barrier()
+        _prune(directory, keep)
     return Checkpoint(final, step)
 
 
-def _finish(directory: Path, tmp: Path, step: int, trainer_state: dict[str, Any],
-            keep: int) -> Checkpoint:
-    """Add the trainer state and a manifest of checksums, then rename into place."""
-    torch.save(trainer_state, tmp / TRAINER_FILE)
+def _shard_writer(path: Path) -> Any:
+    """torch.distributed.checkpoint's file writer, whose files report a full disk as a plain
+    OSError: DCP pickles a rank's failure to the others, which drops the chained cause
+    (torch.save's zip writer buries the OSError under a RuntimeError)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class Files(FileSystem):
+        @contextmanager
+        def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+            try:
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+            except Exception as exc:
+                code = storage.storage_errno(exc)
+                if code is None:
+                    raise
+                raise OSError(code, os.strerror(code), str(path)) from exc
+
+    writer = FileSystemWriter(path, sync_files=True)
+    writer.fs = Files()
+    return writer
+
+
+def _attempt(action: Callable[[], object], final: Path) -> Exception | None:
+    """Run ``action`` on this rank; what it raised (a full disk as the clear message), for
+    every rank to raise alike rather than wait for this one."""
+    try:
+        with storage.guarded(final, ADVICE):
+            action()
+    except Exception as exc:
+        return exc
+    return None
+
+
+def _fresh_folder(directory: Path, tmp: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+
+
+def _seal(directory: Path, tmp: Path, step: int, trainer_state: dict[str, Any]) -> None:
+    """Add the trainer state and a manifest of checksums, read everything back against
+    them, then rename into place."""
+    with (tmp / TRAINER_FILE).open("wb") as handle:
+        torch.save(trainer_state, handle)
     files = {}
     for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
         _fsync_file(path)
@@ -167,16 +255,17 @@ def _finish(directory: Path, tmp: Path, step: int, trainer_state: dict[str, Any]
     for folder in (tmp / STATE_DIR, tmp):
         if folder.is_dir():
             _fsync_dir(folder)
+    verify_checkpoint(Checkpoint(tmp, step))
     final = directory / f"{PREFIX}{step:08d}"
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
     _fsync_dir(directory)
-    _prune(directory, keep)
-    return Checkpoint(final, step)
 
 
 def _prune(directory: Path, keep: int) -> None:
+    """Called only once the new checkpoint is in place and read back, so a failing save
+    never leaves fewer good checkpoints than before."""
     for stale in list_checkpoints(directory)[keep:]:
         shutil.rmtree(stale.path, ignore_errors=True)
     for leftover in directory.glob(f".tmp-{PREFIX}*"):

@@ -12,9 +12,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gpuflow.errors import NonFiniteLossError, UserError
+from gpuflow.errors import (
+    EXIT_PREEMPTED,
+    EXIT_USER_ERROR,
+    NonFiniteLossError,
+    Preempted,
+    UserError,
+)
 
-EXIT_USER_ERROR = 2
 EXIT_DIVERGED = 3
 EXIT_WORKER_FAILED = 1
 
@@ -194,6 +199,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as exc:
         print(f"gpuflow: {_who()}error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except Preempted as exc:
+        print(f"gpuflow: {_who()}{exc} Exit code {EXIT_PREEMPTED}: requeue the job.",
+              file=sys.stderr)
+        return EXIT_PREEMPTED
     except NonFiniteLossError as exc:
         print(f"gpuflow: {_who()}training diverged: {exc}", file=sys.stderr)
         return EXIT_DIVERGED

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from safetensors.torch import save_file
 
 from gpuflow import checkpoint as ckpt
+from gpuflow import storage
 from gpuflow.errors import UserError
 from gpuflow.serving import RUN_CONFIG_FILE, SERVING_FILE
 
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 EXPORT_FORMAT_VERSION = "1"
 BYTE_VOCABULARY = 256
 ExportFormat = Literal["safetensors", "hf"]
+ADVICE = "Free some space or export to another --out on a larger disk."
 
 
 def _newest(run_dir: Path) -> tuple[ckpt.Checkpoint, dict[str, torch.Tensor], dict[str, Any]]:
@@ -61,10 +62,16 @@ def export_model(run_dir: Path, out: Path,
         "config": json.dumps(config),
         **({"serving": json.dumps(serving)} if serving is not None else {}),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
+    needed = storage.tensor_bytes(model_state)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    save_file(model_state, str(tmp), metadata=metadata)
-    tmp.replace(out)
+    with storage.guarded(out, ADVICE, needed):
+        storage.ensure_room(out.parent, needed, ADVICE)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            ckpt.write_safetensors(tmp, model_state, metadata)
+            tmp.replace(out)
+        finally:
+            tmp.unlink(missing_ok=True)
     return out, checkpoint.step
 
 
@@ -77,7 +84,10 @@ def _export_hf(config: dict[str, Any], serving: dict[str, Any] | None,
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; a Hugging Face export is a directory.")
     workload = restore_workload(config, model_state, checkpoint.path)
-    write_hf_export(workload, config, checkpoint.step, out, serving)
+    needed = storage.tensor_bytes(model_state)
+    with storage.guarded(out, ADVICE, needed):
+        storage.ensure_room(out.parent, needed, ADVICE)
+        write_hf_export(workload, config, checkpoint.step, out, serving)
 
 
 def _byte_vocabulary(model: torch.nn.Module) -> bool:

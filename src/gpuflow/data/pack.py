@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from gpuflow import storage
 from gpuflow.data.manifest import (
     EXAMPLE_FILE,
     FORMAT_VERSION,
@@ -32,6 +33,8 @@ from gpuflow.data.pack_state import PackState
 from gpuflow.errors import UserError
 
 DEFAULT_SHARD_MB = 64
+ADVICE = ("Free some space or pack into another --out on a larger disk; the same command "
+          "continues after the shards already finished.")
 
 # A workload's data from its raw --data-dir (None: its default), ready to pack.
 SourceOf = Callable[[str, str | None], PackSource]
@@ -70,15 +73,22 @@ def write_pack(workload: str, src: str | Path | None, out: str | Path, source_of
     if source is not None and is_packed(source):
         raise UserError(f"{src} is already a packed set; train from it with --data-dir.")
     shard_bytes = max(1, int(shard_mb * 2**20))
-    _prepare_out(out, force)
     settings = {"workload": workload, "source": source, "shard_bytes": shard_bytes,
                 "format_version": FORMAT_VERSION, **({"options": dict(options)} if options
                                                      else {})}
-    state = PackState.resume(out, settings)
     mode: Mode = "bar" if progress is True else "off" if progress is False else progress
-    with PackProgress(mode) as report:
-        manifest = source_of(workload, source).pack(out, state, shard_bytes, report)
-    manifest.source, manifest.shard_bytes = source, shard_bytes
-    write_manifest(out, manifest)
+    with storage.guarded(out, ADVICE):
+        storage.ensure_room(out, shard_bytes, ADVICE)  # room for one shard, at least
+        _prepare_out(out, force)
+        state = PackState.resume(out, settings)
+        try:
+            with PackProgress(mode) as report:
+                manifest = source_of(workload, source).pack(out, state, shard_bytes, report)
+            manifest.source, manifest.shard_bytes = source, shard_bytes
+            write_manifest(out, manifest)
+        except BaseException:
+            for partial in out.glob(".*.tmp"):  # finished shards stay, for a rerun
+                partial.unlink(missing_ok=True)
+            raise
     state.path.unlink()
     return manifest

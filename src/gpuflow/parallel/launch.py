@@ -13,7 +13,10 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpuflow.errors import UserError
+from gpuflow.errors import EXIT_PREEMPTED, EXIT_USER_ERROR, Preempted, UserError
+
+# Besides torchelastic's own: Slurm's --signal=USR1@T is passed on to the workers too.
+AGENT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class LaunchSpec:
 
 def launch(spec: LaunchSpec, worker_argv: Sequence[str]) -> None:
     """Run ``python -m gpuflow.cli WORKER_ARGV`` on every local rank and wait for the job."""
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -60,11 +64,22 @@ def launch(spec: LaunchSpec, worker_argv: Sequence[str]) -> None:
         rdzv_configs=rdzv_configs,
         max_restarts=spec.max_restarts,
         monitor_interval=0.5,
+        signals_to_handle=AGENT_SIGNALS,
     )
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "gpuflow.cli", *worker_argv)
+    except SignalException as exc:
+        # The agent passed the signal on and waited (up to TORCH_ELASTIC_SHUTDOWN_TIMEOUT,
+        # 30 s) for the workers to save their checkpoint and exit.
+        raise Preempted(f"the job got {exc.sigval.name} and passed it to its workers; their "
+                        "lines above say where they stopped (none with "
+                        "--no-save-on-signal).") from None
     except ChildFailedError as exc:
         rank, first = exc.get_first_failure()
+        if first.exitcode == EXIT_PREEMPTED:
+            raise Preempted(f"rank {rank} stopped for a preemption (above).") from None
+        if first.exitcode == EXIT_USER_ERROR:
+            raise UserError(f"rank {rank} stopped on the error above.") from None
         others = sorted(set(exc.failures) - {rank})
         stopped = f"; rank(s) {', '.join(map(str, others))} were stopped after it" if others else ""
         raise WorkerFailedError(

@@ -23,6 +23,9 @@ from typing import Any, TextIO
 
 import torch
 
+from gpuflow.errors import UserError
+from gpuflow.storage import guarded
+
 PER_STEP_FIELDS = ("step_time_s", "data_wait_s", "compute_s", "comm_s", "optimizer_s", "host_s",
                    "data_wait_frac", "comm_frac", "samples_per_s", "tokens_per_s",
                    "achieved_flops", "mfu")
@@ -167,6 +170,10 @@ def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process_peak_rss"
 
 
+METRICS_ADVICE = ("Free some space or train into another --run-dir; --resume continues from "
+                  "the newest checkpoint.")
+
+
 @dataclass
 class MetricsLog:
     """Appends one JSON object per line to ``metrics.jsonl`` (and to TensorBoard if asked)."""
@@ -179,19 +186,21 @@ class MetricsLog:
     _writer: Any = None
 
     def open(self, keep_until_step: int | None) -> None:
-        """Open for appending; on resume, drop records after the checkpoint's step."""
+        """Open for appending; on resume, drop records after the checkpoint's step (and a
+        line that a full disk cut short)."""
         if not self.enabled:
             return
-        if keep_until_step is not None and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= keep_until_step]
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            tmp.replace(self.path)
-            self.records = [json.loads(line) for line in kept]
-        elif keep_until_step is None and self.path.exists():
-            self.path.unlink()
-        self._handle = self.path.open("a")
+        with guarded(self.path, METRICS_ADVICE):
+            if keep_until_step is not None and self.path.exists():
+                kept = [record for record in _whole_records(self.path)
+                        if record.get("step", 0) <= keep_until_step]
+                tmp = self.path.with_suffix(".tmp")
+                tmp.write_text("".join(json.dumps(record) + "\n" for record in kept))
+                tmp.replace(self.path)
+                self.records = kept
+            elif keep_until_step is None and self.path.exists():
+                self.path.unlink()
+            self._handle = self.path.open("a")
         if self.tensorboard_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -201,8 +210,15 @@ class MetricsLog:
         self.records.append(record)
         if self._handle is None:
             return
-        self._handle.write(json.dumps(record) + "\n")
-        self._handle.flush()
+        try:
+            with guarded(self.path, METRICS_ADVICE):
+                self._handle.write(json.dumps(record) + "\n")
+                self._handle.flush()
+        except UserError:
+            with contextlib.suppress(OSError):  # what is left unflushed cannot be written
+                self._handle.close()
+            self._handle = None
+            raise
         if self._writer is not None:
             prefix = "eval" if record.get("event") == "eval" else "train"
             for key, value in record.items():
@@ -222,6 +238,16 @@ class MetricsLog:
 
     def eval_records(self) -> list[dict[str, Any]]:
         return [r for r in self.records if r.get("event") == "eval"]
+
+
+def _whole_records(path: Path) -> list[dict[str, Any]]:
+    """The records of ``path``, less a last line that was cut short."""
+    records = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            if line.strip():
+                records.append(json.loads(line))
+    return records
 
 
 def medians(records: Iterable[dict[str, Any]], keys: Iterable[str] = PER_STEP_FIELDS

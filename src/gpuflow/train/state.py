@@ -8,10 +8,12 @@ rank's place in a streaming data set.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -20,6 +22,13 @@ from gpuflow.data.iterable import StreamBatches, StreamPosition
 from gpuflow.errors import NonFiniteLossError, UserError
 from gpuflow.parallel.strategy import Strategy
 from gpuflow.train.optim import restore_schedule
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch: a run's first state, before any checkpoint holds one."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 @dataclass
@@ -64,8 +73,13 @@ class RunState:
                                             positions)
         self.last = ckpt.save_sharded_checkpoint(
             self.directory, step, {"model": weights, "optimizer": optimizer_state["state"]},
-            trainer_state, self.keep, is_main=self.rank == 0, barrier=dist.barrier)
+            trainer_state, self.keep, is_main=self.rank == 0, gather=self._gather)
         return self.last
+
+    def _gather(self, value: Any) -> list[Any]:
+        gathered: list[Any] = [None] * self.world
+        dist.all_gather_object(gathered, value)
+        return gathered
 
     def _trainer_state(self, optimizer_state: dict[str, Any],
                        stream_positions: list[dict[str, Any]] | None) -> dict[str, Any]:
@@ -89,8 +103,7 @@ class RunState:
                 else self.stream_start)
         positions = [mine.as_dict() if mine is not None else None]
         if self.world > 1:
-            positions = [None] * self.world
-            dist.all_gather_object(positions, mine.as_dict() if mine is not None else None)
+            positions = self._gather(mine.as_dict() if mine is not None else None)
         return None if any(p is None for p in positions) else positions
 
     def diverged(self, streak: int) -> NonFiniteLossError:

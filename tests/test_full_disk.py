@@ -1,0 +1,169 @@
+"""A full or unwritable disk: one clear message and exit 2, no traceback, no temporary
+files left, and every earlier checkpoint intact, for checkpoints (one process and one rank
+of two), metrics.jsonl, `gpuflow data pack` and `gpuflow export`. The disk is
+``disk_faults.FullDisk``: a byte budget under a folder, so no root is needed."""
+
+from __future__ import annotations
+
+import errno
+import io
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import cli_env, run_cli
+from disk_faults import FullDisk, install
+
+from gpuflow import checkpoint as ckpt
+from gpuflow.cli import main
+from gpuflow.errors import UserError
+from gpuflow.telemetry.steps import MetricsLog
+
+TRAIN = ["train", "--workload", "disk_faults:paced_mlp", "--batch-size", "16",
+         "--eval-every", "0", "--no-progress", "--checkpoint-every", "4", "--max-steps", "12"]
+
+NEEDED = 64 * 65 * 4  # the bytes of weights(): 64 x 65 float32
+
+
+def weights(seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(64, 64, generator=generator), "b": torch.zeros(64)}
+
+
+def saved_twice(directory: Path) -> None:
+    for step in (1, 2):
+        ckpt.save_checkpoint(directory, step, weights(step), {"step": step}, keep=2)
+
+
+def assert_earlier_checkpoints_intact(directory: Path, steps: list[int]) -> None:
+    """The listed checkpoints and nothing else, each verified and loaded; no temporary
+    folder."""
+    assert [c.step for c in ckpt.list_checkpoints(directory)] == steps
+    assert not list(directory.glob(".tmp-*"))
+    for checkpoint in ckpt.list_checkpoints(directory):
+        ckpt.verify_checkpoint(checkpoint)
+        assert ckpt.load_checkpoint(checkpoint)[1]["step"] == checkpoint.step
+
+
+def assert_clear_message(message: str, path: str, *advice: str) -> None:
+    assert "No space left on the disk holding" in message and path in message, message
+    assert "free" in message and "bytes" in message, message
+    for flag in advice:
+        assert flag in message, message
+    assert "Traceback" not in message
+
+
+def test_a_disk_filling_partway_through_a_checkpoint_keeps_every_earlier_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    saved_twice(tmp_path)
+    # The file system still reports room (statvfs is stale, or another job fills it).
+    disk = FullDisk(tmp_path, budget=6000, stale_free=True)
+    install(disk, monkeypatch.setattr)
+    with pytest.raises(UserError) as raised:
+        ckpt.save_checkpoint(tmp_path, 3, weights(3), {"step": 3}, keep=2)
+    assert disk.left == 0  # it failed partway, after writing what fitted
+    message = str(raised.value)
+    assert_clear_message(message, "step-00000003", "--keep-checkpoints", "--run-dir")
+    assert f"needs {NEEDED:,} bytes" in message
+    monkeypatch.undo()
+    assert_earlier_checkpoints_intact(tmp_path, [2, 1])
+
+
+def test_a_disk_known_to_be_full_is_refused_before_anything_is_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    saved_twice(tmp_path)
+    disk = FullDisk(tmp_path, budget=6000)
+    install(disk, monkeypatch.setattr)
+    with pytest.raises(UserError, match=rf"needs {NEEDED:,} bytes .*, 6,000 bytes .* free"):
+        ckpt.save_checkpoint(tmp_path, 3, weights(3), {"step": 3}, keep=2)
+    assert disk.left == 6000
+    monkeypatch.undo()
+    assert_earlier_checkpoints_intact(tmp_path, [2, 1])
+
+
+def test_an_unwritable_folder_is_one_clear_message(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    saved_twice(tmp_path)
+    real_open = io.open
+
+    def denied(file: object, mode: str = "r", *args: object, **kwargs: object) -> object:
+        if "w" in mode and ".tmp-" in str(file):
+            raise PermissionError(errno.EACCES, "Permission denied", str(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(io, "open", denied)
+    with pytest.raises(UserError, match="Cannot write .*step-00000003: EACCES .*--run-dir"):
+        ckpt.save_checkpoint(tmp_path, 3, weights(3), {"step": 3}, keep=2)
+    monkeypatch.undo()
+    assert_earlier_checkpoints_intact(tmp_path, [2, 1])
+
+
+def test_a_full_disk_under_metrics_jsonl_is_one_clear_message_and_resumes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    install(FullDisk(tmp_path, budget=100, stale_free=True), monkeypatch.setattr)
+    log.open(keep_until_step=None)
+    log.write({"step": 1, "loss": 0.5})
+    with pytest.raises(UserError) as raised:
+        for step in range(2, 10):
+            log.write({"step": step, "loss": 0.25, "padding": "x" * 20})
+    assert_clear_message(str(raised.value), "metrics.jsonl", "--run-dir")
+    log.close()
+    monkeypatch.undo()
+    resumed = MetricsLog(tmp_path / "metrics.jsonl")
+    resumed.open(keep_until_step=5)  # the line the disk cut short is dropped
+    assert [r["step"] for r in resumed.records] == [1, 2]
+    resumed.close()
+
+
+def test_packing_onto_a_full_disk_exits_2_and_continues_once_there_is_room(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "packed"
+    pack = ["data", "pack", "--workload", "digits", "--out", str(out), "--no-progress",
+            "--shard-size-mb", "0.1"]
+    install(FullDisk(out, budget=150_000, stale_free=True), monkeypatch.setattr)
+    assert main(pack) == 2
+    assert_clear_message(capsys.readouterr().err, str(out), "--out")
+    assert not list(out.glob(".*.tmp"))
+    monkeypatch.undo()
+    assert main(pack) == 0
+
+
+@pytest.mark.slow
+def test_training_on_a_disk_that_fills_up_exits_2_and_its_checkpoint_exports(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    checkpoints = run_dir / "checkpoints"
+    env = cli_env(FULL_DISK_ROOT=str(checkpoints), FULL_DISK_BYTES="1000",
+                  FULL_DISK_STALE_FREE="1", FULL_DISK_AFTER=str(checkpoints / "step-00000004"))
+    result = run_cli(*TRAIN, "--run-dir", str(run_dir), env=env)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert_clear_message(result.stderr, "step-00000008", "--keep-checkpoints", "--run-dir")
+    assert_earlier_checkpoints_intact(checkpoints, [4])
+
+    out = tmp_path / "export"
+    install(FullDisk(out, budget=1000, stale_free=True), monkeypatch.setattr)
+    assert main(["export", str(run_dir), "--out", str(out / "model.safetensors")]) == 2
+    assert_clear_message(capsys.readouterr().err, "model.safetensors", "--out")
+    assert list(out.iterdir()) == []
+    monkeypatch.undo()
+    assert main(["export", str(run_dir), "--out", str(out / "model.safetensors")]) == 0
+
+
+@pytest.mark.slow
+def test_a_full_disk_on_one_rank_of_two_fails_the_save_on_both(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    checkpoints = run_dir / "checkpoints"
+    env = cli_env(FULL_DISK_ROOT=str(checkpoints), FULL_DISK_BYTES="1000",
+                  FULL_DISK_STALE_FREE="1", FULL_DISK_RANK="1",
+                  FULL_DISK_AFTER=str(checkpoints / "step-00000004"))
+    result = run_cli(*TRAIN, "--run-dir", str(run_dir), "--nproc", "2", "--strategy", "fsdp",
+                     "--batch-size", "8", env=env)
+    assert result.returncode == 2, result.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank}: error: No space left on the disk holding" in result.stderr
+    assert_clear_message(result.stderr, "step-00000008", "--keep-checkpoints", "--run-dir")
+    assert "Traceback" not in result.stderr
+    assert_earlier_checkpoints_intact(checkpoints, [4])
