@@ -206,6 +206,12 @@ class TrainConfig:
     save_checkpoints: bool = option(
         True, flag="no-checkpoints",
         help="write no checkpoint at all, not even the final one (benchmarks, throwaway runs)")
+    save_on_signal: bool = option(
+        True, flag="no-save-on-signal",
+        help="on SIGTERM or SIGUSR1 (a scheduler's preemption notice) finish the step, save a "
+             "checkpoint and exit with code 75 for a requeue; off: the signal ends the run at "
+             "once",
+        details="see [checkpoints.md](checkpoints.md#preemption)")
     resume: str | bool = option(
         False, metavar="DIR",
         help="continue the run in DIR (or in --run-dir) from its newest valid checkpoint, "

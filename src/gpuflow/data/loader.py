@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
@@ -39,6 +40,14 @@ def batches_per_epoch(dataset: Dataset, batch_size: int, world_size: int = 1) ->
     return count
 
 
+def outlive_stop_signals(worker_id: int) -> None:
+    """A worker ignores SIGTERM and SIGUSR1, which a scheduler may send the whole process
+    group: the trainer decides when to stop (``gpuflow.train.preemption``) and still needs
+    batches until then."""
+    for stop in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(stop, signal.SIG_IGN)
+
+
 def train_batches(dataset: Dataset, batch_size: int, collate: Any, seed: int,
                   start_batch: int, num_workers: int, pin_memory: bool, rank: int = 0,
                   world_size: int = 1, batched_indexing: bool = False,
@@ -67,6 +76,7 @@ def train_batches(dataset: Dataset, batch_size: int, collate: Any, seed: int,
         "prefetch_factor": 4 if num_workers > 0 else None,
         # The loader's own seed draw must not consume the global RNG that a resume restores.
         "generator": torch.Generator().manual_seed(seed),
+        "worker_init_fn": outlive_stop_signals if num_workers > 0 else None,
     }
     if is_stream(dataset):
         if augment is not None:

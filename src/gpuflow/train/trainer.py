@@ -10,14 +10,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -46,9 +44,10 @@ from gpuflow.train.batch import fit_batch
 from gpuflow.train.compile import Compiled, compile_step, turn_on_compile_for_step_modes
 from gpuflow.train.evaluate import evaluate
 from gpuflow.train.optim import build_optimizer, build_scheduler, optimizer_step
+from gpuflow.train.preemption import Preemption
 from gpuflow.train.probe import step_flops
 from gpuflow.train.progress import ProgressDisplay
-from gpuflow.train.state import Position, RunState
+from gpuflow.train.state import Position, RunState, seed_everything
 from gpuflow.workload import Batch, Workload, call_model, serving_state
 
 if TYPE_CHECKING:
@@ -66,12 +65,6 @@ class RunResult:
     final_metrics: dict[str, float]
     summary: dict[str, Any]
     model: nn.Module
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 class Trainer:
@@ -130,6 +123,7 @@ class Trainer:
                               self.scheduler, self.scaler, config.keep_checkpoints)
         if config.resume:
             self.state.resume()
+        self.preemption = Preemption(config.save_on_signal and config.save_checkpoints)
         self._open_records(progress, resumed=bool(config.resume))
 
     # --- set-up -------------------------------------------------------------------------
@@ -300,7 +294,7 @@ class Trainer:
         timer.optimizer.begin()
         self.strategy.finish_backward()
         loss = losses[0] if accum == 1 else torch.stack(losses).mean()
-        loss_value = self.strategy.mean_loss(loss).item()
+        loss_value = self.preemption.mean_loss(self.strategy.mean_loss, loss)
         self._optimizer_step(math.isfinite(loss_value))
         timer.optimizer.end()
         self.position.step += 1
@@ -335,6 +329,8 @@ class Trainer:
                 self.average.load_into_weights()
             if self.step % config.log_every == 0 or at_end:
                 self._log_window()
+            if self.preemption.stop_agreed and not at_end:
+                raise self.preemption.stop(self.step, self.save_checkpoint, self.metrics.write)
             if config.eval_every and self.step % config.eval_every == 0 and not at_end:
                 self.evaluate()
             if config.checkpoint_every and self.step % config.checkpoint_every == 0:
@@ -345,11 +341,12 @@ class Trainer:
         if self.is_main:
             self.progress.announce(record.banner(self.description))
         try:
-            self.run_steps(self.total_steps - self.step)
-            final = self.evaluate()
-            last = self.state.last
-            if self.config.save_checkpoints and (last is None or last.step != self.step):
-                self.save_checkpoint()
+            with self.preemption.handling():
+                self.run_steps(self.total_steps - self.step)
+                final = self.evaluate()
+                last = self.state.last
+                if self.config.save_checkpoints and (last is None or last.step != self.step):
+                    self.save_checkpoint()
         finally:
             self.close()
         last = self.state.last
@@ -367,8 +364,8 @@ class Trainer:
         self.progress.close()
         self.metrics.close()
 
-    def save_checkpoint(self) -> None:
-        self.state.save(self._stream, streaming=is_stream(self.workload.train_dataset))
+    def save_checkpoint(self) -> Path:
+        return self.state.save(self._stream, is_stream(self.workload.train_dataset)).path
 
     def _log_window(self) -> None:
         line = record.window_record(self.description, self.timer.close_window(),

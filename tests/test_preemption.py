@@ -1,0 +1,202 @@
+"""Preemption: SIGTERM or SIGUSR1 stops a run after the step in progress, with a checkpoint
+at that step and exit code 75; resumed, the run ends on the same weights, bit for bit."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, cli_env, run_cli
+from runs import events, step_records
+
+from gpuflow import checkpoint as ckpt
+from gpuflow.cli import main
+from gpuflow.config import build_config
+from gpuflow.errors import EXIT_PREEMPTED
+from gpuflow.train.preemption import Preemption
+
+TOTAL_STEPS = 30
+# 5 ms a sample, 16 samples a batch: steps of about 80 ms, long enough to signal mid-run.
+PACE_S = "0.005"
+PACED = ["train", "--workload", "disk_faults:paced_mlp", "--schedule", "constant",
+         "--warmup-steps", "0", "--log-every", "1", "--eval-every", "0", "--no-progress",
+         "--batch-size", "16", "--max-steps", str(TOTAL_STEPS)]
+DRAW = random.Random(42)  # "a random step", reproducible from run to run
+
+
+def test_the_handler_notes_a_signal_and_the_flag_rides_on_the_loss() -> None:
+    preemption = Preemption(enabled=True)
+    before = signal.getsignal(signal.SIGUSR1)
+    identity = lambda loss: loss  # noqa: E731 (one process: the mean is the loss)
+    with preemption.handling():
+        assert preemption.mean_loss(identity, torch.tensor(0.25)) == 0.25
+        assert not preemption.stop_agreed
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.01)
+        assert preemption.received == signal.SIGUSR1
+        os.kill(os.getpid(), signal.SIGTERM)  # a second signal changes nothing
+        time.sleep(0.01)
+        assert preemption.received == signal.SIGUSR1
+        assert preemption.mean_loss(identity, torch.tensor(0.25)) == 0.25
+        assert preemption.stop_agreed
+    assert signal.getsignal(signal.SIGUSR1) is before
+
+
+def test_no_save_on_signal_leaves_the_signals_alone() -> None:
+    assert build_config({}, {"save_on_signal": False}).save_on_signal is False
+    preemption = Preemption(enabled=False)
+    before = signal.getsignal(signal.SIGTERM)
+    with preemption.handling():
+        assert signal.getsignal(signal.SIGTERM) is before
+
+
+def start(run_dir: Path, *args: str, **env: str) -> subprocess.Popen[str]:
+    """`gpuflow train` in its own process group, as a scheduler's job step runs it."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "gpuflow.cli", *PACED, "--run-dir", str(run_dir), *args],
+        cwd=ROOT, env=cli_env(PACE_S=PACE_S, **env), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def logged_step(run_dir: Path) -> int:
+    """The newest step in metrics.jsonl (a line being written is not yet one)."""
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return 0
+    steps = [int(line.split('"step": ')[1].split(",")[0]) for line in lines
+             if line.startswith('{"step": ')]
+    return max(steps, default=0)
+
+
+def wait_until(condition, process: subprocess.Popen[str], timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def finished(process: subprocess.Popen[str], code: int) -> str:
+    try:
+        _, err = process.communicate(timeout=180)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == code, err[-4000:]
+    assert "Traceback" not in err, err[-4000:]
+    return err
+
+
+def assert_stopped_within(run_dir: Path, before: int, after: int) -> int:
+    """The run stopped after the step in progress when it was signalled (logged ``before``
+    the signal, at most ``after`` just after it), with a checkpoint at that step."""
+    stop = events(run_dir, "preempted")[-1]["step"]
+    assert before < stop <= after + 2, (before, stop, after)
+    newest = ckpt.latest_verified(run_dir / "checkpoints")
+    assert newest is not None and newest.step == stop
+    return stop
+
+
+def interrupt(run_dir: Path, sig: signal.Signals, *args: str, during_save: Path | None = None,
+              **env: str) -> int:
+    """Signal the whole process group at a drawn step, and once more during the save if
+    ``during_save`` (a file the slowed save creates) is given; the step it stopped at."""
+    at = DRAW.randint(logged_step(run_dir) + 3, logged_step(run_dir) + 10)
+    process = start(run_dir, *args, **env)
+    wait_until(lambda: logged_step(run_dir) >= at, process)
+    before = logged_step(run_dir)
+    os.killpg(process.pid, sig)
+    after = logged_step(run_dir)
+    if during_save is not None:
+        wait_until(during_save.exists, process)
+        os.killpg(process.pid, sig)
+    err = finished(process, EXIT_PREEMPTED)
+    assert f"stopped by {sig.name}" in err and "Exit code 75" in err
+    stop = assert_stopped_within(run_dir, before, after)
+    assert step_records(run_dir)[-1]["step"] == stop  # nothing trained after it
+    return stop
+
+
+def trained_here(run_dir: Path, *args: str) -> None:
+    """An uninterrupted run in this process (no start-up to pay), its torch threads put
+    back after it."""
+    threads = torch.get_num_threads()
+    try:
+        assert main([*PACED, "--run-dir", str(run_dir), *args]) == 0
+    finally:
+        torch.set_num_threads(threads)
+
+
+def model_at(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    found = [c for c in ckpt.list_checkpoints(run_dir / "checkpoints") if c.step == step]
+    return ckpt.load_checkpoint(found[0])[0]
+
+
+def assert_identical(measured: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]
+                     ) -> None:
+    assert measured.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert torch.equal(measured[name], tensor), name
+
+
+@pytest.mark.slow
+def test_one_process_stops_on_either_signal_and_resumes_bit_for_bit(tmp_path: Path) -> None:
+    reference = tmp_path / "reference"
+    trained_here(reference, "--checkpoint-every", "1", "--keep-checkpoints", str(TOTAL_STEPS))
+    run_dir, saving = tmp_path / "run", tmp_path / "saving"
+    # SIGTERM to the process group, as Slurm signals a job step: the loader's worker
+    # ignores it; a second SIGTERM arrives while the checkpoint is written (slowed by 1 s).
+    first = interrupt(run_dir, signal.SIGTERM, "--num-workers", "1", during_save=saving,
+                      FULL_DISK_ROOT=str(run_dir), SLOW_SAVE_FILE=ckpt.TRAINER_FILE,
+                      SLOW_SAVE_MARKER=str(saving))
+    second = interrupt(run_dir, signal.SIGUSR1, "--resume")
+    assert first < second < TOTAL_STEPS
+    assert [e["step"] for e in events(run_dir, "preempted")] == [first, second]
+    assert [r["step"] for r in step_records(run_dir)] == list(range(1, second + 1))
+    # Resumed from the first stop, the run reached the second on the same weights.
+    for step in (first, second):
+        assert_identical(model_at(run_dir, step), model_at(reference, step))
+
+
+@pytest.mark.slow
+def test_two_fsdp_ranks_stop_together_restart_under_the_agent_and_match(
+        tmp_path: Path) -> None:
+    """One launch: SIGTERM to rank 1 alone (both ranks stop at the same step, the agent
+    restarts them, they resume from that checkpoint), then SIGUSR1 to the agent, which
+    passes it on; the launcher exits 75. The weights then match an uninterrupted run's."""
+    run_dir, pids = tmp_path / "run", tmp_path / "pids"
+    pids.mkdir()
+    two_ranks = ["--nproc", "2", "--strategy", "fsdp", "--batch-size", "8"]
+    process = start(run_dir, *two_ranks, "--max-restarts", "1", PID_DIR=str(pids))
+    at = DRAW.randint(3, 8)
+    wait_until(lambda: logged_step(run_dir) >= at, process)
+    before = logged_step(run_dir)
+    os.kill(int((pids / "rank1-0.pid").read_text()), signal.SIGTERM)
+    after = logged_step(run_dir)
+    wait_until(lambda: (pids / "rank0-1.pid").exists(), process)
+    wait_until(lambda: len(events(run_dir, "preempted")) == 1
+               and logged_step(run_dir) > events(run_dir, "preempted")[0]["step"] + 3, process)
+    first = assert_stopped_within(run_dir, before, after)
+    before = logged_step(run_dir)
+    process.send_signal(signal.SIGUSR1)
+    after = logged_step(run_dir)
+    err = finished(process, EXIT_PREEMPTED)
+    second = assert_stopped_within(run_dir, before, after)
+    assert "got SIGUSR1" in err
+    stops = events(run_dir, "preempted")
+    assert [(e["step"], e["signal"]) for e in stops] == [
+        (first, "a signal to another rank"), (second, "SIGUSR1")]
+    assert [r["step"] for r in step_records(run_dir)] == list(range(1, second + 1))
+    reference = tmp_path / "reference"
+    result = run_cli(*PACED, *two_ranks, "--run-dir", str(reference), "--max-steps",
+                     str(second), env=cli_env(PACE_S="0"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_identical(model_at(run_dir, second), model_at(reference, second))
