@@ -148,14 +148,19 @@ class EvalImages(Dataset):
         return (None if pixels is None else torch.from_numpy(pixels), label)
 
 
+def nothing_decoded(count: int, issues: DataIssues | None) -> UserError:
+    """The stop when not one image of a batch of ``count`` decoded."""
+    first = issues.report()["first_skipped"] if issues is not None else None
+    return UserError(f"None of the {count} images of a batch could be decoded "
+                     f"(the first file skipped: {first}); check the data directory.")
+
+
 def collate_images(items: Sequence[Item], issues: DataIssues | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """uint8 ``[B, H, W, C]`` pixels and int64 labels; items that did not decode are left
     out (a batch is smaller by as many)."""
     kept = [(pixels, label) for pixels, label in items if pixels is not None]
     if not kept:
-        first = issues.report()["first_skipped"] if issues is not None else None
-        raise UserError(f"None of the {len(items)} images of a batch could be decoded "
-                        f"(the first file skipped: {first}); check the data directory.")
+        raise nothing_decoded(len(items), issues)
     return (torch.stack([pixels for pixels, _ in kept]),
             torch.tensor([label for _, label in kept], dtype=torch.int64))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -68,11 +68,23 @@ class BackgroundLoader:
         self._thread.join()
 
 
+@runtime_checkable
+class MovesItself(Protocol):
+    """A batch that makes its device form itself, e.g. by decoding encoded images there
+    (``gpuflow.data.image_device_batches``); it runs where the copy would, on the copy's
+    stream."""
+
+    def to_device(self, device: torch.device, non_blocking: bool = False) -> Any: ...
+
+
 def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
     """Recursively move tensors in tuples, lists and mappings (a ``BatchEncoding`` too,
-    which arrives as a plain dict: models are called with any mapping as keywords)."""
+    which arrives as a plain dict: models are called with any mapping as keywords); a
+    ``MovesItself`` batch moves itself."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, MovesItself):
+        return batch.to_device(device, non_blocking)
     if isinstance(batch, tuple | list):
         return type(batch)(move_to_device(item, device, non_blocking) for item in batch)
     if isinstance(batch, Mapping):

@@ -1,7 +1,9 @@
 """Images as users keep them: class folders or tar shards of JPEG/PNG/WebP files.
 
 ``--data-dir`` is a class-folder tree or a folder of tar shards (``gpuflow.data.image_sources``);
-files are decoded and cropped in the loader's workers (``gpuflow.data.image_batches``), and
+files are decoded and cropped in the loader's workers (``gpuflow.data.image_batches``), or,
+with ``--decode gpu``, JPEGs are decoded and cropped on the GPU
+(``gpuflow.data.image_device_batches``); validation decodes on the CPU either way; and
 the model, a ResNet of ``gpuflow.models.resnet``, takes the uint8 pixels and normalises them
 on the device. See docs/workloads/images.md.
 """
@@ -22,6 +24,7 @@ from gpuflow.data.image_batches import (
     collate_images,
 )
 from gpuflow.data.image_decoder import choose_decoder
+from gpuflow.data.image_device_batches import DeviceCrops
 from gpuflow.data.image_sources import scan
 from gpuflow.data.streaming import open_packed
 from gpuflow.errors import UserError
@@ -115,19 +118,25 @@ def build(data_dir: str | None = None, data: str = "real", model_size: str | Non
                         "DIR/train/CLASS and DIR/val/CLASS) or tar shards (DIR/*.tar with "
                         "classes.json). `python scripts/fashion_mnist_jpeg.py --out DIR` "
                         "writes one from Fashion-MNIST.")
-    choose_decoder(decode)
+    on_gpu = choose_decoder(decode) == "gpu"
     classes, train, encoded_val = _sources(data_dir)
     issues = DataIssues(strict_data)
     val = EvalImages(encoded_val, size, "RGB", issues) if encoded_val is not None else None
+    if on_gpu:
+        stage = DeviceCrops(size, issues)
+        augment, collate, report = stage.crops, stage.collate, stage.report
+    else:
+        augment = TrainCrops(size, "RGB", issues)
+        collate, report = partial(collate_images, issues=issues), issues.report
     return Workload(
         name="images",
         model=image_model(kind, width, max(len(classes), 2), size),
         train_dataset=train,
         val_dataset=val,
-        collate_fn=partial(collate_images, issues=issues),
+        collate_fn=collate,
         example_batch=_example(EvalImages(train, size, "RGB", DataIssues(strict_data))),
         repeated_blocks=_resnet_blocks,
         serving=images_serving(classes, size),
-        augment=TrainCrops(size, "RGB", issues),
-        data_report=issues.report,
+        augment=augment,
+        data_report=report,
     )
