@@ -231,9 +231,14 @@ def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, batch: StepBatch,
                     sliding_window: int | None = None) -> torch.Tensor:
     """Attention of ``batch``'s new tokens, ``q[N, heads, head_dim]``, over their
     sequences' blocks (their own keys and values written first): decode rows in one SDPA
-    over the blocks the longest of them needs, each prefill chunk in its own over its
-    blocks up to its context, token at position ``p`` seeing positions ``<= p``. Returns
-    ``[N, heads, value_dim]``."""
+    over the blocks the longest of them needs (see ``decode_attention``), each prefill
+    chunk in its own over its blocks up to its context, token at position ``p`` seeing
+    positions ``<= p``. Returns ``[N, heads, value_dim]``.
+
+    Chunks padded into one SDPA over the longest context took 1.5 to 3.8 times as long on
+    the CPU (4 chunks of 256 tokens at 0 to 512: 27 ms against 13 per layer, 8 heads of
+    32). A chunk from position 0 without a window goes as ``is_causal``, which skips the
+    masked half (12.5 ms against 24 for 1,024 tokens)."""
     size, decodes = batch.block_size, batch.num_decodes
     gqa = q.shape[1] != pool.keys.shape[3]
     parts = []
@@ -247,10 +252,12 @@ def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, batch: StepBatch,
         context = batch.host_context_lens[row]
         tables = batch.block_tables[row:row + 1, :(context + size - 1) // size]
         keys, values = gather(pool, layer, tables, q.dtype)
-        mask = visible(batch.positions[first:end, None], context, sliding_window)
+        causal = context == end - first and sliding_window is None  # a chunk from position 0
+        mask = None if causal else \
+            visible(batch.positions[first:end, None], context, sliding_window)[None, None]
         y = F.scaled_dot_product_attention(q[first:end].transpose(0, 1)[None],
                                            keys[:, :, :context], values[:, :, :context],
-                                           attn_mask=mask[None, None], scale=scale,
+                                           attn_mask=mask, is_causal=causal, scale=scale,
                                            enable_gqa=gqa)
         parts.append(y[0].transpose(0, 1))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
