@@ -5,10 +5,14 @@ shards of JPEGs (ImageNet-sized, made from scikit-learn's photos by random crops
 and colour shifts, quality 90) with the machine's cores as loader workers (CPU decode),
 against the same model on ``--data synthetic`` (uint8 images already decoded in memory: no
 decode at all). The target: the JPEG run reaches >= 90% of the synthetic images/s, its data
-wait at most 5% of the step. GPU decode (``--decode gpu``) is tried too and recorded with the
-reason where it cannot run.
+wait at most 5% of the step. The same shards are trained again with ``--decode gpu``
+(nvImageCodec decodes each batch on the GPU; the workers only read and draw the crops), side
+by side with ``--decode cpu``, each with its ratio to synthetic and the samples decoded on the
+device and on the CPU; where GPU decode cannot run, the reason is recorded.
 
 Run on the GPU machine: ``python benchmarks/gpu_images.py`` (about 5 minutes on an H200);
+without a registry there, carry ``.wheels`` (``bash benchmarks/gpu_wheels.sh``) and put
+nvImageCodec on the path first (docs/workloads/images.md, "Where JPEGs are decoded");
 ``--dry-run`` runs the same code at toy sizes on a CPU. Writes
 ``benchmarks/results/gpu_images-<machine>.json`` (a dry run: under a temporary folder).
 """
@@ -55,8 +59,8 @@ def train(data: list[str], settings: dict[str, Any], workers: int, run_dir: Path
     median = summary["median"]
     return {"ok": True, "images_per_s": median["samples_per_s"],
             "data_wait_frac": median["data_wait_frac"], "step_time_s": median["step_time_s"],
-            "mfu": median.get("mfu"), "skipped_files": (summary.get("data") or {}).get(
-                "skipped_files"), "device_name": summary["device_name"]}
+            "mfu": median.get("mfu"), "data": summary.get("data"),
+            "device_name": summary["device_name"]}
 
 
 def main() -> None:
@@ -77,19 +81,23 @@ def main() -> None:
         runs = {
             "synthetic": train(["--data", "synthetic"], settings, args.workers,
                                work / "synthetic"),
-            "jpeg_cpu_decode": train(shards, settings, args.workers, work / "cpu"),
+            "jpeg_cpu_decode": train(shards, settings, args.workers, work / "cpu",
+                                     "--decode", "cpu"),
             "jpeg_gpu_decode": train(shards, settings, args.workers, work / "gpu",
                                      "--decode", "gpu"),
         }
         synthetic, cpu = runs["synthetic"], runs["jpeg_cpu_decode"]
-        ratio = (cpu["images_per_s"] / synthetic["images_per_s"]
-                 if cpu["ok"] and synthetic["ok"] else None)
+        ratios = {name: (run["images_per_s"] / synthetic["images_per_s"]
+                         if run["ok"] and synthetic["ok"] else None)
+                  for name, run in runs.items() if name != "synthetic"}
+        ratio = ratios["jpeg_cpu_decode"]
         _common.write_json(out, {
             "benchmark": "gpu_images", **_common.provenance(),
             "machine": _common.machine_info(), "dry_run": args.dry_run,
             "settings": {**settings, "workers": args.workers, "image": SETS["imagenet-sized"]},
             "runs": runs,
             "jpeg_over_synthetic": ratio,
+            "over_synthetic": ratios,
             "targets": {"ratio": TARGET_RATIO, "data_wait_frac": TARGET_WAIT},
             "met": None if ratio is None else (
                 ratio >= TARGET_RATIO and cpu["data_wait_frac"] <= TARGET_WAIT),
@@ -98,8 +106,10 @@ def main() -> None:
             print(f"{name}: " + (f"{run['images_per_s']:.1f} images/s, data wait "
                                  f"{100 * run['data_wait_frac']:.1f}%" if run["ok"]
                                  else f"did not run: {run['error'].strip().splitlines()[-1]}"))
-        print(f"JPEG (CPU decode) / synthetic: {ratio if ratio is None else f'{ratio:.2f}'} "
-              f"(target >= {TARGET_RATIO}); wrote {out}")
+        for name, value in ratios.items():
+            print(f"{name} / synthetic: {value if value is None else f'{value:.2f}'} "
+                  f"(target >= {TARGET_RATIO})")
+        print(f"wrote {out}")
 
 
 if __name__ == "__main__":

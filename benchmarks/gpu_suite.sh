@@ -5,19 +5,23 @@
 #   bash benchmarks/gpu_suite.sh [--out FILE] [--workdir DIR]   # on the GPU machine
 #   bash benchmarks/gpu_suite.sh --dry-run                       # tiny sizes on the CPU (CI)
 #
-# A GPU machine without a registry lacks torchao (--precision fp8) and fastapi/uvicorn
-# (serving): `bash benchmarks/gpu_wheels.sh` here fetches their wheels into .wheels/;
+# A GPU machine without a registry lacks torchao (--precision fp8), fastapi/uvicorn
+# (serving) and nvImageCodec (images --decode gpu): `bash benchmarks/gpu_wheels.sh` here
+# fetches their wheels into .wheels/;
 # carried along, they are installed into .wheels/site for this run where one is missing.
 # Without them those stages record why they did not run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 [[ -x $PY ]] || PY=python3
-if compgen -G ".wheels/*.whl" >/dev/null && ! "$PY" -c "import torchao, fastapi, uvicorn" \
-    2>/dev/null; then
+if compgen -G ".wheels/*.whl" >/dev/null && ! "$PY" -c \
+    "import torchao, fastapi, uvicorn, nvidia.nvimgcodec" 2>/dev/null; then
   if "$PY" -m pip install --quiet --no-deps --no-index --no-compile --upgrade \
       --target .wheels/site .wheels/*.whl; then
     export PYTHONPATH="$PWD/.wheels/site${PYTHONPATH:+:$PYTHONPATH}"
+    # nvImageCodec's nvJPEG extension loads libnvjpeg.so.13 by name.
+    NVJPEG="$PWD/.wheels/site/nvidia/cu13/lib"
+    [[ -d $NVJPEG ]] && export LD_LIBRARY_PATH="$NVJPEG${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   else
     echo "gpu_suite.sh: could not install .wheels/*.whl; the stages that need them say so" >&2
   fi

@@ -162,7 +162,7 @@ def test_corrupt_files_are_skipped_and_counted_or_stop_the_run(photo_tree: Path,
 
 def test_gpu_decode_is_refused_where_it_cannot_run() -> None:
     reason = gpu_decode_missing()
-    assert reason is not None  # this build decodes on the CPU everywhere
+    assert reason is not None  # no CUDA device here
     with pytest.raises(UserError, match=re.escape(f"cannot decode on the GPU: {reason}")):
         choose_decoder("gpu")
     with pytest.warns(UserWarning, match="decoding on the CPU"):

@@ -56,7 +56,8 @@ class NvImageCodecDecoder:
         self.device = device
         self._decoder = nvimgcodec.Decoder(
             device_id=device.index if device.index is not None else torch.cuda.current_device(),
-            backends=[kinds.HW_GPU_ONLY, kinds.GPU_ONLY, kinds.HYBRID_CPU_GPU])
+            backends=[kinds.HW_GPU_ONLY, kinds.GPU_ONLY, kinds.HYBRID_CPU_GPU],
+            options=":fancy_upsampling=1")  # libjpeg's (Pillow's) chroma upsampling
         self._params = nvimgcodec.DecodeParams(color_spec=nvimgcodec.ColorSpec.SRGB,
                                                apply_exif_orientation=True)
 
