@@ -11,8 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cli_env, run_cli
-from disk_faults import FullDisk, install
+from disk_faults import (
+    FullDisk,
+    assert_clear_message,
+    assert_earlier_checkpoints_intact,
+    cli_here,
+    install,
+)
 
 from gpuflow import checkpoint as ckpt
 from gpuflow.cli import main
@@ -33,24 +38,6 @@ def weights(seed: int) -> dict[str, torch.Tensor]:
 def saved_twice(directory: Path) -> None:
     for step in (1, 2):
         ckpt.save_checkpoint(directory, step, weights(step), {"step": step}, keep=2)
-
-
-def assert_earlier_checkpoints_intact(directory: Path, steps: list[int]) -> None:
-    """The listed checkpoints and nothing else, each verified and loaded; no temporary
-    folder."""
-    assert [c.step for c in ckpt.list_checkpoints(directory)] == steps
-    assert not list(directory.glob(".tmp-*"))
-    for checkpoint in ckpt.list_checkpoints(directory):
-        ckpt.verify_checkpoint(checkpoint)
-        assert ckpt.load_checkpoint(checkpoint)[1]["step"] == checkpoint.step
-
-
-def assert_clear_message(message: str, path: str, *advice: str) -> None:
-    assert "No space left on the disk holding" in message and path in message, message
-    assert "free" in message and "bytes" in message, message
-    for flag in advice:
-        assert flag in message, message
-    assert "Traceback" not in message
 
 
 def test_a_disk_filling_partway_through_a_checkpoint_keeps_every_earlier_one(
@@ -130,17 +117,18 @@ def test_packing_onto_a_full_disk_exits_2_and_continues_once_there_is_room(
     assert main(pack) == 0
 
 
-@pytest.mark.slow
 def test_training_on_a_disk_that_fills_up_exits_2_and_its_checkpoint_exports(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """(One rank of two: tests/test_preemption.py's reference run.)"""
     run_dir = tmp_path / "run"
     checkpoints = run_dir / "checkpoints"
-    env = cli_env(FULL_DISK_ROOT=str(checkpoints), FULL_DISK_BYTES="1000",
-                  FULL_DISK_STALE_FREE="1", FULL_DISK_AFTER=str(checkpoints / "step-00000004"))
-    result = run_cli(*TRAIN, "--run-dir", str(run_dir), env=env)
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert_clear_message(result.stderr, "step-00000008", "--keep-checkpoints", "--run-dir")
+    install(FullDisk(checkpoints, budget=1000, stale_free=True,
+                     after=checkpoints / "step-00000004"), monkeypatch.setattr)
+    assert cli_here(*TRAIN, "--run-dir", str(run_dir)) == 2
+    assert_clear_message(capsys.readouterr().err, "step-00000008", "--keep-checkpoints",
+                         "--run-dir")
+    monkeypatch.undo()
     assert_earlier_checkpoints_intact(checkpoints, [4])
 
     out = tmp_path / "export"
@@ -150,20 +138,3 @@ def test_training_on_a_disk_that_fills_up_exits_2_and_its_checkpoint_exports(
     assert list(out.iterdir()) == []
     monkeypatch.undo()
     assert main(["export", str(run_dir), "--out", str(out / "model.safetensors")]) == 0
-
-
-@pytest.mark.slow
-def test_a_full_disk_on_one_rank_of_two_fails_the_save_on_both(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    checkpoints = run_dir / "checkpoints"
-    env = cli_env(FULL_DISK_ROOT=str(checkpoints), FULL_DISK_BYTES="1000",
-                  FULL_DISK_STALE_FREE="1", FULL_DISK_RANK="1",
-                  FULL_DISK_AFTER=str(checkpoints / "step-00000004"))
-    result = run_cli(*TRAIN, "--run-dir", str(run_dir), "--nproc", "2", "--strategy", "fsdp",
-                     "--batch-size", "8", env=env)
-    assert result.returncode == 2, result.stderr[-3000:]
-    for rank in (0, 1):
-        assert f"rank {rank}: error: No space left on the disk holding" in result.stderr
-    assert_clear_message(result.stderr, "step-00000008", "--keep-checkpoints", "--run-dir")
-    assert "Traceback" not in result.stderr
-    assert_earlier_checkpoints_intact(checkpoints, [4])

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, cli_env, run_cli
+from disk_faults import assert_clear_message, assert_earlier_checkpoints_intact, cli_here
 from runs import events, step_records
 
 from gpuflow import checkpoint as ckpt
-from gpuflow.cli import main
 from gpuflow.config import build_config
 from gpuflow.errors import EXIT_PREEMPTED
 from gpuflow.train.preemption import Preemption
@@ -125,16 +125,6 @@ def interrupt(run_dir: Path, sig: signal.Signals, *args: str, during_save: Path 
     return stop
 
 
-def trained_here(run_dir: Path, *args: str) -> None:
-    """An uninterrupted run in this process (no start-up to pay), its torch threads put
-    back after it."""
-    threads = torch.get_num_threads()
-    try:
-        assert main([*PACED, "--run-dir", str(run_dir), *args]) == 0
-    finally:
-        torch.set_num_threads(threads)
-
-
 def model_at(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     found = [c for c in ckpt.list_checkpoints(run_dir / "checkpoints") if c.step == step]
     return ckpt.load_checkpoint(found[0])[0]
@@ -150,7 +140,8 @@ def assert_identical(measured: dict[str, torch.Tensor], reference: dict[str, tor
 @pytest.mark.slow
 def test_one_process_stops_on_either_signal_and_resumes_bit_for_bit(tmp_path: Path) -> None:
     reference = tmp_path / "reference"
-    trained_here(reference, "--checkpoint-every", "1", "--keep-checkpoints", str(TOTAL_STEPS))
+    assert cli_here(*PACED, "--run-dir", str(reference), "--checkpoint-every", "1",
+                    "--keep-checkpoints", str(TOTAL_STEPS)) == 0
     run_dir, saving = tmp_path / "run", tmp_path / "saving"
     # SIGTERM to the process group, as Slurm signals a job step: the loader's worker
     # ignores it; a second SIGTERM arrives while the checkpoint is written (slowed by 1 s).
@@ -171,7 +162,11 @@ def test_two_fsdp_ranks_stop_together_restart_under_the_agent_and_match(
         tmp_path: Path) -> None:
     """One launch: SIGTERM to rank 1 alone (both ranks stop at the same step, the agent
     restarts them, they resume from that checkpoint), then SIGUSR1 to the agent, which
-    passes it on; the launcher exits 75. The weights then match an uninterrupted run's."""
+    passes it on; the launcher exits 75. The weights then match an uninterrupted run's.
+
+    That reference run, a second launch, also fills rank 1's disk during the checkpoint
+    after the one compared: the save fails on both ranks (exit 2) and the compared one
+    stays the newest."""
     run_dir, pids = tmp_path / "run", tmp_path / "pids"
     pids.mkdir()
     two_ranks = ["--nproc", "2", "--strategy", "fsdp", "--batch-size", "8"]
@@ -196,7 +191,15 @@ def test_two_fsdp_ranks_stop_together_restart_under_the_agent_and_match(
         (first, "a signal to another rank"), (second, "SIGUSR1")]
     assert [r["step"] for r in step_records(run_dir)] == list(range(1, second + 1))
     reference = tmp_path / "reference"
-    result = run_cli(*PACED, *two_ranks, "--run-dir", str(reference), "--max-steps",
-                     str(second), env=cli_env(PACE_S="0"))
-    assert result.returncode == 0, result.stderr[-3000:]
+    checkpoints = reference / "checkpoints"
+    full_after = cli_env(PACE_S="0", FULL_DISK_ROOT=str(checkpoints), FULL_DISK_BYTES="1000",
+                         FULL_DISK_STALE_FREE="1", FULL_DISK_RANK="1",
+                         FULL_DISK_AFTER=str(checkpoints / f"step-{second:08d}"))
+    result = run_cli(*PACED, *two_ranks, "--run-dir", str(reference), "--checkpoint-every",
+                     str(second), "--max-steps", str(2 * second), env=full_after)
+    assert result.returncode == 2, result.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank}: error: No space left on the disk holding" in result.stderr
+    assert_clear_message(result.stderr, f"step-{2 * second:08d}", "--keep-checkpoints")
+    assert_earlier_checkpoints_intact(checkpoints, [second])
     assert_identical(model_at(run_dir, second), model_at(reference, second))

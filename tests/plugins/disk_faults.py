@@ -3,7 +3,8 @@ wrapped so that writes past a byte budget fail with ENOSPC partway through a fil
 ``shutil.disk_usage`` reports the budget that is left (or, stale, plenty).
 
 Used in-process by ``install``, or in a training subprocess through the ``paced_mlp``
-workload, which reads the same settings from the environment (``FULL_DISK_*``)."""
+workload, which reads the same settings from the environment (``FULL_DISK_*``); with the
+checks that tests/test_full_disk.py and tests/test_preemption.py share."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from torch.utils.data import Dataset
 from user_workloads import mlp
 
 import gpuflow
+from gpuflow import checkpoint as ckpt
 
 PLENTY = 1 << 40
 
@@ -126,6 +128,24 @@ def _from_environment() -> None:
     install(disk, setattr)
 
 
+def assert_earlier_checkpoints_intact(directory: Path, steps: list[int]) -> None:
+    """The listed checkpoints and nothing else, each verified and loaded; no temporary
+    folder."""
+    assert [c.step for c in ckpt.list_checkpoints(directory)] == steps
+    assert not list(directory.glob(".tmp-*"))
+    for checkpoint in ckpt.list_checkpoints(directory):
+        ckpt.verify_checkpoint(checkpoint)
+        assert ckpt.load_checkpoint(checkpoint)[1]["step"] == checkpoint.step
+
+
+def assert_clear_message(message: str, path: str, *advice: str) -> None:
+    assert "No space left on the disk holding" in message and path in message, message
+    assert "free" in message and "bytes" in message, message
+    for flag in advice:
+        assert flag in message, message
+    assert "Traceback" not in message
+
+
 class PacedDataset(Dataset):
     """Takes $PACE_S seconds per sample, so that a test can signal a run mid-way."""
 
@@ -138,6 +158,18 @@ class PacedDataset(Dataset):
     def __getitem__(self, index: int) -> Any:
         time.sleep(self.pace)
         return self.base[index]
+
+
+def cli_here(*argv: str) -> int:
+    """`gpuflow ARGV` in this process (no start-up to pay), its torch threads put back
+    after it (the paced workload runs on one)."""
+    from gpuflow.cli import main
+
+    threads = torch.get_num_threads()
+    try:
+        return main(list(argv))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def paced_mlp() -> gpuflow.Workload:
