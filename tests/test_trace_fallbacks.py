@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
 from pathlib import Path
@@ -14,6 +15,7 @@ from torch.utils.data import TensorDataset
 from gpuflow import Trainer
 from gpuflow.config import TrainConfig
 from gpuflow.planner.workload_profile import profile_workload
+from gpuflow.telemetry.flops import count_training_flops
 from gpuflow.workload import Workload, resolve_workload
 
 FLOPS_PER_SAMPLE = 2 * 4 * 2 * 2  # Linear(4, 2): forward and weight gradient
@@ -56,10 +58,15 @@ def test_a_model_fake_tensors_can_run_is_profiled_without_a_word() -> None:
 
 
 def test_the_flop_count_warns_when_it_runs_a_real_step(tmp_path: Path) -> None:
+    workload = data_dependent()
+    inputs, target = workload.get_example_batch()
+    with pytest.raises(Exception):  # noqa: B017 (whatever fake tensors raise here)
+        count_training_flops(workload.model, inputs, target, workload.loss_fn,
+                             contextlib.nullcontext())
     with pytest.warns(UserWarning, match=r"Workload 'data-dependent': its FLOPs cannot be "
                                          r"counted on fake tensors.*one real forward and "
                                          r"backward.*time and memory"):
-        trainer = Trainer(data_dependent(), TrainConfig(batch_size=8, max_steps=1,
-                                                        progress=False, run_dir=str(tmp_path)))
+        trainer = Trainer(workload, TrainConfig(batch_size=8, max_steps=1, progress=False,
+                                                run_dir=str(tmp_path)))
     assert trainer.flops_per_step == 8 * FLOPS_PER_SAMPLE
     trainer.close()
