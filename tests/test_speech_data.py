@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import run_cli
 from speech_clips import RATE, synthesise_fsdd, write_wav
 
+from gpuflow.cli import main
 from gpuflow.data.audio import find_clips, parse_clip_name, read_wav
 from gpuflow.errors import UserError
 from gpuflow.workload import check_workload
@@ -111,14 +111,19 @@ def test_whole_speakers_are_held_out_and_never_trained_on(small_fsdd: Path) -> N
     assert {c.take for c in same_val} == set(range(5)) and min(c.take for c in same_train) == 5
 
 
-def test_unknown_val_speakers_exit_2_naming_those_present(small_fsdd: Path,
-                                                          tmp_path: Path) -> None:
-    result = run_cli("train", "--workload", "speech", "--data-dir", str(small_fsdd),
-                     "--val-speakers", "spk0,bob", "--max-steps", "1",
-                     "--run-dir", str(tmp_path / "run"))
-    assert result.returncode == 2, result.stderr
-    assert "bob is not among the speakers" in result.stderr
-    assert "spk0, spk1" in result.stderr and "Traceback" not in result.stderr
+def train_refused(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    """What `gpuflow train ARGS` (run in this process) printed when it exited 2, as a user
+    error, which is said without a traceback (an exception would have propagated here)."""
+    assert main(["train", "--workload", "speech", *args]) == 2
+    return capsys.readouterr().err
+
+
+def test_unknown_val_speakers_exit_2_naming_those_present(
+        small_fsdd: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    stderr = train_refused(capsys, "--data-dir", str(small_fsdd), "--val-speakers",
+                           "spk0,bob", "--max-steps", "1", "--run-dir", str(tmp_path / "run"))
+    assert "bob is not among the speakers" in stderr
+    assert "spk0, spk1" in stderr and "Traceback" not in stderr
 
 
 def test_no_data_dir_says_where_to_get_the_dataset() -> None:
@@ -145,21 +150,21 @@ def test_bad_inputs_are_user_errors(tmp_path: Path) -> None:
         speech.build(data="synthetic", model_size="huge")
 
 
-def test_cli_reports_a_bad_wav_by_name_without_traceback(tmp_path: Path) -> None:
+def test_cli_reports_a_bad_wav_by_name_without_traceback(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     folder = synthesise_fsdd(tmp_path / "rec", speakers=2, takes=6)
     write_wav(folder / "4_spk0_2.wav", np.zeros(400, dtype=np.float32), rate=44100)
-    result = run_cli("train", "--workload", "speech", "--data-dir", str(folder),
-                     "--max-steps", "1", "--run-dir", str(tmp_path / "run"))
-    assert result.returncode == 2
-    assert "4_spk0_2.wav has a sample rate of 44100 Hz" in result.stderr
-    assert "Traceback" not in result.stderr
+    stderr = train_refused(capsys, "--data-dir", str(folder), "--max-steps", "1",
+                           "--run-dir", str(tmp_path / "run"))
+    assert "4_spk0_2.wav has a sample rate of 44100 Hz" in stderr
+    assert "Traceback" not in stderr
 
 
-def test_cli_without_data_dir_exits_2_naming_the_flag(tmp_path: Path) -> None:
-    result = run_cli("train", "--workload", "speech", "--run-dir", str(tmp_path / "run"))
-    assert result.returncode == 2
-    assert "--data-dir" in result.stderr and "free-spoken-digit-dataset" in result.stderr
-    assert "Traceback" not in result.stderr
+def test_cli_without_data_dir_exits_2_naming_the_flag(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    stderr = train_refused(capsys, "--run-dir", str(tmp_path / "run"))
+    assert "--data-dir" in stderr and "free-spoken-digit-dataset" in stderr
+    assert "Traceback" not in stderr
 
 
 def test_collate_pads_to_the_longest_clip() -> None:
