@@ -72,3 +72,19 @@ def test_background_loading_keeps_order_raises_errors_and_stops() -> None:
     assert [next(endless) for _ in range(3)] == [0, 1, 2]
     endless.close()
     assert not any(t.name == "gpuflow-loader" for t in threading.enumerate())
+
+
+def test_batches_that_move_themselves_move_in_the_loader_thread() -> None:
+    import threading
+
+    class Encoded:
+        def __init__(self, value: int) -> None:
+            self.value = value
+
+        def to_device(self, device: torch.device, non_blocking: bool = False):  # noqa: ANN201
+            return torch.tensor([self.value], device=device), threading.current_thread().name
+
+    moved = list(DevicePrefetcher(iter([Encoded(i) for i in range(4)]), torch.device("cpu")))
+    assert [int(x) for x, _ in moved] == [0, 1, 2, 3]
+    # Not the consumer's thread, even without background loading: the decode overlaps.
+    assert {thread for _, thread in moved} == {"gpuflow-loader"}

@@ -3,6 +3,7 @@ so the step waits for neither."""
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -111,16 +112,23 @@ class DevicePrefetcher:
     CPU the batch is passed through unchanged. ``background`` also loads the batches in a
     thread (for loading in this process; DataLoader workers already load ahead), and the
     copies are issued from that thread too, so taking a batch costs the step nothing more
-    than a queue hand-off and a stream wait.
+    than a queue hand-off and a stream wait. Batches that move themselves (``MovesItself``:
+    JPEGs decoded on the device) always move in that thread, so that their decode overlaps
+    the step rather than delaying its launch.
     """
 
     def __init__(self, batches: Iterable[Any], device: torch.device,
                  background: bool = False) -> None:
         self._device = device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._loader = (BackgroundLoader(batches, transform=self._to_device) if background
+        source: Iterator[Any] = iter(batches)
+        if not background:  # peek: the first batch is loaded here either way
+            first = next(source, _DONE)
+            source = itertools.chain([] if first is _DONE else [first], source)
+            background = isinstance(first, MovesItself)
+        self._loader = (BackgroundLoader(source, transform=self._to_device) if background
                         else None)
-        self._source = self._loader if self._loader is not None else iter(batches)
+        self._source = self._loader if self._loader is not None else source
         self._next: Any = None
         self._exhausted = False
         if self._loader is None:
