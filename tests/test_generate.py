@@ -22,7 +22,7 @@ from gpuflow.serve.generate.engine import (
 )
 from gpuflow.serve.generate.limits import EngineLimits
 from gpuflow.serve.generate.models import GPTDecoder
-from gpuflow.serve.generate.requests import Generation
+from gpuflow.serve.generate.requests import Event, Failed, Generation
 from gpuflow.serve.generate.sampling import SamplingParams, filter_logits
 from gpuflow.serve.generate.text import TextStream
 
@@ -244,6 +244,41 @@ def test_a_full_waiting_queue_refuses_and_a_cancelled_request_frees_its_blocks()
 
     text, done = asyncio.run(scenario())
     assert done.finish_reason == "length" and len(text.encode("utf-8", "replace")) >= 1
+
+
+def test_a_failing_step_fails_its_sequences_and_the_engine_serves_on() -> None:
+    """The step that raises fails the sequences in it, not those still waiting, and frees
+    their blocks; the next request is served."""
+    model = tiny_gpt()
+    engine = engine_for(model, 1, block_size=4)
+    run = engine.runner.run
+    calls = {"n": 0}
+
+    def flaky(rows):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the first prompt's second step
+            raise RuntimeError("device lost")
+        return run(rows)
+
+    engine.runner.run = flaky
+
+    async def scenario() -> tuple[list[Event], tuple[str, Done]]:
+        engine.start()
+        try:
+            params = SamplingParams(max_tokens=4, temperature=0.0)
+            failing = engine.submit(list(b"abc"), params)
+            waiting = engine.submit(list(b"xyz"), params)  # one sequence at a time: it waits
+            events = [await asyncio.wait_for(failing.events.get(), 10)]
+            while not isinstance(events[-1], Failed | Done):
+                events.append(await asyncio.wait_for(failing.events.get(), 10))
+            return events, await asyncio.wait_for(completion(waiting), 10)
+        finally:
+            engine.stop()
+
+    events, (text, done) = asyncio.run(scenario())
+    assert isinstance(events[-1], Failed) and "RuntimeError: device lost" in events[-1].message
+    assert text == greedy_text(model, b"xyz", 4) and done.finish_reason == "length"
+    assert engine.scheduler.blocks.used == 0
 
 
 def test_text_stream_holds_back_what_may_start_a_stop() -> None:

@@ -41,7 +41,7 @@ from gpuflow.serve.generate.requests import (
 )
 from gpuflow.serve.generate.runner import ModelRunner
 from gpuflow.serve.generate.sampling import SamplingParams, choose_tokens, token_logprobs
-from gpuflow.serve.generate.scheduler import Chunk, Plan, Scheduler
+from gpuflow.serve.generate.scheduler import Chunk, Plan, Scheduler, Sequence
 from gpuflow.serve.generate.tokenizer import ByteTokenizer, Tokenizer
 
 log = logging.getLogger("gpuflow.serve")
@@ -62,7 +62,7 @@ class GenerationEngine:
         self._warm = threading.Event()
         self._warm_error: BaseException | None = None
         self._arrivals: list[Generation] = []  # submitted, not yet in the scheduler
-        self._live: dict[Any, Generation] = {}  # each scheduled sequence's request
+        self._live: dict[Sequence, Generation] = {}  # each scheduled sequence's request
         self._outbox: list[tuple[Generation, Event]] = []  # events not yet handed over
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -146,6 +146,7 @@ class GenerationEngine:
             finally:
                 self._warm.set()
             while not self._stopped:
+                plan: Plan | None = None
                 try:
                     self._take_arrivals()
                     self._drop_cancelled()
@@ -156,7 +157,9 @@ class GenerationEngine:
                         self._wake.wait(0.5)
                         self._wake.clear()
                 except Exception as exc:  # a failing step fails its sequences, not the server
-                    self._fail_all(f"{type(exc).__name__}: {exc}")
+                    failed = ([chunk.seq for chunk in plan.chunks] if plan is not None
+                              else list(self.scheduler.running))
+                    self._fail(failed, f"{type(exc).__name__}: {exc}")
                 self._hand_over()
                 self._observe()
 
@@ -261,10 +264,12 @@ class GenerationEngine:
         self.scheduler.finish(generation.seq)
         del self._live[generation.seq]
 
-    def _fail_all(self, message: str) -> None:
-        for generation in list(self._live.values()):
-            self._emit(generation, Failed(message))
-            self._forget(generation)
+    def _fail(self, seqs: list[Sequence], message: str) -> None:
+        for seq in seqs:
+            generation = self._live.get(seq)
+            if generation is not None:  # not retired before the step failed
+                self._emit(generation, Failed(message))
+                self._forget(generation)
 
     def _emit(self, generation: Generation, event: Event) -> None:
         self._outbox.append((generation, event))

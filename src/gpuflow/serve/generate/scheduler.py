@@ -15,12 +15,9 @@ none is overtaken for ever (first come, first served).
 from __future__ import annotations
 
 import collections
-import itertools
 from dataclasses import dataclass, field
 
 from gpuflow.serve.generate.blocks import BlockManager, BlockTable
-
-_arrivals = itertools.count()
 
 
 @dataclass(eq=False)
@@ -37,7 +34,6 @@ class Sequence:
     num_computed: int = 0
     cached_tokens: int = 0
     admitted: bool = False
-    arrival: int = field(default_factory=lambda: next(_arrivals))
 
     @classmethod
     def of(cls, prompt: list[int], reuse_prefix: bool = True) -> Sequence:
@@ -97,10 +93,6 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
-
-    def fits(self, tokens: int) -> bool:
-        """Whether a sequence of ``tokens`` tokens fits in the pool alone."""
-        return self.blocks.blocks_for(tokens) <= self.blocks.total
 
     @property
     def busy(self) -> bool:
