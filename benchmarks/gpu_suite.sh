@@ -19,9 +19,6 @@ if compgen -G ".wheels/*.whl" >/dev/null && ! "$PY" -c \
   if "$PY" -m pip install --quiet --no-deps --no-index --no-compile --upgrade \
       --target .wheels/site .wheels/*.whl; then
     export PYTHONPATH="$PWD/.wheels/site${PYTHONPATH:+:$PYTHONPATH}"
-    # nvImageCodec's nvJPEG extension loads libnvjpeg.so.13 by name.
-    NVJPEG="$PWD/.wheels/site/nvidia/cu13/lib"
-    [[ -d $NVJPEG ]] && export LD_LIBRARY_PATH="$NVJPEG${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   else
     echo "gpu_suite.sh: could not install .wheels/*.whl; the stages that need them say so" >&2
   fi
