@@ -204,22 +204,42 @@ def decode_attention(q: torch.Tensor, pool: KVPool, layer: int, positions: torch
     """Attention of one token per row, ``q[B, heads, head_dim]`` at ``positions[B]``, over
     every position ``block_tables[B, M]`` names, under a mask: shapes depend on ``B`` and
     ``M`` alone and nothing is read back to the host (for ``torch.compile(dynamic=False)``
-    and CUDA graphs). Returns ``[B, heads, value_dim]``.
-
-    Rows go in groups whose gathered keys fit ``GATHER_BYTES``: each group's copy is read
-    while still in cache, and it is small enough for the allocator to reuse rather than
-    map fresh pages (glibc maps buffers over 32 MiB anew at every call). On the 2-core
-    CPU, 32 rows of 1,008 positions, 8 heads of 32 dims: 12 ms of CPU per layer in groups
-    of one row, 22 to 29 ms in one SDPA (an unpaged cache read in place: 5 ms)."""
+    and CUDA graphs). Returns ``[B, heads, value_dim]``."""
     batch, width = block_tables.shape
-    row_bytes = width * pool.block_size * pool.keys[0, 0, 0].numel() * q.element_size()
-    group = max(1, GATHER_BYTES // row_bytes)
+    return _one_token_rows(q, pool, layer, positions, block_tables, [width] * batch, scale,
+                           sliding_window)
+
+
+def row_groups(widths: Sequence[int], block_bytes: int) -> list[tuple[int, int, int]]:
+    """Consecutive rows as ``(first, end, blocks)`` groups whose gathered keys, each row
+    padded to the group's widest table, fit ``GATHER_BYTES`` (a wider row goes alone)."""
+    groups: list[tuple[int, int, int]] = []
+    first, widest = 0, 0
+    for row, width in enumerate(widths):
+        wider = max(widest, width)
+        if row > first and (row - first + 1) * wider * block_bytes > GATHER_BYTES:
+            groups.append((first, row, widest))
+            first, wider = row, width
+        widest = wider
+    groups.append((first, len(widths), widest))
+    return groups
+
+
+def _one_token_rows(q: torch.Tensor, pool: KVPool, layer: int, positions: torch.Tensor,
+                    block_tables: torch.Tensor, widths: Sequence[int], scale: float | None,
+                    sliding_window: int | None) -> torch.Tensor:
+    """Attention of one token per row over the first ``widths[b]`` blocks of each row's
+    table, rows gathered in ``row_groups``: each group's copy is read while still in
+    cache, and is small enough for the allocator to reuse rather than map fresh pages
+    (glibc maps buffers over 32 MiB anew at every call). On the 2-core CPU, 32 rows of
+    1,008 positions, 8 heads of 32 dims: 12 ms of CPU per layer in groups of one row, 22
+    to 29 ms in one SDPA (an unpaged cache read in place: 5 ms)."""
+    block_bytes = pool.keys[0, 0].numel() * q.element_size()
     parts = []
-    for first in range(0, batch, group):
-        rows = slice(first, first + group)
-        keys, values = gather(pool, layer, block_tables[rows], q.dtype)
-        mask = visible(positions[rows, None], keys.shape[2], sliding_window)  # [rows, span]
-        y = F.scaled_dot_product_attention(q[rows, :, None], keys, values,
+    for first, end, width in row_groups(widths, block_bytes):
+        keys, values = gather(pool, layer, block_tables[first:end, :width], q.dtype)
+        mask = visible(positions[first:end, None], keys.shape[2], sliding_window)
+        y = F.scaled_dot_product_attention(q[first:end, :, None], keys, values,
                                            attn_mask=mask[:, None, None], scale=scale,
                                            enable_gqa=q.shape[1] != keys.shape[1])
         parts.append(y[:, :, 0])
@@ -230,8 +250,8 @@ def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, batch: StepBatch,
                     scale: float | None = None,
                     sliding_window: int | None = None) -> torch.Tensor:
     """Attention of ``batch``'s new tokens, ``q[N, heads, head_dim]``, over their
-    sequences' blocks (their own keys and values written first): decode rows in one SDPA
-    over the blocks the longest of them needs (see ``decode_attention``), each prefill
+    sequences' blocks (their own keys and values written first): decode rows in groups,
+    each over the blocks the longest of its rows needs (``row_groups``), each prefill
     chunk in its own over its blocks up to its context, token at position ``p`` seeing
     positions ``<= p``. Returns ``[N, heads, value_dim]``.
 
@@ -243,10 +263,9 @@ def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, batch: StepBatch,
     gqa = q.shape[1] != pool.keys.shape[3]
     parts = []
     if decodes:
-        width = (max(batch.host_context_lens[:decodes]) + size - 1) // size
-        parts.append(decode_attention(q[:decodes], pool, layer, batch.positions[:decodes],
-                                      batch.block_tables[:decodes, :width], scale,
-                                      sliding_window))
+        widths = [(context + size - 1) // size for context in batch.host_context_lens[:decodes]]
+        parts.append(_one_token_rows(q[:decodes], pool, layer, batch.positions[:decodes],
+                                     batch.block_tables, widths, scale, sliding_window))
     for row in range(decodes, batch.num_rows):
         first, end = batch.row_starts[row], batch.row_starts[row + 1]
         context = batch.host_context_lens[row]
