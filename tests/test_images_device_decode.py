@@ -159,3 +159,40 @@ def test_auto_takes_the_gpu_where_it_decodes_and_the_workload_loads_through_it(
     report = workload.data_report()
     assert report["decode"] == "gpu" and report["skipped_files"] == 0
     assert report["decoded_on_device"] + report["decoded_on_cpu"] >= 8
+
+
+def test_the_nvimagecodec_call_restricts_backends_and_keeps_positions(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """nvImageCodec's call with a stand-in module (its 0.9 names, read off the wheel): GPU
+    backends only, upright sRGB, the current stream, a refused file's None in its place."""
+    import sys
+    import types
+    from enum import Enum
+
+    from gpuflow.data.device_decoders import NvImageCodecDecoder
+
+    calls: dict = {}
+    kinds = Enum("BackendKind", "CPU_ONLY GPU_ONLY HYBRID_CPU_GPU HW_GPU_ONLY")
+
+    class Decoder:
+        def __init__(self, **kwargs) -> None:  # noqa: ANN003
+            calls["decoder"] = kwargs
+
+        def decode(self, srcs: list, params: dict, cuda_stream: int) -> list:
+            calls["decode"] = (params, cuda_stream)
+            return [None if data == b"refused" else np.full((2, 3, 3), len(data), np.uint8)
+                    for data in srcs]
+
+    fake = types.SimpleNamespace(BackendKind=kinds, Decoder=Decoder, DecodeParams=dict,
+                                 ColorSpec=types.SimpleNamespace(SRGB="srgb"))
+    monkeypatch.setitem(sys.modules, "nvidia", types.SimpleNamespace(nvimgcodec=fake))
+    monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", fake)
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device: types.SimpleNamespace(cuda_stream=1234))
+    decoder = NvImageCodecDecoder(torch.device("cuda", 0))
+    images = decoder.decode([b"four", b"refused", b"ok"], torch.device("cuda", 0))
+    assert calls["decoder"]["device_id"] == 0
+    assert kinds.CPU_ONLY not in calls["decoder"]["backends"]
+    assert calls["decode"] == ({"color_spec": "srgb", "apply_exif_orientation": True}, 1234)
+    assert images[1] is None and images[0].shape == (2, 3, 3)
+    assert int(images[0][0, 0, 0]) == 4 and int(images[2][0, 0, 0]) == 2

@@ -66,6 +66,8 @@ class NvImageCodecDecoder:
         stream = torch.cuda.current_stream(device)
         images = self._decoder.decode(list(encoded), params=self._params,
                                       cuda_stream=stream.cuda_stream)
+        if len(images) != len(encoded):  # older releases dropped failures: which ones?
+            return [None] * len(encoded)
         # DLPack makes the consumer's (current) stream wait on the decode's.
         return [None if image is None else torch.from_dlpack(image) for image in images]
 
