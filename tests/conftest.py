@@ -176,3 +176,12 @@ def small_fsdd(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from speech_clips import synthesise_fsdd
 
     return synthesise_fsdd(tmp_path_factory.mktemp("fsdd") / "recordings", speakers=2, takes=7)
+
+
+@pytest.fixture(scope="session")
+def packed_digits(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Digits packed in small shards (``packed_sets.pack_small_digits``: 9 train shards),
+    once per session, for the packing and streaming tests; none writes into it."""
+    from packed_sets import pack_small_digits
+
+    return pack_small_digits(tmp_path_factory.mktemp("packed"))

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from gpuflow.config import TrainConfig
 
 
 def records(run_dir: Path) -> list[dict[str, Any]]:
@@ -29,3 +35,24 @@ def losses(run_dir: Path) -> list[float]:
 
 def summary(run_dir: Path) -> dict[str, Any]:
     return json.loads((run_dir / "summary.json").read_text())
+
+
+def newest_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The model weights of the run's newest checkpoint."""
+    from safetensors.torch import load_file
+
+    from gpuflow import checkpoint as ckpt
+
+    return load_file(ckpt.list_checkpoints(run_dir / "checkpoints")[0].path / ckpt.MODEL_FILE)
+
+
+def configs(**defaults: Any) -> Callable[..., TrainConfig]:
+    """A test module's ``config(run_dir, **overrides)``: a TrainConfig without a progress
+    bar, writing into ``run_dir``, from the module's ``defaults`` and then the overrides."""
+    from gpuflow.config import TrainConfig
+
+    def config(run_dir: Path, **overrides: Any) -> TrainConfig:
+        return TrainConfig(**{"progress": False, **defaults, "run_dir": str(run_dir),
+                              **overrides})
+
+    return config

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import run_cli
-from runs import losses
+from runs import configs, losses
 from safetensors.torch import load_file
 from user_workloads import mlp
 
-from gpuflow import TrainConfig, Trainer, train
+from gpuflow import Trainer, train
 from gpuflow import checkpoint as ckpt
 from gpuflow.train.averaging import WeightAverage
 from gpuflow.train.trainer import seed_everything
@@ -50,11 +50,8 @@ def test_the_average_follows_the_steps_and_swaps_in_and_out() -> None:
     assert torch.equal(model.weight.detach(), optimizer.state[model.weight]["ema"])
 
 
-def config(run_dir: Path, **overrides) -> TrainConfig:
-    values = dict(max_steps=12, batch_size=32, log_every=1, eval_every=4, progress=False,
-                  run_dir=str(run_dir), warmup_steps=3, ema_decay=0.8)
-    values.update(overrides)
-    return TrainConfig(**values)
+config = configs(max_steps=12, batch_size=32, log_every=1, eval_every=4, warmup_steps=3,
+                 ema_decay=0.8)
 
 
 def test_a_run_trains_the_same_weights_and_ends_with_their_average(tmp_path: Path) -> None:

@@ -10,26 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, cli_env, sigkill_at_gate
-from runs import step_records
-from safetensors.torch import load_file
+from runs import configs, newest_weights, step_records
 from user_workloads import gated_digits, mlp
 
-from gpuflow import TrainConfig, Trainer, train
+from gpuflow import Trainer, train
 from gpuflow import checkpoint as ckpt
 from gpuflow.cli import main
 from gpuflow.train.trainer import seed_everything
 
-
-def config(run_dir: Path, **overrides) -> TrainConfig:
-    values = dict(max_steps=12, batch_size=32, log_every=3, eval_every=0, progress=False,
-                  run_dir=str(run_dir), warmup_steps=3)
-    values.update(overrides)
-    return TrainConfig(**values)
-
-
-def weights(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
-    newest = ckpt.list_checkpoints(checkpoint_dir)[0]
-    return load_file(newest.path / ckpt.MODEL_FILE)
+config = configs(max_steps=12, batch_size=32, log_every=3, eval_every=0, warmup_steps=3)
 
 
 def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -50,8 +39,7 @@ def test_resume_in_process_is_bitwise_exact_with_grad_accum(tmp_path: Path) -> N
     result = train(gated_digits(), config(tmp_path / "split", grad_accum=2,
                                           resume=True))
     assert result.steps == 12
-    assert_same_weights(weights(tmp_path / "full" / "checkpoints"),
-                        weights(tmp_path / "split" / "checkpoints"))
+    assert_same_weights(newest_weights(tmp_path / "full"), newest_weights(tmp_path / "split"))
     assert [r["step"] for r in step_records(tmp_path / "split")] == [3, 6, 9, 12]
 
 
@@ -76,7 +64,7 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
     assert main(["train", "--resume", str(run_dir), "--no-progress"]) == 0
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 2 * n
-    assert_same_weights(weights(reference / "checkpoints"), weights(run_dir / "checkpoints"))
+    assert_same_weights(newest_weights(reference), newest_weights(run_dir))
     ref_state = torch.load(ckpt.list_checkpoints(reference / "checkpoints")[0].path
                            / ckpt.TRAINER_FILE, weights_only=True)
     new_state = torch.load(ckpt.list_checkpoints(run_dir / "checkpoints")[0].path
@@ -144,5 +132,5 @@ def test_nonfinite_loss_stops_with_exit_3_and_keeps_last_good_checkpoint(
     checkpoints = ckpt.list_checkpoints(run_dir / "checkpoints")
     assert [c.step for c in checkpoints] == [5]
     ckpt.verify_checkpoint(checkpoints[0])
-    assert all(torch.isfinite(t).all() for t in weights(run_dir / "checkpoints").values())
+    assert all(torch.isfinite(t).all() for t in newest_weights(run_dir).values())
     assert not (run_dir / "summary.json").exists()

@@ -9,10 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from runs import configs, newest_weights
 
-from gpuflow import checkpoint as ckpt
-from gpuflow.config import TrainConfig
 from gpuflow.train.trainer import Trainer, seed_everything, train
 from gpuflow.workloads import images
 
@@ -24,15 +22,8 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fashion_mnist_jpeg.p
 FASHION_FLOOR = 0.3
 
 
-def config(run_dir: Path, **overrides) -> TrainConfig:
-    values = dict(max_steps=6, batch_size=8, log_every=3, eval_every=0, progress=False,
-                  run_dir=str(run_dir), warmup_steps=1, lr=3e-3)
-    values.update(overrides)
-    return TrainConfig(workload="images", **values)
-
-
-def newest_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(ckpt.list_checkpoints(run_dir / "checkpoints")[0].path / ckpt.MODEL_FILE)
+config = configs(max_steps=6, batch_size=8, log_every=3, eval_every=0, warmup_steps=1, lr=3e-3,
+                 workload="images")
 
 
 def test_overfits_the_photo_tree_and_reports_no_skips(photo_tree: Path,

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import ROOT, cli_env
-from packed_sets import SMALL_SHARDS_MB, pack_small_digits
+from packed_sets import SMALL_SHARDS_MB
 
 from gpuflow.cli import main
 from gpuflow.data import pack_sources
@@ -23,11 +23,6 @@ from gpuflow.data.streaming import open_packed
 from gpuflow.errors import UserError
 from gpuflow.workloads import digits
 from gpuflow.workloads.packing import pack
-
-
-@pytest.fixture(scope="module")
-def packed_digits(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return pack_small_digits(tmp_path_factory.mktemp("packed"))
 
 
 def test_packed_digits_equal_the_raw_splits_and_refuse_overwrite(packed_digits: Path) -> None:

@@ -12,9 +12,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from conftest import ROOT, cli_env, run_cli, sigkill_at_gate
-from safetensors.torch import load_file
+from runs import newest_weights
 
-from gpuflow import checkpoint as ckpt
 from gpuflow.data.augment import AugmentedDataset
 from gpuflow.data.loader import train_batches
 from gpuflow.workloads import speech, speech_augment
@@ -146,8 +145,7 @@ def test_killed_augmented_run_resumes_to_the_same_weights(small_fsdd: Path,
     assert result.returncode == 0, result.stderr
     # The weight average (speech's default) resumes too: the final weights are its.
     assert json.loads((run_dir / "summary.json").read_text())["ema_decay"] == 0.99
-    final = [load_file(ckpt.list_checkpoints(d / "checkpoints")[0].path / ckpt.MODEL_FILE)
-             for d in (reference, run_dir)]
+    final = [newest_weights(d) for d in (reference, run_dir)]
     assert final[0].keys() == final[1].keys()
     for name, tensor in final[0].items():
         assert torch.equal(tensor, final[1][name]), name

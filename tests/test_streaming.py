@@ -15,8 +15,7 @@ import pytest
 import runs
 import torch
 from conftest import ROOT, cli_env, run_cli
-from packed_sets import SMALL_SHARDS_MB, leaves, pack_small_digits, write_id_set
-from safetensors.torch import load_file
+from packed_sets import SMALL_SHARDS_MB, leaves, write_id_set, write_records
 from torch.utils.data import DataLoader, default_collate, get_worker_info
 
 from gpuflow import checkpoint as ckpt
@@ -24,14 +23,9 @@ from gpuflow.cli import main
 from gpuflow.data.loader import batches_per_epoch, train_batches
 from gpuflow.data.manifest import Manifest, load_manifest, write_manifest
 from gpuflow.data.reader import SplitReader
-from gpuflow.data.record_codec import encode_record, layout_of
-from gpuflow.data.shard_files import RecordShardWriter, write_token_shard
+from gpuflow.data.record_codec import layout_of
+from gpuflow.data.shard_files import write_token_shard
 from gpuflow.data.streaming import epoch_order, open_packed
-
-
-@pytest.fixture(scope="module")
-def packed_digits(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return pack_small_digits(tmp_path_factory.mktemp("packed"))
 
 
 def ids_of(batches: list) -> list[list[int]]:
@@ -113,11 +107,9 @@ def test_batched_decoding_gives_the_default_collates_batches(packed_digits: Path
                    for a, b in zip(got, expected, strict=True))
     # records whose shapes differ are decoded one by one and meet default_collate's verdict
     items = [(torch.randn(n, 2), (n, 0.5 * n, n % 2 == 0)) for n in (3, 3, 5)]
-    writer = RecordShardWriter(tmp_path / "train-00000.rec")
-    for item in items:
-        writer.write(encode_record(item))
+    shard = write_records(tmp_path / "train-00000.rec", items)
     write_manifest(tmp_path, Manifest(workload="w", kind="records", layout=layout_of(items[0]),
-                                      splits={"train": [writer.close()]}))
+                                      splits={"train": [shard]}))
     reader = SplitReader(tmp_path, load_manifest(tmp_path), "train")
     expected = default_collate([reader[i] for i in (1, 0)])
     got = reader.collated([1, 0])
@@ -148,7 +140,7 @@ def test_train_from_packed_digits_and_resume_reproduces_the_run(tmp_path: Path) 
                  "--run-dir", str(run_dir), "--no-progress"]) == 0
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_metrics"]["val_accuracy"] > 0.5
-    final = load_file(ckpt.list_checkpoints(run_dir / "checkpoints")[0].path / ckpt.MODEL_FILE)
+    final = runs.newest_weights(run_dir)
     losses = runs.losses(run_dir)
 
     # As if killed after the step-10 checkpoint (an epoch is 22 steps): resume with two
@@ -162,7 +154,7 @@ def test_train_from_packed_digits_and_resume_reproduces_the_run(tmp_path: Path) 
                  "--no-progress"]) == 0
     resumed = json.loads((run_dir / "summary.json").read_text())
     assert resumed["final_metrics"] == summary["final_metrics"]
-    again = load_file(ckpt.list_checkpoints(run_dir / "checkpoints")[0].path / ckpt.MODEL_FILE)
+    again = runs.newest_weights(run_dir)
     assert all(torch.equal(final[name], again[name]) for name in final)
     assert runs.losses(run_dir) == losses
 

@@ -7,18 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from runs import losses
+from runs import configs, losses
 from user_workloads import mlp
 
 from gpuflow import TrainConfig, Trainer, train
 from gpuflow.train.trainer import seed_everything
 
-
-def config(run_dir: Path, **overrides) -> TrainConfig:
-    values = dict(max_steps=8, batch_size=32, log_every=2, eval_every=4, progress=False,
-                  run_dir=str(run_dir), warmup_steps=2)
-    values.update(overrides)
-    return TrainConfig(**values)
+config = configs(max_steps=8, batch_size=32, log_every=2, eval_every=4, warmup_steps=2)
 
 
 def fresh_mlp():
