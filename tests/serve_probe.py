@@ -78,6 +78,21 @@ async def holding_the_model(probe: Probe, client: httpx.AsyncClient, value: floa
     return running
 
 
+async def queued_behind_the_model(app: FastAPI, probe: Probe, client: httpx.AsyncClient,
+                                  held: float, queued: list[float]
+                                  ) -> tuple[asyncio.Task[httpx.Response],
+                                             list[asyncio.Task[httpx.Response]]]:
+    """A request holding the model (``holding_the_model``) and, once they are all in the
+    batcher's queue behind it, one request per value of ``queued``."""
+    from conftest import eventually
+
+    running = await holding_the_model(probe, client, held)
+    waiting = [asyncio.create_task(client.post("/v1/predict", json=rows(value)))
+               for value in queued]
+    await eventually(lambda: app.state.serve.batcher.depth == len(queued))
+    return running, waiting
+
+
 def rows(*first: float) -> dict[str, Any]:
     return {"inputs": [[value, 0.0, 0.0, 0.0] for value in first]}
 

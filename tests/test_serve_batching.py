@@ -8,7 +8,16 @@ import threading
 from typing import Any
 
 from conftest import api_error, eventually, serving
-from serve_probe import Probe, holding_the_model, metric, probe_app, probe_engine, rows, run
+from serve_probe import (
+    Probe,
+    holding_the_model,
+    metric,
+    probe_app,
+    probe_engine,
+    queued_behind_the_model,
+    rows,
+    run,
+)
 
 from gpuflow.serve.app import ServeSettings, create_app
 from gpuflow.serve.engine import Engine, EngineOptions
@@ -57,10 +66,8 @@ def test_requests_arriving_while_a_batch_runs_form_the_next_batch() -> None:
     async def scenario() -> None:
         app = probe_app(probe, max_wait_ms=10_000)
         async with serving(app) as client:
-            first = await holding_the_model(probe, client, 0)
-            later = [asyncio.create_task(client.post("/v1/predict", json=rows(i)))
-                     for i in range(1, 8)]
-            await eventually(lambda: app.state.serve.batcher.depth == 7)
+            first, later = await queued_behind_the_model(app, probe, client, 0,
+                                                         list(range(1, 8)))
             probe.gate.set()
             replies = [await first, *await asyncio.gather(*later)]
             text = (await client.get("/metrics")).text
@@ -86,9 +93,7 @@ def test_a_full_queue_answers_503_with_retry_after() -> None:
     async def scenario() -> None:
         app = probe_app(probe, max_queue=1, max_wait_ms=0)
         async with serving(app) as client:
-            running = await holding_the_model(probe, client, 1)
-            queued = asyncio.create_task(client.post("/v1/predict", json=rows(2)))
-            await eventually(lambda: app.state.serve.batcher.depth == 1)
+            running, [queued] = await queued_behind_the_model(app, probe, client, 1, [2])
             refused = await client.post("/v1/predict", json=rows(3))
             probe.gate.set()
             assert (await running).status_code == 200 and (await queued).status_code == 200
@@ -131,9 +136,7 @@ def test_a_client_that_disconnects_leaves_the_queue() -> None:
         app = probe_app(probe, max_wait_ms=0)
         async with serving(app) as client:
             probe.seen.clear()
-            running = await holding_the_model(probe, client, 1)
-            leaving = asyncio.create_task(client.post("/v1/predict", json=rows(5)))
-            await eventually(lambda: app.state.serve.batcher.depth == 1)
+            running, [leaving] = await queued_behind_the_model(app, probe, client, 1, [5])
             leaving.cancel()  # closes its connection
             await eventually(lambda: app.state.serve.batcher.depth == 0)
             probe.gate.set()
@@ -151,11 +154,8 @@ def test_a_failing_batch_fails_only_its_requests_and_serving_goes_on() -> None:
     async def scenario() -> None:
         app = probe_app(probe, max_wait_ms=0)
         async with serving(app) as client:
-            healthy = await holding_the_model(probe, client, 1)
             # Queued together behind the held batch, so they form the next batch.
-            poisoned = [asyncio.create_task(client.post("/v1/predict", json=rows(value)))
-                        for value in (-1, 4)]
-            await eventually(lambda: app.state.serve.batcher.depth == 2)
+            healthy, poisoned = await queued_behind_the_model(app, probe, client, 1, [-1, 4])
             probe.gate.set()
             first = await healthy
             failed = await asyncio.gather(*poisoned)
