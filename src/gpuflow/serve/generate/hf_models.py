@@ -177,10 +177,19 @@ class HFCausalLM:
 
     def forward(self, batch: StepBatch, pool: KVPool) -> torch.Tensor:
         """Logits ``[K, V]`` at ``batch.logits_at`` (see ``paged.PagedLM``), through the
-        model's own forward over the rows right-padded to ``[B, T]``."""
+        model's own forward: decode rows, then prefill chunks, each right-padded to
+        ``[B, T]`` (``PagedRows.parts``)."""
         check_context(batch, self.context)
-        rows = PagedRows.of(batch)
-        at = batch.logits_at if rows.padded_at is None else rows.padded_at[batch.logits_at]
+        logits = [self._rows_logits(batch, rows, pool) for rows in PagedRows.parts(batch)]
+        return logits[0] if len(logits) == 1 else torch.cat(logits)
+
+    def _rows_logits(self, batch: StepBatch, rows: PagedRows, pool: KVPool) -> torch.Tensor:
+        """The logits ``batch.logits_at`` asks of ``rows``' tokens, in its order."""
+        first, end = rows.tokens.start, rows.tokens.stop
+        at = batch.logits_at
+        at = at[(at >= first) & (at < end)] - first
+        if rows.padded_at is not None:
+            at = rows.padded_at[at]
         columns = None
         if self._keep_last:  # the head over the columns some row wants, not over all
             columns = torch.unique(at % rows.length)
@@ -195,7 +204,8 @@ class HFCausalLM:
                     pool: KVPool) -> torch.Tensor:
         """Logits ``[B, V]`` of one token per row in static shapes: every row attends over
         all of ``block_tables[B, M]`` under its mask."""
-        cache = PagedCache(pool, PagedRows(slot_mapping, None, block_tables, 1))
+        cache = PagedCache(pool, PagedRows(slot_mapping, None, block_tables, 1,
+                                             slice(None)))
         logits = self._logits(tokens[:, None], positions[:, None], cache.span, cache,
                               1 if self._keep_last else None)
         return logits[:, -1, :self.vocab_size]

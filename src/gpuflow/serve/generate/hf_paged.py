@@ -11,6 +11,7 @@ forward: the pool is what lasts.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -23,35 +24,48 @@ from gpuflow.serve.generate.paged import KVPool, StepBatch, gather, write_kv
 @dataclass(frozen=True)
 class PagedRows:
     """Where one forward writes and reads: each real token's pool slot, its index in the
-    padded ``[B, T]`` batch flattened (None when every row is one real token), and the
-    rows' block tables ``[B, M]``."""
+    padded ``[B, T]`` batch flattened (None when every row is one real token), the rows'
+    block tables ``[B, M]``, and which of the step's flat tokens are theirs."""
 
     slot_mapping: torch.Tensor
     padded_at: torch.Tensor | None
     tables: torch.Tensor
     length: int
+    tokens: slice
 
     @classmethod
-    def of(cls, batch: StepBatch) -> PagedRows:
-        """The rows of ``batch``, each padded to its longest row, the tables cut to the
-        blocks its longest context needs."""
-        starts = batch.row_starts
-        length = max(end - first for first, end in zip(starts, starts[1:], strict=False))
+    def parts(cls, batch: StepBatch) -> list[PagedRows]:
+        """The step as at most two forwards, decode rows and then prefill chunks: padded
+        together, every decode row would carry as many padding tokens as the longest
+        chunk has tokens."""
+        bounds = (0, batch.num_decodes, batch.num_rows)
+        return [cls.of(batch, first, end) for first, end in pairwise(bounds)
+                if end > first]
+
+    @classmethod
+    def of(cls, batch: StepBatch, first: int, end: int) -> PagedRows:
+        """Rows ``first..end-1`` of ``batch``, each padded to the longest of them, the
+        tables cut to the blocks their longest context needs."""
+        starts = batch.row_starts[first:end + 1]
+        length = max(stop - start for start, stop in pairwise(starts))
         padded_at = None
         if length > 1:
-            at = [row * length + t for row in range(batch.num_rows)
+            at = [row * length + t for row in range(end - first)
                   for t in range(starts[row + 1] - starts[row])]
             padded_at = torch.tensor(at, dtype=torch.long).to(batch.tokens.device)
-        width = -(-max(batch.host_context_lens) // batch.block_size)
-        return cls(batch.slot_mapping, padded_at, batch.block_tables[:, :width], length)
+        width = -(-max(batch.host_context_lens[first:end]) // batch.block_size)
+        tokens = slice(starts[0], starts[-1])
+        return cls(batch.slot_mapping[tokens], padded_at, batch.block_tables[first:end, :width],
+                   length, tokens)
 
     @property
     def rows(self) -> int:
         return self.tables.shape[0]
 
     def padded(self, flat: torch.Tensor) -> torch.Tensor:
-        """``flat[N]`` as ``[B, T]``, padding with 0 (token 0, position 0: a padding token
-        sees its row's first position and nothing else)."""
+        """These rows' tokens of the step's ``flat[N]`` as ``[B, T]``, padding with 0
+        (token 0, position 0: a padding token sees its row's first position alone)."""
+        flat = flat[self.tokens]
         if self.padded_at is None:
             return flat.view(self.rows, 1)
         out = flat.new_zeros(self.rows * self.length)
