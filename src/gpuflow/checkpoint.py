@@ -120,14 +120,38 @@ ADVICE = ("Free some space, keep fewer checkpoints (--keep-checkpoints 1), or tr
 Gather = Callable[[Any], list[Any]]
 
 
+class _HashingFile:
+    """Hashes what passes through to ``handle``: the manifest records what was meant to be
+    written, and reading the files back checks what the disk holds, in one read."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle, self.digest = handle, hashlib.sha256()
+
+    def write(self, data: Any) -> int:
+        self.digest.update(data)
+        return self.handle.write(data)
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+
+def _write_hashed(path: Path, fill: Callable[[_HashingFile], object]) -> str:
+    """Write ``path`` through ``fill`` with Python's file I/O, whose errors carry an errno
+    (and where a test can fill the disk partway through the file); its SHA-256."""
+    with path.open("wb") as handle:
+        hashing = _HashingFile(handle)
+        fill(hashing)
+    return hashing.digest.hexdigest()
+
+
 def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor],
-                      metadata: dict[str, str]) -> None:
-    """Serialize in memory, write with Python's file I/O: its errors carry an errno (and a
-    test can fill the disk partway through the file)."""
+                      metadata: dict[str, str]) -> str:
+    """Serialize in memory (the weights' bytes once more in host memory), then write; the
+    file's SHA-256."""
     from safetensors.torch import save  # imported when a checkpoint is written
 
-    with path.open("wb") as handle:
-        handle.write(save(_unshared(tensors), metadata=metadata))
+    return _write_hashed(path, lambda file: file.write(save(_unshared(tensors),
+                                                           metadata=metadata)))
 
 
 def save_checkpoint(directory: Path, step: int, model_state: Mapping[str, torch.Tensor],
@@ -146,8 +170,8 @@ def save_checkpoint(directory: Path, step: int, model_state: Mapping[str, torch.
         storage.ensure_room(directory, needed, ADVICE)
         try:
             _fresh_folder(directory, tmp)
-            write_safetensors(tmp / MODEL_FILE, model_state, metadata={"step": str(step)})
-            _seal(directory, tmp, step, trainer_state)
+            digest = write_safetensors(tmp / MODEL_FILE, model_state, {"step": str(step)})
+            _seal(directory, tmp, step, trainer_state, {MODEL_FILE: digest})
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -183,7 +207,7 @@ def save_sharded_checkpoint(directory: Path, step: int, state: dict[str, Any],
         if failed is None:
             with storage.guarded(final, ADVICE, total):
                 dcp.save(state, storage_writer=_shard_writer(tmp / STATE_DIR))
-            sealed = _attempt(lambda: _seal(directory, tmp, step, trainer_state)
+            sealed = _attempt(lambda: _seal(directory, tmp, step, trainer_state, {})
                               if is_main else None, final)
             failed = next((error for error in gather(sealed) if error is not None), None)
         if failed is not None:
@@ -238,15 +262,18 @@ def _fresh_folder(directory: Path, tmp: Path) -> None:
     tmp.mkdir()
 
 
-def _seal(directory: Path, tmp: Path, step: int, trainer_state: dict[str, Any]) -> None:
-    """Add the trainer state and a manifest of checksums, read everything back against
-    them, then rename into place."""
-    with (tmp / TRAINER_FILE).open("wb") as handle:
-        torch.save(trainer_state, handle)
+def _seal(directory: Path, tmp: Path, step: int, trainer_state: dict[str, Any],
+          digests: dict[str, str]) -> None:
+    """Add the trainer state and a manifest of checksums (``digests``: those of the files
+    hashed as they were written), read everything back against them, then rename into
+    place."""
+    digests = {**digests, TRAINER_FILE: _write_hashed(
+        tmp / TRAINER_FILE, lambda file: torch.save(trainer_state, file))}
     files = {}
     for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
         _fsync_file(path)
-        files[path.relative_to(tmp).as_posix()] = _sha256(path)
+        name = path.relative_to(tmp).as_posix()
+        files[name] = digests.get(name) or _sha256(path)
     manifest = {"format_version": FORMAT_VERSION, "step": step, "files": files,
                 "layout": "sharded" if (tmp / STATE_DIR).is_dir() else "full",
                 "created_unix": time.time()}
