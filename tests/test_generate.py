@@ -14,15 +14,11 @@ from generation import completion, greedy, greedy_text, through_engine
 from gpuflow.errors import UserError
 from gpuflow.models.gpt import GPT, GPTConfig
 from gpuflow.serve.generate.budget import pool_blocks
-from gpuflow.serve.generate.engine import (
-    Done,
-    GenerationEngine,
-    WaitingFull,
-    build_engine,
-)
+from gpuflow.serve.generate.build import build_engine
+from gpuflow.serve.generate.engine import GenerationEngine
 from gpuflow.serve.generate.limits import EngineLimits
 from gpuflow.serve.generate.models import GPTDecoder
-from gpuflow.serve.generate.requests import Event, Failed, Generation
+from gpuflow.serve.generate.requests import Done, Event, Failed, Generation, WaitingFull
 from gpuflow.serve.generate.sampling import SamplingParams, filter_logits
 from gpuflow.serve.generate.text import TextStream
 

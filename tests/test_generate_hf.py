@@ -17,10 +17,11 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from gpuflow.export import export_model
 from gpuflow.serve.app import ServeSettings, create_app
-from gpuflow.serve.generate.engine import Done, build_engine
+from gpuflow.serve.generate.build import build_engine
 from gpuflow.serve.generate.hf_models import HFCausalLM
 from gpuflow.serve.generate.limits import EngineLimits
 from gpuflow.serve.generate.models import paged_lm, refusal
+from gpuflow.serve.generate.requests import Done
 from gpuflow.serve.generate.sampling import SamplingParams
 
 PROMPTS = [b"def f(x):", b"import torch", b"a", b"The quick brown fox jumps",

@@ -24,14 +24,8 @@ from typing import Any
 
 import torch
 
-from gpuflow.serve.generate.blocks import BlockManager
-from gpuflow.serve.generate.budget import default_cache_budget, pool_blocks
-from gpuflow.serve.generate.limits import EngineLimits
-from gpuflow.serve.generate.models import paged_lm, refusal
-from gpuflow.serve.generate.paged import PagedLM, RowSpec, Wanted
+from gpuflow.serve.generate.paged import PagedLM, RowSpec
 from gpuflow.serve.generate.requests import (
-    Delta,
-    Done,
     EngineObserver,
     Event,
     Failed,
@@ -40,8 +34,8 @@ from gpuflow.serve.generate.requests import (
     WaitingFull,
 )
 from gpuflow.serve.generate.runner import ModelRunner
-from gpuflow.serve.generate.sampling import SamplingParams, choose_tokens, token_logprobs
-from gpuflow.serve.generate.scheduler import Chunk, Plan, Scheduler, Sequence
+from gpuflow.serve.generate.sampling import SamplingParams, choose_tokens
+from gpuflow.serve.generate.scheduler import Plan, Scheduler, Sequence
 from gpuflow.serve.generate.tokenizer import ByteTokenizer, Tokenizer
 
 log = logging.getLogger("gpuflow.serve")
@@ -177,14 +171,14 @@ class GenerationEngine:
     def _step(self, plan: Plan) -> None:
         """Run the plan's chunks, then take the next token of each that reached its end."""
         rows = [RowSpec(chunk.tokens, chunk.start, chunk.seq.table.blocks,
-                        self._wanted(chunk)) for chunk in plan.chunks]
+                        self._live[chunk.seq].wanted(chunk)) for chunk in plan.chunks]
         logits = self.runner.run(rows)
         self.scheduler.advance(plan)
         finished: list[tuple[Generation, torch.Tensor]] = []
         for row, chunk, chunk_logits in zip(rows, plan.chunks, logits, strict=True):
             generation = self._live[chunk.seq]
             if row.logits == "all":
-                self._score_prompt(generation, chunk, chunk_logits)
+                generation.score_prompt(chunk, chunk_logits)
             if chunk.final:
                 finished.append((generation, chunk_logits[-1:]))
         if not finished:
@@ -194,32 +188,8 @@ class GenerationEngine:
         for (generation, row), token in zip(finished, tokens, strict=True):
             self._advance(generation, token, row)
 
-    def _wanted(self, chunk: Chunk) -> Wanted:
-        """Every position's logits while the chunk holds prompt tokens whose
-        log-probabilities are still wanted; else the last one's if it ends the sequence."""
-        generation = self._live[chunk.seq]
-        scored = generation.prompt_logprobs
-        if scored is not None and chunk.start + chunk.length > len(scored) - 1 \
-                and len(scored) < len(generation.prompt):
-            return "all"
-        return "last" if chunk.final else "none"
-
-    def _score_prompt(self, generation: Generation, chunk: Chunk,
-                      logits: torch.Tensor) -> None:
-        """The log-probabilities of the prompt tokens the chunk's logits predict and that
-        are not scored yet (a preempted sequence recomputes chunks already scored)."""
-        scored = generation.prompt_logprobs
-        assert scored is not None
-        first = max(chunk.start, len(scored) - 1)
-        end = min(chunk.start + chunk.length, len(generation.prompt) - 1)
-        if end > first:
-            scored += token_logprobs(logits[first - chunk.start:end - chunk.start],
-                                     generation.prompt[first + 1:end + 1],
-                                     generation.params.prompt_logprobs or 0)
-
     def _advance(self, generation: Generation, token: int, logits: torch.Tensor) -> None:
-        """Take ``token`` as the sequence's next, send its text, retire when finished.
-        ``logits`` (``[1, V]``, on the CPU) are the model's at the token's position."""
+        """Time the token, hand it to its request, retire the request when finished."""
         now = time.monotonic()
         if self.observer is not None:
             if generation.last_token_at is None:
@@ -227,37 +197,13 @@ class GenerationEngine:
             else:
                 self.observer.next_token(now - generation.last_token_at)
         generation.last_token_at = now
-        params = generation.params
-        if token in self.eos_ids and not params.ignore_eos:
-            self._retire(generation, "stop")
-            return
-        generation.generated.append(token)
-        generation.seq.tokens.append(token)
-        generation.sampler.observe(token)
-        if params.logprobs is not None:
-            generation.unsent_logprobs += token_logprobs(logits, [token], params.logprobs)
-        text = generation.stream.feed(generation.detokenizer.add(token))
-        if text:
-            self._emit(generation, self._delta(generation, text))
-        if generation.stream.stopped:
-            self._retire(generation, "stop")
-        elif (len(generation.generated) >= generation.params.max_tokens
-              or generation.length >= self.lm.context):
-            self._retire(generation, "length")
-
-    @staticmethod
-    def _delta(generation: Generation, text: str) -> Delta:
-        """``text`` with the log-probabilities of the tokens taken since the last delta."""
-        logprobs = tuple(generation.unsent_logprobs)
-        generation.unsent_logprobs.clear()
-        return Delta(text, logprobs)
+        events, finished = generation.take(token, logits, self.eos_ids, self.lm.context)
+        self._outbox += [(generation, event) for event in events]
+        if finished is not None:
+            self._retire(generation, finished)
 
     def _retire(self, generation: Generation, reason: str) -> None:
-        rest = generation.stream.finish(generation.detokenizer.finish())
-        if (rest or generation.unsent_logprobs) and reason != "cancelled":
-            self._emit(generation, self._delta(generation, rest))
-        self._emit(generation, Done(reason, len(generation.prompt), len(generation.generated),
-                                    generation.seq.cached_tokens))
+        self._outbox += [(generation, event) for event in generation.finish(reason)]
         self._forget(generation)
 
     def _forget(self, generation: Generation) -> None:
@@ -268,11 +214,8 @@ class GenerationEngine:
         for seq in seqs:
             generation = self._live.get(seq)
             if generation is not None:  # not retired before the step failed
-                self._emit(generation, Failed(message))
+                self._outbox.append((generation, Failed(message)))
                 self._forget(generation)
-
-    def _emit(self, generation: Generation, event: Event) -> None:
-        self._outbox.append((generation, event))
 
     def _hand_over(self) -> None:
         """Put the events emitted since the last call into their requests' queues, with
@@ -298,44 +241,3 @@ class GenerationEngine:
 def _deliver(events: list[tuple[Generation, Event]]) -> None:
     for generation, event in events:
         generation.events.put_nowait(event)
-
-
-def build_engine(lm: PagedLM, num_blocks: int, limits: EngineLimits,
-                 context: Callable[[], contextlib.AbstractContextManager[Any]],
-                 bucketed: bool = False, compile: bool = False, cuda_graphs: bool = False,
-                 **options: Any) -> GenerationEngine:
-    """An engine over a pool of ``num_blocks`` blocks (the null block among them);
-    ``options`` are the engine's own (tokenizer, eos_ids, observer). Without chunked
-    prefill a step's budget covers a whole context, and always a decode token of every
-    sequence."""
-    tokens = limits.max_num_batched_tokens
-    if not limits.chunked_prefill:
-        tokens = max(tokens, lm.context)
-    blocks = BlockManager(num_blocks, limits.block_size, limits.prefix_caching)
-    scheduler = Scheduler(blocks, limits.max_num_seqs, max(tokens, limits.max_num_seqs),
-                          limits.chunked_prefill)
-    runner = ModelRunner(lm, num_blocks, limits.block_size, limits.max_num_seqs, bucketed,
-                         compile, cuda_graphs)
-    return GenerationEngine(lm, scheduler, runner, limits.max_queue, context, **options)
-
-
-def build_generator(model: torch.nn.Module, runner: Any, limits: EngineLimits,
-                    observer: EngineObserver | None, tokenizer: Tokenizer | None = None,
-                    eos_ids: Iterable[int] = (),
-                    context: int | None = None) -> GenerationEngine | None:
-    """A generation engine for the served model on the runner's device and precision, its
-    decode steps compiled (and on CUDA replayed as graphs) when the runner's model is, or
-    None for a model that does not generate text. ``tokenizer`` (default: bytes) and
-    ``eos_ids`` are the model's; ``context`` caps its sequences' length."""
-    dtype = runner.policy.autocast_dtype or torch.float32
-    lm = paged_lm(model, dtype, tokenizer is not None, context)
-    if lm is None:
-        log.info("gpuflow serve: no /v1/completions: %s", refusal(model, tokenizer is not None))
-        return None
-    budget = (int(limits.kv_cache_gib * 2**30) if limits.kv_cache_gib is not None
-              else default_cache_budget(runner.device))
-    blocks = pool_blocks(lm.bytes_per_block(limits.block_size), budget, limits.block_size,
-                         lm.context, limits.max_num_seqs)
-    return build_engine(lm, blocks, limits, runner.context, compile=runner.compiled,
-                        cuda_graphs=runner.cuda_graphs, tokenizer=tokenizer,
-                        eos_ids=eos_ids, observer=observer)

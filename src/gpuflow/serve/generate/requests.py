@@ -1,5 +1,7 @@
 """One request in the generation engine, and the events it sends back to the server:
-text deltas (with log-probabilities when asked), then the finish or the failure."""
+text deltas (with log-probabilities when asked), then the finish or the failure. A
+request takes its tokens itself: which logits a step must return for it, its prompt's
+log-probabilities chunk by chunk, and the finish rules of each token it takes."""
 
 from __future__ import annotations
 
@@ -8,8 +10,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gpuflow.serve.generate.sampling import Sampler, SamplingParams, TokenLogprob
-from gpuflow.serve.generate.scheduler import Sequence
+import torch
+
+from gpuflow.serve.generate.paged import Wanted
+from gpuflow.serve.generate.sampling import Sampler, SamplingParams, TokenLogprob, token_logprobs
+from gpuflow.serve.generate.scheduler import Chunk, Sequence
 from gpuflow.serve.generate.text import TextStream
 from gpuflow.serve.generate.tokenizer import Detokenizer
 
@@ -76,6 +81,65 @@ class Generation:
     @property
     def length(self) -> int:
         return len(self.prompt) + len(self.generated)
+
+    def wanted(self, chunk: Chunk) -> Wanted:
+        """Every position's logits while ``chunk`` holds prompt tokens whose
+        log-probabilities are still wanted; else the last one's if it ends the sequence."""
+        scored = self.prompt_logprobs
+        if scored is not None and chunk.start + chunk.length > len(scored) - 1 \
+                and len(scored) < len(self.prompt):
+            return "all"
+        return "last" if chunk.final else "none"
+
+    def score_prompt(self, chunk: Chunk, logits: torch.Tensor) -> None:
+        """The log-probabilities of the prompt tokens ``chunk``'s logits (``[T, V]``, every
+        position) predict and that are not scored yet (a preempted sequence recomputes
+        chunks already scored)."""
+        scored = self.prompt_logprobs
+        assert scored is not None
+        first = max(chunk.start, len(scored) - 1)
+        end = min(chunk.start + chunk.length, len(self.prompt) - 1)
+        if end > first:
+            scored += token_logprobs(logits[first - chunk.start:end - chunk.start],
+                                     self.prompt[first + 1:end + 1],
+                                     self.params.prompt_logprobs or 0)
+
+    def take(self, token: int, logits: torch.Tensor, eos_ids: frozenset[int],
+             context: int) -> tuple[list[Event], str | None]:
+        """Take ``token`` as the sequence's next (``logits``, ``[1, V]`` on the CPU, the
+        model's at its position): the events to send, and why the request is finished
+        (``finish`` gives its last events), or None."""
+        params = self.params
+        if token in eos_ids and not params.ignore_eos:
+            return [], "stop"
+        self.generated.append(token)
+        self.seq.tokens.append(token)
+        self.sampler.observe(token)
+        if params.logprobs is not None:
+            self.unsent_logprobs += token_logprobs(logits, [token], params.logprobs)
+        text = self.stream.feed(self.detokenizer.add(token))
+        events: list[Event] = [self._delta(text)] if text else []
+        if self.stream.stopped:
+            return events, "stop"
+        if len(self.generated) >= params.max_tokens or self.length >= context:
+            return events, "length"
+        return events, None
+
+    def finish(self, reason: str) -> list[Event]:
+        """The last events: the text still held back (not for a cancelled request), then
+        the finish."""
+        rest = self.stream.finish(self.detokenizer.finish())
+        events: list[Event] = []
+        if (rest or self.unsent_logprobs) and reason != "cancelled":
+            events.append(self._delta(rest))
+        return [*events, Done(reason, len(self.prompt), len(self.generated),
+                              self.seq.cached_tokens)]
+
+    def _delta(self, text: str) -> Delta:
+        """``text`` with the log-probabilities of the tokens taken since the last delta."""
+        logprobs = tuple(self.unsent_logprobs)
+        self.unsent_logprobs.clear()
+        return Delta(text, logprobs)
 
 
 @dataclass(frozen=True)

@@ -28,15 +28,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from gpuflow.serve.errors import ApiError, invalid_body
-from gpuflow.serve.generate.engine import (
-    Delta,
-    Done,
-    Event,
-    Failed,
-    Generation,
-    GenerationEngine,
-    WaitingFull,
-)
+from gpuflow.serve.generate.engine import GenerationEngine
+from gpuflow.serve.generate.requests import Delta, Done, Event, Failed, Generation, WaitingFull
 from gpuflow.serve.generate.sampling import SamplingParams
 from gpuflow.serve.routes.client import CLIENT_CLOSED, finished_unless_gone, read_body
 from gpuflow.serve.state import ServerState

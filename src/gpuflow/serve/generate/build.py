@@ -1,0 +1,66 @@
+"""The generation engine assembled: the served model's paged view, a KV pool sized from the
+memory budget, the block manager, the scheduler and the model runner, under the operator's
+``EngineLimits``."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from gpuflow.serve.generate.blocks import BlockManager
+from gpuflow.serve.generate.budget import default_cache_budget, pool_blocks
+from gpuflow.serve.generate.engine import GenerationEngine
+from gpuflow.serve.generate.limits import EngineLimits
+from gpuflow.serve.generate.models import paged_lm, refusal
+from gpuflow.serve.generate.paged import PagedLM
+from gpuflow.serve.generate.requests import EngineObserver
+from gpuflow.serve.generate.runner import ModelRunner
+from gpuflow.serve.generate.scheduler import Scheduler
+from gpuflow.serve.generate.tokenizer import Tokenizer
+
+log = logging.getLogger("gpuflow.serve")
+
+
+def build_engine(lm: PagedLM, num_blocks: int, limits: EngineLimits,
+                 context: Callable[[], contextlib.AbstractContextManager[Any]],
+                 bucketed: bool = False, compile: bool = False, cuda_graphs: bool = False,
+                 **options: Any) -> GenerationEngine:
+    """An engine over a pool of ``num_blocks`` blocks (the null block among them);
+    ``options`` are the engine's own (tokenizer, eos_ids, observer). Without chunked
+    prefill a step's budget covers a whole context, and always a decode token of every
+    sequence."""
+    tokens = limits.max_num_batched_tokens
+    if not limits.chunked_prefill:
+        tokens = max(tokens, lm.context)
+    blocks = BlockManager(num_blocks, limits.block_size, limits.prefix_caching)
+    scheduler = Scheduler(blocks, limits.max_num_seqs, max(tokens, limits.max_num_seqs),
+                          limits.chunked_prefill)
+    runner = ModelRunner(lm, num_blocks, limits.block_size, limits.max_num_seqs, bucketed,
+                         compile, cuda_graphs)
+    return GenerationEngine(lm, scheduler, runner, limits.max_queue, context, **options)
+
+
+def build_generator(model: torch.nn.Module, runner: Any, limits: EngineLimits,
+                    observer: EngineObserver | None, tokenizer: Tokenizer | None = None,
+                    eos_ids: Iterable[int] = (),
+                    context: int | None = None) -> GenerationEngine | None:
+    """A generation engine for the served model on the runner's device and precision, its
+    decode steps compiled (and on CUDA replayed as graphs) when the runner's model is, or
+    None for a model that does not generate text. ``tokenizer`` (default: bytes) and
+    ``eos_ids`` are the model's; ``context`` caps its sequences' length."""
+    dtype = runner.policy.autocast_dtype or torch.float32
+    lm = paged_lm(model, dtype, tokenizer is not None, context)
+    if lm is None:
+        log.info("gpuflow serve: no /v1/completions: %s", refusal(model, tokenizer is not None))
+        return None
+    budget = (int(limits.kv_cache_gib * 2**30) if limits.kv_cache_gib is not None
+              else default_cache_budget(runner.device))
+    blocks = pool_blocks(lm.bytes_per_block(limits.block_size), budget, limits.block_size,
+                         lm.context, limits.max_num_seqs)
+    return build_engine(lm, blocks, limits, runner.context, compile=runner.compiled,
+                        cuda_graphs=runner.cuda_graphs, tokenizer=tokenizer,
+                        eos_ids=eos_ids, observer=observer)
