@@ -23,6 +23,7 @@ from transformers.modeling_outputs import CausalLMOutput
 from user_workloads import hf_models
 
 import gpuflow
+from gpuflow.cli import main
 from gpuflow.errors import UserError
 from gpuflow.planner.workload_profile import tensor_parallel_plan
 from gpuflow.serve.app import ServeSettings, create_app
@@ -84,15 +85,22 @@ def test_a_plan_style_gpuflow_cannot_apply_names_the_layer() -> None:
 
 
 def train(run_dir: Path, workload: str, *args: str) -> list[float]:
-    result = run_cli(*TRAIN, "--workload", f"user_workloads.hf_models:{workload}",
-                     "--run-dir", str(run_dir), *args)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    """`gpuflow train`: launched as a user would for several ranks; for one process, in
+    this one (the CLI's own code, without a second import of torch and transformers)."""
+    argv = [*TRAIN, "--workload", f"user_workloads.hf_models:{workload}",
+            "--run-dir", str(run_dir), *args]
+    if "--nproc" in args:
+        result = run_cli(*argv)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    else:
+        assert main(argv) == 0
     return losses(run_dir)
 
 
 def export_hf(run_dir: Path, out: Path) -> None:
-    result = run_cli("export", str(run_dir), "--format", "hf", "--out", str(out))
-    assert result.returncode == 0, result.stderr[-3000:]
+    """`gpuflow export --format hf`, in this process (the CLI's own code, without a second
+    import of torch and transformers)."""
+    assert main(["export", str(run_dir), "--format", "hf", "--out", str(out)]) == 0
 
 
 def served(source: Path, body: dict) -> dict:
@@ -110,7 +118,7 @@ def served(source: Path, body: dict) -> dict:
 def trained_model(run_dir: Path, workload: gpuflow.Workload) -> torch.nn.Module:
     """The factory's model with the run's newest weights, as gpuflow itself loads them."""
     out = run_dir / "model.safetensors"
-    assert run_cli("export", str(run_dir), "--out", str(out)).returncode == 0
+    assert main(["export", str(run_dir), "--out", str(out)]) == 0
     workload.model.load_state_dict(load_file(out))
     return workload.model.eval()
 
@@ -168,9 +176,7 @@ def test_llama_splits_by_its_own_plan_and_by_manual_pipeline_stages(tmp_path: Pa
 @pytest.mark.slow
 def test_vit_classifier_learns_the_digits(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    result = run_cli(*TRAIN, "--workload", "user_workloads.hf_models:vit", "--run-dir",
-                     str(run_dir), "--batch-size", "32", "--max-steps", "200", "--lr", "3e-3")
-    assert result.returncode == 0, result.stderr[-4000:]
+    train(run_dir, "vit", "--batch-size", "32", "--max-steps", "200", "--lr", "3e-3")
     final = json.loads((run_dir / "summary.json").read_text())["final_metrics"]
     assert final["val_accuracy"] > 0.8  # chance is 0.1; measured here: 0.91
     export_hf(run_dir, tmp_path / "hf")
