@@ -23,6 +23,7 @@ MAX_PIXELS = 64_000_000
 CENTRE_FRACTION = 0.875
 SCALE, RATIO = (0.08, 1.0), (3 / 4, 4 / 3)  # RandomResizedCrop's area and aspect ranges
 _SWAPPED = {5, 6, 7, 8}  # EXIF orientations that rotate by 90 degrees
+_X_REVERSED, _Y_REVERSED = {2, 3, 6, 7}, {3, 4, 7, 8}  # upright axes that run backwards
 
 Box = tuple[float, float, float, float]  # left, top, right, bottom in the oriented image
 BoxFn = Callable[[int, int], Box]
@@ -121,8 +122,13 @@ def decode_crop(data: bytes, box_fn: BoxFn, out: int, mode: str = "RGB",
             image = ImageOps.exif_transpose(image)
         if image.mode != mode:
             image = image.convert(mode)
-        scaled = (box[0] * factor, box[1] * factor, min(box[2] * factor, image.width),
-                  min(box[3] * factor, image.height))
+        # A reduced decode's last row and column are partial; an axis the orientation
+        # reverses starts with them, shifting its coordinates by what they lack.
+        shift_x = image.width - width * factor if turned in _X_REVERSED else 0.0
+        shift_y = image.height - height * factor if turned in _Y_REVERSED else 0.0
+        scaled = (box[0] * factor + shift_x, box[1] * factor + shift_y,
+                  min(box[2] * factor + shift_x, image.width),
+                  min(box[3] * factor + shift_y, image.height))
         resized = image.resize((out, out), Image.Resampling.BILINEAR, box=scaled)
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
         raise ImageDecodeError(f"cannot decode the image ({exc})") from None
