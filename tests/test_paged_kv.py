@@ -153,7 +153,9 @@ def test_chunked_prefill_and_mixed_decode_equal_the_whole_sequence_forward(
     pool = sequences.pool
     before = pool.keys.clone(), pool.values.clone()
     assert not before[0][:, 0].any()  # nothing wrote the null block so far
-    logits = lm.decode_step(*batch.decode_inputs(4), pool)
+    padded = [torch.cat([t, t.new_zeros(1, *t.shape[1:])])  # token 0 at 0, null blocks
+              for t in (batch.tokens, batch.positions, batch.slot_mapping, batch.block_tables)]
+    logits = lm.decode_step(*padded, pool)
     assert logits.shape == (4, lm.vocab_size)
     torch.testing.assert_close(logits[:3], stepped, atol=1e-5, rtol=1e-5)
     for tensor, old in zip((pool.keys, pool.values), before, strict=True):
@@ -236,12 +238,6 @@ def test_a_batch_lays_rows_flat() -> None:
     assert batch.context_lens.tolist() == [10, 6, 2]
     assert batch.block_tables.tolist() == [[4, 2, 0], [5, 6, 0], [1, 0, 0]]
     assert batch.logits_at.tolist() == [0, 1, 2, 3]
-    with pytest.raises(ValueError, match="cannot be padded"):
-        batch.decode_inputs(4)
-    decodes = StepBatch.build([RowSpec([7], 9, [4, 2])], 5, max_blocks=3)
-    tokens, positions, slots, tables = decodes.decode_inputs(2)
-    assert tokens.tolist() == [7, 0] and positions.tolist() == [9, 0]
-    assert slots.tolist() == [14, 0] and tables.tolist() == [[4, 2, 0], [0, 0, 0]]
 
 
 @torch.inference_mode()
@@ -255,7 +251,7 @@ def test_the_compiled_decode_step_equals_eager_and_writes_the_pool_in_place() ->
         lm.forward(StepBatch.build(prompts, BLOCK), pool)
     step = StepBatch.build([RowSpec([40], 12, [3, 7, 2]), RowSpec([41], 5, [9, 4])], BLOCK,
                            max_blocks=-(-lm.context // BLOCK))
-    inputs = step.decode_inputs(2)
+    inputs = (step.tokens, step.positions, step.slot_mapping, step.block_tables)
     eager = lm.decode_step(*inputs, pools[0])
     compiled = torch.compile(lm.decode_step, dynamic=False, fullgraph=True)(*inputs, pools[1])
     torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)

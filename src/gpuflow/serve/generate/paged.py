@@ -108,18 +108,6 @@ class StepBatch:
                    tensor(contexts), tensor(tables), decodes, tensor(logits_at), contexts,
                    block_size)
 
-    def decode_inputs(self, rows: int) -> tuple[torch.Tensor, ...]:
-        """``PagedLM.decode_step``'s tokens, positions, slot mapping and block tables for
-        this batch of decode rows, padded to ``rows`` (a batch bucket) with null rows:
-        token 0 at position 0, written to the null block and reading it alone."""
-        if self.num_decodes != self.num_rows or rows < self.num_rows:
-            raise ValueError(f"{self.num_rows} rows of which {self.num_decodes} decode rows "
-                             f"cannot be padded to {rows} decode rows")
-        missing = rows - self.num_rows
-        return tuple(torch.cat([t, t.new_zeros(missing, *t.shape[1:])]) if missing else t
-                     for t in (self.tokens, self.positions, self.slot_mapping,
-                               self.block_tables))
-
 
 def check_context(batch: StepBatch, context: int) -> None:
     """Refuse a step that runs a sequence past the model's context, before a position
