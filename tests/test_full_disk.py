@@ -61,9 +61,22 @@ def test_a_disk_known_to_be_full_is_refused_before_anything_is_written(
     saved_twice(tmp_path)
     disk = FullDisk(tmp_path, budget=6000)
     install(disk, monkeypatch.setattr)
-    with pytest.raises(UserError, match=rf"needs {NEEDED:,} bytes .*, 6,000 bytes .* free"):
+    with pytest.raises(UserError, match=rf"needs {NEEDED:,} bytes, 6,000 bytes free"):
         ckpt.save_checkpoint(tmp_path, 3, weights(3), {"step": 3}, keep=2)
     assert disk.left == 6000
+    monkeypatch.undo()
+    assert_earlier_checkpoints_intact(tmp_path, [2, 1])
+
+
+def test_a_checkpoint_that_reads_back_wrong_prunes_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--keep-checkpoints deletes the oldest only once the new one reads back whole."""
+    saved_twice(tmp_path)
+    real_sha256 = ckpt._sha256
+    monkeypatch.setattr(ckpt, "_sha256", lambda path: "bad" if path.name == ckpt.MODEL_FILE
+                        else real_sha256(path))  # what a disk that loses bytes reads back
+    with pytest.raises(UserError, match="model.safetensors fails its checksum .* read back"):
+        ckpt.save_checkpoint(tmp_path, 3, weights(3), {"step": 3}, keep=2)
     monkeypatch.undo()
     assert_earlier_checkpoints_intact(tmp_path, [2, 1])
 

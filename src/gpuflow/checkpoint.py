@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from gpuflow import storage
+from gpuflow.errors import UserError
 
 FORMAT_VERSION = 1
 MODEL_FILE = "model.safetensors"
@@ -282,7 +283,12 @@ def _seal(directory: Path, tmp: Path, step: int, trainer_state: dict[str, Any],
     for folder in (tmp / STATE_DIR, tmp):
         if folder.is_dir():
             _fsync_dir(folder)
-    verify_checkpoint(Checkpoint(tmp, step))
+    try:
+        verify_checkpoint(Checkpoint(tmp, step))
+    except CheckpointError as exc:
+        raise UserError(f"{exc} when read back: the disk did not keep what was written. Check "
+                        "it, or train into another --run-dir; the earlier checkpoints are "
+                        "intact.") from None
     final = directory / f"{PREFIX}{step:08d}"
     if final.exists():
         shutil.rmtree(final)

@@ -105,4 +105,4 @@ def guarded(path: Path, advice: str, needed: int | None = None) -> Iterator[None
 
 def _size(count: int | None) -> str:
     count = count or 0
-    return f"{count:,} bytes ({count / 2**20:,.1f} MiB)"
+    return f"{count:,} bytes" + (f" ({count / 2**20:,.1f} MiB)" if count >= 2**20 else "")
