@@ -59,10 +59,14 @@ def test_the_openai_client_completes_and_streams_through_the_server(
             with pytest.raises(openai.NotFoundError):
                 await asyncio.to_thread(sdk.completions.create, model="gpt-4", prompt="x")
             headers = {"Authorization": "Bearer secret"}
+            repeated = [await client.post("/v1/completions", headers=headers, json={
+                "prompt": "x" * 40, "max_tokens": 1}) for _ in range(2)]
             metrics = (await client.get("/metrics", headers=headers)).text
             ready = (await client.get("/readyz", headers=headers)).json()
         return {"listed": listed, "whole": whole, "chunks": chunks, "by_ids": by_ids,
-                "metrics": metrics, "ready": ready}
+                "metrics": metrics, "ready": ready,
+                "cached": [r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                           for r in repeated]}
 
     found = asyncio.run(scenario())
     assert [m.id for m in found["listed"].data] == ["textlm"]
@@ -75,17 +79,18 @@ def test_the_openai_client_completes_and_streams_through_the_server(
     assert chunks[-1].usage.completion_tokens == 12
     assert found["by_ids"].choices[0].text == expected
     assert whole.usage.prompt_tokens_details.cached_tokens == 0  # 11 tokens: no full block
+    assert found["cached"] == [0, 32]  # the second 40-token prompt reuses two full blocks
     generation = found["ready"]["generation"]
     assert generation["max_num_seqs"] == 4 and generation["block_size"] == 16
     assert generation["prefix_caching"] and generation["max_num_batched_tokens"] == 2048
     for name in ("gpuflow_time_to_first_token_seconds_count",
                  "gpuflow_inter_token_latency_seconds_count", "gpuflow_generated_tokens_total",
                  f"gpuflow_kv_cache_blocks_total {generation['kv_blocks']:.1f}",
-                 "gpuflow_preemptions_total 0.0", "gpuflow_prefix_cache_queries_tokens_total"):
+                 "gpuflow_preemptions_total 0.0", "gpuflow_prefix_cache_hits_tokens_total 32.0"):
         assert name in found["metrics"]
     generated = next(float(line.split()[-1]) for line in found["metrics"].splitlines()
                      if line.startswith("gpuflow_generated_tokens_total"))
-    assert generated == 36
+    assert generated == 3 * 12 + 2  # the three completions, and one token of each repeat
 
 
 def test_a_model_that_does_not_generate_answers_404_on_completions(tmp_path: Path) -> None:

@@ -158,11 +158,11 @@ class GenerationEngine:
                 self._observe()
 
     def _take_arrivals(self) -> None:
-        with self._lock:
-            arrivals, self._arrivals = self._arrivals, []
-        for generation in arrivals:
-            self._live[generation.seq] = generation
-            self.scheduler.add(generation.seq)
+        with self._lock:  # moved whole, so that ``waiting`` never undercounts
+            for generation in self._arrivals:
+                self._live[generation.seq] = generation
+                self.scheduler.add(generation.seq)
+            self._arrivals = []
 
     def _drop_cancelled(self) -> None:
         for generation in [g for g in self._live.values() if g.cancelled]:
