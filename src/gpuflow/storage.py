@@ -64,9 +64,10 @@ def storage_errno(exc: BaseException) -> int | None:
         if found and int(found.group(1)) in NO_SPACE | NOT_WRITABLE:
             return int(found.group(1))
         failures = getattr(current, "failures", None)  # DCP's CheckpointException, by rank
-        if isinstance(failures, dict):
-            pending += [f[0] if isinstance(f, tuple) else f for f in failures.values()
-                        if isinstance(f[0] if isinstance(f, tuple) else f, BaseException)]
+        for failure in failures.values() if isinstance(failures, dict) else ():
+            wrapped = failure[0] if isinstance(failure, tuple) else failure  # (exc, traceback)
+            if isinstance(wrapped, BaseException):
+                pending.append(wrapped)
         pending += [e for e in (current.__cause__, current.__context__) if e is not None]
     return None
 
