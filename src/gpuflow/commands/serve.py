@@ -46,7 +46,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     add("--host", default="127.0.0.1",
         help="address to bind (default 127.0.0.1; any other needs --token)")
     add("--port", type=int, default=8000, help="default 8000")
-    add("--max-batch-size", type=int, default=32, help="rows per batch (default 32)")
+    add("--max-batch-size", type=int, default=32,
+        help="rows per batch; for language models also the sequences generated at once "
+             "(default 32)")
     add("--max-wait-ms", type=float, default=5.0,
         help="longest a partial batch waits for requests already on their way in "
              "(default 5); a request that finds the model idle and nobody else coming "
