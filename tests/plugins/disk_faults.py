@@ -29,7 +29,9 @@ PLENTY = 1 << 40
 
 
 class FullDisk:
-    """``budget`` more bytes fit under ``root`` (once ``after`` exists, if given)."""
+    """``budget`` more bytes fit under ``root`` (once ``after`` exists, if given). Opening a
+    file named ``slow_file`` there for writing creates ``slow_marker`` and stalls 1 s: a slow
+    save, for a test to signal during it."""
 
     def __init__(self, root: Path, budget: int, after: Path | None = None,
                  stale_free: bool = False, slow_file: str | None = None,
