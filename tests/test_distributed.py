@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, cli_env, run_cli
-from runs import events, losses, step_records
+from runs import events, losses, newest_weights, step_records
 from safetensors.torch import load_file
 
 from gpuflow import checkpoint as ckpt
+from gpuflow.cli import main
 from gpuflow.parallel.env import free_port
 
 pytestmark = pytest.mark.slow
@@ -41,9 +42,23 @@ def assert_same_curve(measured: list[float], reference: list[float], tolerance: 
     assert worst <= tolerance, (measured, reference)
 
 
-def train(run_dir: Path, *args: str, env: dict[str, str] | None = None) -> dict:
-    result = run_cli(*COMMON, "--run-dir", str(run_dir), *args, env=env)
+def train(run_dir: Path, *args: str) -> dict:
+    """`gpuflow train` with the COMMON flags, launched as a user would."""
+    result = run_cli(*COMMON, "--run-dir", str(run_dir), *args)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def in_one_process(*argv: str) -> None:
+    """`gpuflow ARGV` for one process: this one, with the CLI's own code (the reference
+    curves, and checkpoints resumed in one process), sparing a start of torch per run; the
+    launches of several ranks are the ones under test."""
+    assert main(list(argv)) == 0
+
+
+def train_here(run_dir: Path, *args: str) -> dict:
+    """``train`` in this process."""
+    in_one_process(*COMMON, "--run-dir", str(run_dir), *args)
     return json.loads((run_dir / "summary.json").read_text())
 
 
@@ -61,7 +76,7 @@ def stopped_at(run_dir: Path, step: int, copy: Path) -> Path:
 def single_20_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """20 steps in one process, a checkpoint at 10 for the runs that resume from it."""
     run_dir = tmp_path_factory.mktemp("single") / "run"
-    train(run_dir, "--batch-size", "32", "--max-steps", "20", "--checkpoint-every", "10")
+    train_here(run_dir, "--batch-size", "32", "--max-steps", "20", "--checkpoint-every", "10")
     return run_dir
 
 
@@ -70,47 +85,45 @@ def single_20(single_20_run: Path) -> list[float]:
     return losses(single_20_run)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_ranks_reproduce_the_single_process_loss_curve(
-    strategy: str, single_20: list[float], tmp_path: Path
-) -> None:
-    summary = train(tmp_path, "--nproc", "2", "--strategy", strategy, "--batch-size", "16",
-                    "--max-steps", "20")
-    assert summary["world_size"] == 2 and summary["strategy"] == strategy
-    assert summary["global_batch"] == 32
-    measured = losses(tmp_path)
-    assert len(measured) == 20
-    records = step_records(tmp_path)
-    assert all(r["world_size"] == 2 for r in records)
+# Momentum SGD, whose step doubles when every gradient doubles (AdamW's hardly changes), so
+# the curves below also show a reduction that sums where it should average. Measured here: a
+# doubled learning rate moves the 8-step curve by up to 0.6.
+SGD = ("--optimizer", "sgd", "--max-steps", "8")
+
+
+@pytest.fixture(scope="module")
+def sgd_single(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    run_dir = tmp_path_factory.mktemp("sgd") / "single"
+    train_here(run_dir, *SGD, "--batch-size", "32")
+    return losses(run_dir)
+
+
+def assert_two_ranks_reproduce(run_dir: Path, reference: list[float]) -> dict:
+    """The run's loss curve is the one-process one, on 2 ranks of a global batch of 32,
+    with its exposed communication measured; its summary."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["global_batch"] == 32
+    records = step_records(run_dir)
+    assert len(records) == 8 and all(r["world_size"] == 2 for r in records)
     # Exposed communication is measured for both: DDP's after backward, FSDP's collectives
     # (which hold the host on the CPU) inside it; either way a part of the step.
     assert_exposed_comm_measured(records)
     # Measured here: max |difference| about 1e-7 (fp32 reduction order).
-    assert measured == pytest.approx(single_20, abs=1e-5)
+    assert losses(run_dir) == pytest.approx(reference, abs=1e-5)
+    return summary
 
 
-def test_gradients_are_averaged_over_ranks_not_summed(tmp_path: Path) -> None:
-    """AdamW's step hardly changes when every gradient doubles, so the curves above would
-    not notice a reduction that sums where it should average; momentum SGD's step doubles.
-    Measured here: a doubled learning rate moves the 8-step curve by up to 0.6."""
-    sgd = ["--optimizer", "sgd", "--max-steps", "8"]
-    train(tmp_path / "single", *sgd, "--batch-size", "32")
-    # DDP with 10 KiB buckets: its gradients in several all-reduces. fsdp: per block, each
-    # gathering the next two ahead. fsdp-model: the whole model one FSDP unit, its
-    # gradients reduced in one collective.
-    parallel = {"ddp": ["--strategy", "ddp", "--bucket-mb", "0.01"],
-                "fsdp": ["--strategy", "fsdp", "--fsdp-prefetch", "2"],
-                "fsdp-model": ["--strategy", "fsdp", "--fsdp-wrap", "model"]}
-    for name, flags in parallel.items():
-        summary = train(tmp_path / name, *sgd, *flags, "--nproc", "2", "--batch-size", "16")
-        assert losses(tmp_path / name) == pytest.approx(losses(tmp_path / "single"),
-                                                        abs=1e-5), name
-    assert summary["config"]["bucket_mb"] is None
-    assert json.loads((tmp_path / "ddp" / "summary.json").read_text())["config"][
-        "bucket_mb"] == 0.01
-    assert json.loads((tmp_path / "fsdp" / "summary.json").read_text())["config"][
-        "fsdp_prefetch"] == 2
-    assert_exposed_comm_measured(step_records(tmp_path / "fsdp-model"))
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp-model"])
+def test_two_ranks_reproduce_the_single_process_loss_curve(
+    strategy: str, sgd_single: list[float], tmp_path: Path
+) -> None:
+    """fsdp: per block, each gathering the next two ahead. fsdp-model: the whole model one
+    FSDP unit, its gradients reduced in one collective. (ddp: the two-node job below.)"""
+    flags = {"fsdp": ["--fsdp-prefetch", "2"], "fsdp-model": ["--fsdp-wrap", "model"]}[strategy]
+    train(tmp_path, *SGD, "--strategy", "fsdp", *flags, "--nproc", "2", "--batch-size", "16")
+    summary = assert_two_ranks_reproduce(tmp_path, sgd_single)
+    assert summary["strategy"] == "fsdp" and summary["config"]["bucket_mb"] is None
+    assert summary["config"]["fsdp_prefetch"] == (2 if strategy == "fsdp" else None)
 
 
 def test_fsdp_checkpoint_resumes_in_one_process_and_back(
@@ -123,11 +136,10 @@ def test_fsdp_checkpoint_resumes_in_one_process_and_back(
     shards = sorted(p.name for p in (fsdp_first / "checkpoints" / "step-00000010" / "state")
                     .glob("*.distcp"))
     assert shards == ["__0_0.distcp", "__1_0.distcp"]
-    export = run_cli("export", str(fsdp_first), "--out", str(tmp_path / "model.safetensors"))
-    assert export.returncode == 0, export.stderr[-2000:]
+    in_one_process("export", str(fsdp_first), "--out", str(tmp_path / "model.safetensors"))
     assert load_file(tmp_path / "model.safetensors")["head.weight"].shape == (4, 16)
-    train(fsdp_first, "--resume", "--nproc", "1", "--strategy", "single",
-          "--batch-size", "32", "--max-steps", "20")
+    train_here(fsdp_first, "--resume", "--nproc", "1", "--strategy", "single",
+               "--batch-size", "32", "--max-steps", "20")
     assert losses(fsdp_first) == pytest.approx(single_20, abs=1e-5)
 
     single_first = stopped_at(single_20_run, 10, tmp_path / "single-first")
@@ -141,29 +153,34 @@ def test_the_weight_average_reshards_from_fsdp_to_one_process(tmp_path: Path) ->
     """The average lives in the optimizer state, so FSDP's sharded checkpoint carries it."""
     ema = ("--ema-decay", "0.8")
     whole = tmp_path / "single"
-    train(whole, "--batch-size", "32", "--max-steps", "20", *ema)
+    train_here(whole, "--batch-size", "32", "--max-steps", "20", *ema)
     split = tmp_path / "fsdp-first"
     train(split, "--nproc", "2", "--strategy", "fsdp", "--batch-size", "16",
           "--max-steps", "20", "--checkpoint-every", "10", *ema)
     # As if it had stopped at step 10: a finished run ends with the average as its weights.
     shutil.rmtree(split / "checkpoints" / "step-00000020")
-    summary = train(split, "--resume", "--nproc", "1", "--strategy", "single",
-                    "--batch-size", "32", "--max-steps", "20")
+    summary = train_here(split, "--resume", "--nproc", "1", "--strategy", "single",
+                         "--batch-size", "32", "--max-steps", "20")
     assert summary["ema_decay"] == 0.8
-    final = [load_file(ckpt.list_checkpoints(run / "checkpoints")[0].path / ckpt.MODEL_FILE)
-             for run in (whole, split)]
+    final = [newest_weights(run) for run in (whole, split)]
     for name, tensor in final[0].items():
         torch.testing.assert_close(final[1][name], tensor, rtol=0, atol=1e-5)
 
 
+def killing_rank_1(run_dir: Path, checkpoint_every: int, *args: str
+                   ) -> subprocess.CompletedProcess[str]:
+    """2 ranks of ``killed_mlp`` checkpointing every ``checkpoint_every`` steps: rank 1
+    SIGKILLs itself once the first checkpoint is written."""
+    marker = run_dir / "checkpoints" / f"step-{checkpoint_every:08d}"
+    return run_cli("train", "--workload", "user_workloads:killed_mlp", "--nproc", "2",
+                   "--checkpoint-every", str(checkpoint_every), "--batch-size", "16",
+                   "--eval-every", "0", "--no-progress", "--run-dir", str(run_dir), *args,
+                   env=cli_env(KILL_RANK="1", KILL_AFTER_CHECKPOINT=str(marker)))
+
+
 def test_a_killed_rank_is_restarted_and_the_job_finishes(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    marker = run_dir / "checkpoints" / "step-00000004"
-    env = cli_env(KILL_RANK="1", KILL_AFTER_CHECKPOINT=str(marker))
-    result = run_cli("train", "--workload", "user_workloads:killed_mlp", "--nproc", "2",
-                     "--max-restarts", "1", "--checkpoint-every", "4", "--max-steps", "12",
-                     "--batch-size", "16", "--eval-every", "0", "--no-progress",
-                     "--run-dir", str(run_dir), env=env)
+    result = killing_rank_1(run_dir, 4, "--max-restarts", "1", "--max-steps", "12")
     assert result.returncode == 0, result.stderr[-4000:]
     assert "SIGKILL" in result.stderr or "Signals.SIGKILL" in result.stderr or \
         "exitcode: -9" in result.stderr
@@ -174,24 +191,23 @@ def test_a_killed_rank_is_restarted_and_the_job_finishes(tmp_path: Path) -> None
 
 
 def test_a_failing_rank_is_named_and_the_job_exits_nonzero(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    marker = run_dir / "checkpoints" / "step-00000002"
-    env = cli_env(KILL_RANK="1", KILL_AFTER_CHECKPOINT=str(marker))
-    result = run_cli("train", "--workload", "user_workloads:killed_mlp", "--nproc", "2",
-                     "--checkpoint-every", "2", "--max-steps", "8", "--batch-size", "16",
-                     "--no-progress", "--run-dir", str(run_dir), env=env)
+    result = killing_rank_1(tmp_path / "run", 2, "--max-steps", "8")
     assert result.returncode == 1
     assert "Distributed job failed: rank 1 exited with code -9" in result.stderr
 
 
-def test_two_launchers_form_a_two_node_job_over_loopback(tmp_path: Path) -> None:
+def test_two_launchers_form_a_two_node_job_over_loopback(sgd_single: list[float],
+                                                        tmp_path: Path) -> None:
+    """DDP over two nodes of one rank each, with 10 KiB buckets: its gradients in several
+    all-reduces, averaged as in one process."""
     endpoint = f"127.0.0.1:{free_port()}"
     run_dir = tmp_path / "run"
     nodes = [
         subprocess.Popen(
-            [sys.executable, "-m", "gpuflow.cli", *COMMON, "--batch-size", "16",
-             "--max-steps", "6", "--run-dir", str(run_dir), "--nnodes", "2", "--nproc", "1",
-             "--node-rank", str(rank), "--rdzv-endpoint", endpoint],
+            [sys.executable, "-m", "gpuflow.cli", *COMMON, *SGD, "--strategy", "ddp",
+             "--bucket-mb", "0.01", "--batch-size", "16", "--run-dir", str(run_dir),
+             "--nnodes", "2", "--nproc", "1", "--node-rank", str(rank),
+             "--rdzv-endpoint", endpoint],
             cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         for rank in (0, 1)
@@ -203,8 +219,9 @@ def test_two_launchers_form_a_two_node_job_over_loopback(tmp_path: Path) -> None
             node.kill()
     for node, (_, err) in zip(nodes, outputs, strict=True):
         assert node.returncode == 0, err[-3000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["steps"] == 6
+    summary = assert_two_ranks_reproduce(run_dir, sgd_single)
+    assert summary["strategy"] == "ddp" and summary["steps"] == 8
+    assert summary["config"]["bucket_mb"] == 0.01 and summary["config"]["nnodes"] == 2
 
 
 # Tensor, sequence and pipeline parallelism against one process, fp32: measured here, every
@@ -226,7 +243,8 @@ def gpt_single_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """12 steps at a constant learning rate: its first 10 are also a 10-step run's; a
     checkpoint at 5 for the runs that resume from it."""
     run_dir = tmp_path_factory.mktemp("gpt") / "run"
-    gpt_losses(run_dir, "--batch-size", "16", "--max-steps", "12", "--checkpoint-every", "5")
+    in_one_process(*GPT, "--run-dir", str(run_dir), "--batch-size", "16", "--max-steps", "12",
+                   "--checkpoint-every", "5")
     return run_dir
 
 
@@ -245,23 +263,17 @@ def test_tensor_parallel_matches_one_process_and_resumes_in_one(
     assert summary["mesh"] == {"dp": 1, "tp": 2, "pp": 1} and summary["global_batch"] == 16
     # DTensor's collectives are waited for on the host on the CPU; those waits are timed.
     assert_exposed_comm_measured(step_records(run_dir))
-    result = run_cli("train", "--resume", str(run_dir), "--nproc", "1", "--strategy", "single",
-                     "--tp", "1", "--max-steps", "12", "--no-progress")
-    assert result.returncode == 0, result.stderr[-3000:]
+    in_one_process("train", "--resume", str(run_dir), "--nproc", "1", "--strategy", "single",
+                   "--tp", "1", "--max-steps", "12", "--no-progress")
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 12
 
 
-def test_sequence_parallel_norms_match_one_process(gpt_single: list[float],
-                                                  tmp_path: Path) -> None:
-    result = run_cli(*GPT, "--workload", "user_workloads:tiny_gpt_sequence_parallel",
-                     "--run-dir", str(tmp_path), "--nproc", "2", "--strategy", "tp",
-                     "--batch-size", "16", "--max-steps", "10")
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert_same_curve(losses(tmp_path), gpt_single[:10], CURVE_TOLERANCE)
-
-
-def test_fsdp_by_tensor_parallel_on_a_2x2_mesh(gpt_single: list[float], tmp_path: Path) -> None:
-    measured = gpt_losses(tmp_path, "--nproc", "4", "--strategy", "fsdp", "--tp", "2",
+def test_fsdp_by_sequence_parallel_tp_on_a_2x2_mesh(gpt_single: list[float],
+                                                    tmp_path: Path) -> None:
+    """Tensor parallelism that also splits the norms and the residual stream along the
+    sequence, inside each of two FSDP groups (plain tp: the test above)."""
+    measured = gpt_losses(tmp_path, "--workload", "user_workloads:tiny_gpt_sequence_parallel",
+                          "--nproc", "4", "--strategy", "fsdp", "--tp", "2",
                           "--batch-size", "8", "--max-steps", "10")
     assert_same_curve(measured, gpt_single[:10], CURVE_TOLERANCE)
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -290,9 +302,8 @@ def test_pipeline_matches_one_process_and_resumes_in_one(
 
 def resumed_in_one_process(run_dir: Path) -> list[float]:
     """The pipelined run continued to step 12 in one process: its whole loss curve."""
-    result = run_cli("train", "--resume", str(run_dir), "--nproc", "1", "--strategy", "single",
-                     "--pp", "1", "--max-steps", "12", "--no-progress")
-    assert result.returncode == 0, result.stderr[-3000:]
+    in_one_process("train", "--resume", str(run_dir), "--nproc", "1", "--strategy", "single",
+                   "--pp", "1", "--max-steps", "12", "--no-progress")
     return losses(run_dir)
 
 
@@ -329,7 +340,7 @@ def test_manual_stages_under_fsdp_and_interleaved_resume_a_one_process_run(
     """Two manual stages per rank hold the embedding and tied head twice on one rank; FSDP
     shards each stage; the checkpoint of one process loads into all of them."""
     checked = ["--workload", "user_workloads:checked_gpt", "--run-dir", str(tmp_path)]
-    assert run_cli(*GPT, *checked, "--batch-size", "16", "--max-steps", "5").returncode == 0
+    in_one_process(*GPT, *checked, "--batch-size", "16", "--max-steps", "5")
     resumed = run_cli("train", "--resume", str(tmp_path), "--nproc", "2", "--strategy", "fsdp",
                       "--pp", "2", "--pp-split", "manual", "--pp-schedule", "interleaved-1f1b",
                       "--clip-grad", "1e9", "--max-steps", "12", "--no-progress")
@@ -366,7 +377,7 @@ def test_fsdp_with_bf16_parameters_trains_a_batch_norm_model(tmp_path: Path) -> 
 def test_batches_shaped_unlike_the_traced_one_are_explained_under_pp(tmp_path: Path) -> None:
     """Speech pads each batch to its longest clip; pipeline stages exchange fixed shapes."""
     result = run_cli(*COMMON, "--run-dir", str(tmp_path), "--workload", "speech",
-                     "--data", "synthetic", "--strategy", "pp", "--nproc", "2",
-                     "--max-steps", "2")
+                     "--data", "synthetic", "--model-size", "tiny", "--strategy", "pp",
+                     "--nproc", "2", "--max-steps", "2")
     assert result.returncode != 0
     assert "cannot be pipelined; use --strategy fsdp or ddp" in result.stderr + result.stdout
