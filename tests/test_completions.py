@@ -15,7 +15,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import ROOT, api_error, eventually, serving
+import torch
+from conftest import ROOT, TEXTLM_SIZE, api_error, eventually, serving
 from fastapi import FastAPI
 from generation import greedy_text
 
@@ -279,3 +280,36 @@ def test_generation_benchmark_quick(tmp_path: Path, model: str,
         assert figures["rounds"][0]["output_tokens"] == 16 * figures["rounds"][0]["requests"]
     assert "vLLM is not installed here: no vLLM contender" in result["notes"]
     assert result["git"]["commit"] and result["command"].startswith("python")
+
+
+def test_a_byte_model_stops_at_the_end_of_document_byte(tmp_path: Path) -> None:
+    """Byte 0xFF ends a document in gpuflow's byte corpora: a byte model that predicts it
+    has finished its completion (``stop``), unless the request says ``ignore_eos``."""
+    from safetensors.torch import save_file
+
+    from gpuflow.byte_vocab import END_OF_DOCUMENT
+    from gpuflow.workloads import textlm
+
+    torch.manual_seed(0)
+    model = textlm.build(model_size=TEXTLM_SIZE, data="synthetic").model
+    with torch.no_grad():  # the head is tied: a bias along the byte's row picks it
+        direction = torch.randn(model.config.dim)
+        model.tok_emb.weight[END_OF_DOCUMENT] = 50 * direction / direction.norm()
+        model.ln_f.bias.copy_(10 * direction / direction.norm())
+    path = tmp_path / "ends.safetensors"
+    config = TrainConfig(workload="textlm", data="synthetic", model_size=TEXTLM_SIZE)
+    save_file({k: v.clone() for k, v in model.state_dict().items()}, str(path),
+              metadata={"config": json.dumps(config.to_dict()), "step": "0"})
+
+    async def scenario() -> list[dict]:
+        app = create_app(ServeSettings(str(path), device="cpu", max_batch_size=2))
+        async with serving(app) as client:
+            return [(await client.post("/v1/completions", json={
+                "prompt": "def f():", "max_tokens": 6, "temperature": 0, **extra})).json()
+                for extra in ({}, {"ignore_eos": True})]
+
+    stopped, ignored = asyncio.run(scenario())
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["usage"]["completion_tokens"] == 0
+    assert ignored["choices"][0]["finish_reason"] == "length"
+    assert ignored["usage"]["completion_tokens"] == 6
