@@ -178,7 +178,7 @@ def test_vit_classifier_learns_the_digits(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     train(run_dir, "vit", "--batch-size", "32", "--max-steps", "200", "--lr", "3e-3")
     final = json.loads((run_dir / "summary.json").read_text())["final_metrics"]
-    assert final["val_accuracy"] > 0.8  # chance is 0.1; measured here: 0.91
+    assert final["val_accuracy"] > 0.8  # chance is 0.1; measured here: 0.84-0.86
     export_hf(run_dir, tmp_path / "hf")
     reopened = AutoModelForImageClassification.from_pretrained(tmp_path / "hf").eval()
     images = torch.randn(4, 1, 8, 8)
