@@ -154,11 +154,11 @@ def test_serving_benchmark_quick(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def masked_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A plain nn.Module taking two tensors as a dict, trained by the CLI."""
+    """A plain nn.Module taking two tensors as a dict, trained by the CLI (its main(), in
+    this process)."""
     run_dir = tmp_path_factory.mktemp("serve") / "masked"
-    done = run_cli("train", "--workload", "user_workloads:masked", "--max-steps", "20",
-                   "--eval-every", "0", "--no-progress", "--run-dir", str(run_dir))
-    assert done.returncode == 0, done.stderr
+    assert main(["train", "--workload", "user_workloads:masked", "--max-steps", "20",
+                 "--eval-every", "0", "--no-progress", "--run-dir", str(run_dir)]) == 0
     return run_dir
 
 
