@@ -83,6 +83,7 @@ class Stream:
         self.sent = time.perf_counter()
         self.arrivals: list[float] = []
         self.ok = False
+        self.error: str | None = None  # why it failed: a status and body, or an exception
 
     @property
     def ttft_s(self) -> float | None:
@@ -99,11 +100,14 @@ async def stream(client: httpx.AsyncClient, body: dict[str, Any]) -> Stream:
         async with client.stream("POST", "/v1/completions", json={**body, "stream": True}
                                  ) as reply:
             async for line in reply.aiter_lines():
-                if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                event = json.loads(line[6:]) if line.startswith("data: {") else {}
+                if "error" in event or reply.status_code != 200:
+                    timed.error = f"{reply.status_code}: {line[:300]}"
+                elif event and event["choices"][0]["text"]:
                     timed.arrivals.append(time.perf_counter())
-            timed.ok = reply.status_code == 200
-    except httpx.TransportError:
-        pass
+            timed.ok = reply.status_code == 200 and timed.error is None
+    except httpx.TransportError as exc:
+        timed.error = repr(exc)
     return timed
 
 
@@ -134,7 +138,8 @@ def summary(streams: list[Stream]) -> dict[str, Any]:
     ok = [s for s in streams if s.ok]
     firsts = [s.ttft_s for s in ok if s.ttft_s is not None]
     gaps = [gap for s in ok for gap in s.gaps_s()]
-    return {"requests": len(ok), "errors": len(streams) - len(ok),
+    failures = [s.error for s in streams if not s.ok]
+    return {"requests": len(ok), "errors": len(failures), "first_errors": failures[:3],
             "ttft_p50_ms": 1000 * statistics.median(firsts) if firsts else None,
             "ttft_p99_ms": 1000 * percentile(firsts, 0.99) if firsts else None,
             "itl_p50_ms": 1000 * statistics.median(gaps) if gaps else None,
@@ -242,11 +247,13 @@ def run_scenario(name: str, model: Path, env: dict[str, str],
 
 
 def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each number's median over the rounds (nested dicts too)."""
+    """Each number's median over the rounds (nested dicts too), lists joined."""
     merged: dict[str, Any] = {}
     for key, value in runs[0].items():
         if isinstance(value, dict):
             merged[key] = _median([run[key] for run in runs])
+        elif isinstance(value, list):  # the rounds' errors, all of them
+            merged[key] = [item for run in runs for item in run[key]]
         else:
             values = [run[key] for run in runs if run[key] is not None]
             merged[key] = statistics.median(values) if values else None
