@@ -62,7 +62,7 @@ def test_the_dry_run_walks_every_stage_and_records_where_it_came_from(tmp_path: 
     assert suite["serving"]["runs"]["dynamic"]["errors"] == 0, suite["serving"]
     generation = suite["generation"]
     assert generation["tokens_per_s"]["gpuflow"]["4"] > 0, generation
-    assert generation["gpuflow_runs_on"]["decode"] == "decode eager, one row per active sequence"
+    assert generation["gpuflow_runs_on"]["decode"] == "decode eager, one row per running sequence"
     assert verdicts["generation vs vllm"] == {
         "measured": False, "why": "vLLM is not installed here: no vLLM contender"}
     compared = suite["compare_trainers"]

@@ -258,5 +258,7 @@ def test_the_byte_tokenizer_a_gpuflow_export_carries_maps_ids_to_bytes(tmp_path:
     for text in [*TEXTS, *anything]:
         assert loaded.encode(text) == list(text.encode())
         assert loaded.decode(list(text.encode())) == text
-    assert [loaded.token_bytes(i) for i in range(256)] == [bytes([i]) for i in range(256)]
+    # 0xFF never occurs in UTF-8: its id is the end-of-document token (gpuflow.byte_vocab)
+    assert [loaded.token_bytes(i) for i in range(255)] == [bytes([i]) for i in range(255)]
+    assert loaded.token_bytes(255) == b"<|endoftext|>"
     assert loaded.decode([0xE6, 0x9D]) == ByteTokenizer().decode([0xE6, 0x9D]) == "\ufffd"
