@@ -9,8 +9,9 @@ that writes its own JSON (``text_completion``, ``chat.completion``, ...).
 ``generate`` handles the rest the same way for all: 503 ``queue_full`` when the engine's
 waiting queue is full (``--max-queue``), 504 when the first token has not come within
 ``--ttft-timeout-ms`` (no deadline by default: a request waits for KV blocks as long as its
-client does), a client that goes away freeing its KV blocks at the next step (status
-499), server-sent events ending with ``data: [DONE]``.
+client does), a client that goes away, before its first token or after, leaving the
+engine at the next step (its queue place or KV blocks freed; status 499), server-sent
+events ending with ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -153,16 +154,28 @@ async def generate(request: Request, prompts: list[list[int]], params: list[Samp
     choices = _submit(state, [(i, prompt, p) for i, prompt in enumerate(prompts)
                               for p in params])
     deadline_ms = state.settings.ttft_timeout_ms
-    firsts = await _first_events(choices, None if deadline_ms is None else deadline_ms / 1000)
+    firsts = asyncio.ensure_future(
+        _first_events(choices, None if deadline_ms is None else deadline_ms / 1000))
+    if not await _unless_gone(request, firsts, choices):  # no deadline: watch the client
+        return Response(status_code=CLIENT_CLOSED)
     if stream:
-        return StreamingResponse(_stream(choices, firsts, answer),
+        return StreamingResponse(_stream(choices, firsts.result(), answer),
                                  media_type="text/event-stream")
-    collected = asyncio.ensure_future(_collect(choices, firsts, answer))
-    if not await finished_unless_gone(request, collected):  # free a gone client's blocks
-        _cancel(choices)
-        collected.cancel()
+    collected = asyncio.ensure_future(_collect(choices, firsts.result(), answer))
+    if not await _unless_gone(request, collected, choices):
         return Response(status_code=CLIENT_CLOSED)
     return collected.result()
+
+
+async def _unless_gone(request: Request, work: asyncio.Future[Any],
+                       choices: list[Choice]) -> bool:
+    """Whether ``work`` finished before the client left; if the client left, its choices
+    leave the engine at its next step (their queue places or blocks freed)."""
+    if await finished_unless_gone(request, work):
+        return True
+    _cancel(choices)
+    work.cancel()
+    return False
 
 
 def _submit(state: ServerState, jobs: list[tuple[int, list[int], SamplingParams]]
