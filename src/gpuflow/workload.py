@@ -127,6 +127,10 @@ class Workload:
     once (word error rate: errors over reference words, not a mean of per-batch rates).
     ``data_report()`` says what the loader met in the data, e.g. files skipped for not
     decoding; the run's summary records it under ``data``.
+    ``loss_units(target)`` counts what ``loss_fn`` averages over in a batch (its target tokens,
+    a tensor or int) when that number varies: training then weighs each batch's loss by its
+    units over the whole step's on all ranks (``gpuflow.train.units``), so that data-parallel
+    ranks train as one process on their union does; evaluation is unchanged.
     """
 
     name: str
@@ -149,6 +153,7 @@ class Workload:
     batch_sampler: Callable[[int, int, int], BatchPlan] | None = None
     padding: Callable[[Any], tuple[Any, int]] | None = None
     data_report: Callable[[], Mapping[str, Any]] | None = None
+    loss_units: Callable[[torch.Tensor], torch.Tensor | int] | None = None
 
     def blocks(self) -> list[nn.Module]:
         """The modules that repeat in the model, e.g. transformer layers: ``repeated_blocks``,
