@@ -6,7 +6,13 @@ import random
 
 import pytest
 
-from gpuflow.serve.generate.blocks import NULL_BLOCK, BlockManager, BlockTable
+from gpuflow.serve.generate.blocks import (
+    NULL_BLOCK,
+    ROOT_KEY,
+    BlockManager,
+    BlockTable,
+    block_key,
+)
 from gpuflow.serve.generate.scheduler import Plan, Scheduler, Sequence
 
 
@@ -216,7 +222,32 @@ def test_prefix_caching_off_finds_nothing() -> None:
     table = BlockTable()
     assert blocks.grow(table, 4)
     blocks.register(table, [1, 2, 3, 4], 4)
-    assert blocks.match([1, 2, 3, 4, 5]) == [] and blocks.hit_rate() == 0.0
+    assert blocks.match([1, 2, 3, 4, 5]) == [] and blocks.prefix_hits == 0
+
+
+def test_a_block_key_is_a_digest_of_its_parent_chain_and_its_tokens() -> None:
+    first = block_key(ROOT_KEY, [1, 2])
+    assert block_key(ROOT_KEY, [1, 2]) == first and len(first) == 32
+    assert block_key(ROOT_KEY, [2, 1]) != first
+    assert block_key(ROOT_KEY, [1, 2 + (2**61 - 1)]) != first  # hash() takes these alike
+    assert block_key(first, [5, 6]) != block_key(block_key(ROOT_KEY, [1, 3]), [5, 6])
+    assert block_key(first, [5, 6]) != block_key(ROOT_KEY, [5, 6])
+
+
+def test_different_prefixes_never_share_a_cached_block() -> None:
+    """Python's ``hash()`` takes 2 and 2 + (2**61 - 1) alike, so a chain of ``hash()``
+    keys gave the second prompt the first one's block after their differing blocks."""
+    blocks = BlockManager(num_blocks=16, block_size=2)
+    first, second = [1, 2, 5, 6, 7], [1, 2 + (2**61 - 1), 5, 6, 7]
+    tables = []
+    for tokens in (first, second):
+        table = BlockTable()
+        assert blocks.grow(table, 5)
+        blocks.register(table, tokens, 5)
+        tables.append(table)
+    assert blocks.match(first) == tables[0].blocks[:2]
+    assert blocks.match(second) == tables[1].blocks[:2]
+    assert not set(tables[0].blocks) & set(tables[1].blocks)
 
 
 def test_random_traffic_keeps_the_pool_consistent() -> None:

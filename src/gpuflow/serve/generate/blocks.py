@@ -4,10 +4,10 @@ keys and values of token ``i`` of a sequence at ``table[i // block_size]``, offs
 ``i % block_size``.
 
 Block 0 is the null block: never handed out, so padding rows of a batch can write there.
-A full block whose keys and values are computed is keyed by the hash of its tokens and of
-the key of the block before it, so the key names the whole prefix it ends. A request's
-prompt reuses every cached block its prefix matches (a reference each), never the one
-holding its last token: that token is always computed, for its logits. Blocks nobody
+A full block whose keys and values are computed is keyed by a digest of its tokens and of
+the key of the block before it (``block_key``), so the key names the whole prefix it ends.
+A request's prompt reuses every cached block its prefix matches (a reference each), never
+the one holding its last token: that token is always computed, for its logits. Blocks nobody
 references stay cached in the free queue, oldest released first, and are evicted (their
 key dropped) only when handed out again: least recently used first.
 """
@@ -15,11 +15,26 @@ key dropped) only when handed out again: least recently used first.
 from __future__ import annotations
 
 import collections
+import hashlib
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-NULL_BLOCK = 0
-Name = tuple[int, tuple[int, ...]]  # a full block's cache name: (parent's key, its tokens)
+NULL_BLOCK = 0  # never handed out: padding rows and padded block tables point here
+ROOT_KEY = b""  # the parent key of a sequence's first block
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    """Blocks that hold ``tokens`` tokens."""
+    return -(-tokens // block_size)
+
+
+def block_key(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """A full block's cache key: a BLAKE2b digest of its parent block's key and its token
+    ids (8 bytes each), so that it names the whole prefix the block ends. A cryptographic
+    digest, not Python's ``hash()``: no prompt can be made to collide with another and be
+    served its keys and values (vLLM's CVE-2025-25183)."""
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=32).digest()
 
 
 @dataclass(eq=False)
@@ -28,7 +43,7 @@ class BlockTable:
     registered in the cache (``keys[i]`` is block ``blocks[i]``'s)."""
 
     blocks: list[int] = field(default_factory=list)
-    keys: list[int] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)
 
 
 class BlockManager:
@@ -41,8 +56,8 @@ class BlockManager:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.prefix_caching = prefix_caching
         self._refs = [0] * num_blocks
-        self._name_of: list[Name | None] = [None] * num_blocks
-        self._cached: dict[Name, int] = {}
+        self._key_of: list[bytes | None] = [None] * num_blocks
+        self._cached: dict[bytes, int] = {}
         # Blocks no sequence references, least recently released first (an ordered set).
         self._free: collections.OrderedDict[int, None] = collections.OrderedDict(
             (block, None) for block in range(1, num_blocks))
@@ -63,31 +78,26 @@ class BlockManager:
     def used(self) -> int:
         return self.total - self.free
 
-    def blocks_for(self, tokens: int) -> int:
-        """Blocks that hold ``tokens`` tokens."""
-        return -(-tokens // self.block_size)
-
     def match(self, tokens: Sequence[int]) -> list[int]:
         """The cached blocks holding the longest prefix of ``tokens`` made of whole blocks,
         short of the block holding the last token; no reference is taken (``reuse``)."""
         if not self.prefix_caching:
             return []
         found: list[int] = []
-        parent = 0
-        for index in range((len(tokens) - 1) // self.block_size):
-            chunk = tuple(tokens[index * self.block_size:(index + 1) * self.block_size])
-            block = self._cached.get((parent, chunk))
+        key, size = ROOT_KEY, self.block_size
+        for index in range((len(tokens) - 1) // size):
+            key = block_key(key, tokens[index * size:(index + 1) * size])
+            block = self._cached.get(key)
             if block is None:
                 break
             found.append(block)
-            parent = hash((parent, chunk))
         return found
 
     def cost(self, matched: Sequence[int], tokens: int) -> int:
         """Free blocks that taking ``matched`` and growing to ``tokens`` tokens uses up:
         new blocks, and matched ones that sit unreferenced in the free queue."""
         idle = sum(1 for block in matched if self._refs[block] == 0)
-        return idle + max(0, self.blocks_for(tokens) - len(matched))
+        return idle + max(0, blocks_for(tokens, self.block_size) - len(matched))
 
     def reuse(self, table: BlockTable, matched: Sequence[int], looked_up: int = 0) -> None:
         """Start an empty ``table`` with the ``matched`` cached blocks, a reference each;
@@ -99,7 +109,9 @@ class BlockManager:
                 del self._free[block]
             self._refs[block] += 1
             table.blocks.append(block)
-            table.keys.append(hash(self._name_of[block]))
+            key = self._key_of[block]
+            assert key is not None  # a matched block is cached
+            table.keys.append(key)
         if self.prefix_caching and looked_up:
             self.prefix_queries += looked_up
             self.prefix_hits += len(matched) * self.block_size
@@ -107,7 +119,7 @@ class BlockManager:
     def grow(self, table: BlockTable, tokens: int) -> bool:
         """Give ``table`` the blocks ``tokens`` tokens need; False, taking none, if the pool
         has too few free. A block handed out loses its cache key (eviction)."""
-        wanted = self.blocks_for(tokens) - len(table.blocks)
+        wanted = blocks_for(tokens, self.block_size) - len(table.blocks)
         if wanted > len(self._free):
             return False
         for _ in range(max(0, wanted)):
@@ -118,10 +130,10 @@ class BlockManager:
         return True
 
     def _evict(self, block: int) -> None:
-        name = self._name_of[block]
-        if name is not None:
-            self._name_of[block] = None
-            del self._cached[name]
+        key = self._key_of[block]
+        if key is not None:
+            self._key_of[block] = None
+            del self._cached[key]
 
     def register(self, table: BlockTable, tokens: Sequence[int], computed: int) -> None:
         """Key the table's full blocks among its first ``computed`` tokens (their keys and
@@ -131,13 +143,13 @@ class BlockManager:
             return
         size = self.block_size
         for index in range(len(table.keys), computed // size):
-            parent = table.keys[-1] if table.keys else 0
-            name = (parent, tuple(tokens[index * size:(index + 1) * size]))
+            parent = table.keys[-1] if table.keys else ROOT_KEY
+            key = block_key(parent, tokens[index * size:(index + 1) * size])
             block = table.blocks[index]
-            if name not in self._cached and self._name_of[block] is None:
-                self._cached[name] = block
-                self._name_of[block] = name
-            table.keys.append(hash(name))
+            if key not in self._cached and self._key_of[block] is None:
+                self._cached[key] = block
+                self._key_of[block] = key
+            table.keys.append(key)
 
     def release(self, table: BlockTable) -> None:
         """Drop the table's references; blocks nobody references join the free queue, its
@@ -149,7 +161,3 @@ class BlockManager:
                 self._free[block] = None
         table.blocks.clear()
         table.keys.clear()
-
-    def hit_rate(self) -> float:
-        """Share of looked-up prompt tokens found cached."""
-        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
