@@ -210,9 +210,17 @@ def test_decode_rows_are_grouped_to_fit_the_gather_budget(
     """Consecutive rows while their count times the widest table fits (6 blocks of one
     byte here); a row wider than the budget goes alone."""
     monkeypatch.setattr(paged, "GATHER_BYTES", 6)
-    assert paged.row_groups([3, 1, 2, 8, 1], 1) == [(0, 2, 3), (2, 3, 2), (3, 4, 8),
-                                                    (4, 5, 1)]
-    assert paged.row_groups([1] * 7, 1) == [(0, 6, 1), (6, 7, 1)]
+    cpu = torch.device("cpu")
+    assert paged.row_groups([3, 1, 2, 8, 1], 1, cpu) == [(0, 2, 3), (2, 3, 2), (3, 4, 8),
+                                                         (4, 5, 1)]
+    assert paged.row_groups([1] * 7, 1, cpu) == [(0, 6, 1), (6, 7, 1)]
+
+
+def test_decode_rows_are_one_group_off_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Grouping bounds CPU cache traffic; on CUDA it would only add launches."""
+    monkeypatch.setattr(paged, "GATHER_BYTES", 6)
+    for device in (torch.device("cuda", 0), torch.device("meta")):
+        assert paged.row_groups([3, 1, 2, 8, 1], 1, device) == [(0, 5, 8)]
 
 
 def test_a_step_is_refused_past_the_context_or_onto_the_null_block() -> None:

@@ -25,8 +25,9 @@ from typing import Literal, NamedTuple, Protocol
 import torch
 from torch.nn import functional as F
 
-NULL_BLOCK = 0
-GATHER_BYTES = 2 << 20  # the keys one decode SDPA gathers at most, unless one row needs more
+from gpuflow.serve.generate.blocks import NULL_BLOCK, blocks_for
+
+GATHER_BYTES = 2 << 20  # the keys one decode SDPA gathers at most on the CPU (row_groups)
 Wanted = Literal["last", "all", "none"]  # the tokens of a row whose logits a forward returns
 
 
@@ -81,7 +82,7 @@ class StepBatch:
             if len(row.blocks) * block_size < end:
                 raise ValueError(f"{len(row.blocks)} blocks of {block_size} cannot hold "
                                  f"{end} positions")
-            if NULL_BLOCK in row.blocks[:(end + block_size - 1) // block_size]:
+            if NULL_BLOCK in row.blocks[:blocks_for(end, block_size)]:
                 raise ValueError("no sequence may hold the null block")
             first = row_starts[-1]
             tokens.extend(row.tokens)
@@ -198,9 +199,13 @@ def decode_attention(q: torch.Tensor, pool: KVPool, layer: int, positions: torch
                            sliding_window)
 
 
-def row_groups(widths: Sequence[int], block_bytes: int) -> list[tuple[int, int, int]]:
+def row_groups(widths: Sequence[int], block_bytes: int, device: torch.device
+               ) -> list[tuple[int, int, int]]:
     """Consecutive rows as ``(first, end, blocks)`` groups whose gathered keys, each row
-    padded to the group's widest table, fit ``GATHER_BYTES`` (a wider row goes alone)."""
+    padded to the group's widest table, fit ``GATHER_BYTES`` (a wider row goes alone).
+    A CPU cache concern: on any other device all rows are one group (one launch)."""
+    if device.type != "cpu":
+        return [(0, len(widths), max(widths))]
     groups: list[tuple[int, int, int]] = []
     first, widest = 0, 0
     for row, width in enumerate(widths):
@@ -217,14 +222,14 @@ def _one_token_rows(q: torch.Tensor, pool: KVPool, layer: int, positions: torch.
                     block_tables: torch.Tensor, widths: Sequence[int], scale: float | None,
                     sliding_window: int | None) -> torch.Tensor:
     """Attention of one token per row over the first ``widths[b]`` blocks of each row's
-    table, rows gathered in ``row_groups``: each group's copy is read while still in
-    cache, and is small enough for the allocator to reuse rather than map fresh pages
-    (glibc maps buffers over 32 MiB anew at every call). On the 2-core CPU, 32 rows of
+    table, rows gathered in ``row_groups``: on the CPU each group's copy is read while
+    still in cache, and is small enough for the allocator to reuse rather than map fresh
+    pages (glibc maps buffers over 32 MiB anew at every call). On the 2-core CPU, 32 rows of
     1,008 positions, 8 heads of 32 dims: 12 ms of CPU per layer in groups of one row, 22
     to 29 ms in one SDPA (an unpaged cache read in place: 5 ms)."""
     block_bytes = pool.keys[0, 0].numel() * q.element_size()
     parts = []
-    for first, end, width in row_groups(widths, block_bytes):
+    for first, end, width in row_groups(widths, block_bytes, q.device):
         keys, values = gather(pool, layer, block_tables[first:end, :width], q.dtype)
         mask = visible(positions[first:end, None], keys.shape[2], sliding_window)
         y = F.scaled_dot_product_attention(q[first:end, :, None], keys, values,
@@ -251,13 +256,13 @@ def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, batch: StepBatch,
     gqa = q.shape[1] != pool.keys.shape[3]
     parts = []
     if decodes:
-        widths = [(context + size - 1) // size for context in batch.host_context_lens[:decodes]]
+        widths = [blocks_for(context, size) for context in batch.host_context_lens[:decodes]]
         parts.append(_one_token_rows(q[:decodes], pool, layer, batch.positions[:decodes],
                                      batch.block_tables, widths, scale, sliding_window))
     for row in range(decodes, batch.num_rows):
         first, end = batch.row_starts[row], batch.row_starts[row + 1]
         context = batch.host_context_lens[row]
-        tables = batch.block_tables[row:row + 1, :(context + size - 1) // size]
+        tables = batch.block_tables[row:row + 1, :blocks_for(context, size)]
         keys, values = gather(pool, layer, tables, q.dtype)
         causal = context == end - first and sliding_window is None  # a chunk from position 0
         mask = None if causal else \
