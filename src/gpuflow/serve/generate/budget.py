@@ -6,6 +6,7 @@ import torch
 
 from gpuflow.devices import total_memory
 from gpuflow.errors import UserError
+from gpuflow.serve.generate.blocks import blocks_for
 
 
 def pool_blocks(bytes_per_block: int, budget_bytes: int, block_size: int, context: int,
@@ -14,7 +15,7 @@ def pool_blocks(bytes_per_block: int, budget_bytes: int, block_size: int, contex
     most what ``max_seqs`` sequences of the whole ``context`` fill (more would never be
     used), and at least one whole context's (a sequence the pool cannot hold alone would
     be preempted for ever)."""
-    per_context = -(-context // block_size)
+    per_context = blocks_for(context, block_size)
     blocks = min(budget_bytes // bytes_per_block, max_seqs * per_context + 1)
     if blocks < per_context + 1:
         need = (per_context + 1) * bytes_per_block

@@ -64,16 +64,9 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Plan:
-    """One step: the decode chunks (one token each) first, then prefill chunks; and the
-    sequences preempted to make room."""
+    """One step: the decode chunks (one token each) first, then prefill chunks."""
 
     chunks: list[Chunk]
-    num_decodes: int
-    preempted: list[Sequence]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(chunk.length for chunk in self.chunks)
 
 
 class Scheduler:
@@ -93,10 +86,6 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
-
-    @property
-    def busy(self) -> bool:
-        return bool(self.running or self.waiting)
 
     def schedule(self) -> Plan:
         """The next step's chunks; ``advance`` once it ran."""
@@ -126,7 +115,7 @@ class Scheduler:
             self.running.append(chunk.seq)
             prefills.append(chunk)
             budget -= chunk.length
-        return Plan(decodes + prefills, len(decodes), preempted)
+        return Plan(decodes + prefills)
 
     def _make_room(self, seq: Sequence, tokens: int, planned: set[Sequence],
                    preempted: list[Sequence]) -> bool:
