@@ -124,10 +124,11 @@ def test_serve_passes_the_generation_engine_flags_to_its_limits(
     monkeypatch.setenv(SETTINGS_ENV, "")  # serve sets it; put back as it was afterwards
     code = main(["serve", str(tmp_path), "--device", "cpu", "--max-batch-size", "8",
                  "--max-queue", "5", "--block-size", "8", "--no-prefix-cache",
-                 "--max-num-batched-tokens", "512", "--ttft-timeout-ms", "250"])
+                 "--max-num-batched-tokens", "512", "--ttft-timeout-ms", "250",
+                 "--no-chunked-prefill"])
     assert code in (0, None)
     settings = settings_from_json(seen[0])
-    assert settings.engine_limits() == EngineLimits(8, 5, None, 8, False, 512)
+    assert settings.engine_limits() == EngineLimits(8, 5, None, 8, False, 512, False)
     assert settings.ttft_timeout_ms == 250 and settings.timeout_ms == 2000
     assert main(["serve", str(tmp_path), "--block-size", "0"]) == 2
 

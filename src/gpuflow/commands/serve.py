@@ -93,6 +93,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="language models: tokens one engine step computes at most, running sequences' "
              "next tokens first, then chunks of prompts (a longer prompt is prefilled over "
              "several steps; default 2048)")
+    add("--no-chunked-prefill", dest="chunked_prefill", action="store_false",
+        help="language models: prefill each prompt whole in one step (the step's token "
+             "budget is then raised to the model's context)")
     add("--workers", type=int, default=1,
         help="server processes, each with its own copy of the model (default 1)")
     add("--threads", type=int,
@@ -144,6 +147,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         compile=args.compile or args.cuda_graphs, cuda_graphs=args.cuda_graphs, token=token,
         threads=args.threads, workers=args.workers, kv_cache_gib=args.kv_cache_gib,
         block_size=args.block_size, prefix_cache=args.prefix_cache,
+        chunked_prefill=args.chunked_prefill,
         max_num_batched_tokens=args.max_num_batched_tokens,
         ttft_timeout_ms=args.ttft_timeout_ms,
         served_model_name=tuple(args.served_model_name or ()),

@@ -40,6 +40,7 @@ class ServeSettings:
     block_size: int = 16  # tokens per KV block
     prefix_cache: bool = True
     max_num_batched_tokens: int = 2048  # tokens one generation step computes at most
+    chunked_prefill: bool = True  # False: a prompt is prefilled whole in one step
     ttft_timeout_ms: float | None = None  # a generation's wait for its first token
     workers: int = 1
     failure_file: str | None = None
@@ -61,7 +62,8 @@ class ServeSettings:
     def engine_limits(self) -> EngineLimits:
         """The generation engine's: ``--max-batch-size`` sequences running at once."""
         return EngineLimits(self.max_batch_size, self.max_queue, self.kv_cache_gib,
-                            self.block_size, self.prefix_cache, self.max_num_batched_tokens)
+                            self.block_size, self.prefix_cache, self.max_num_batched_tokens,
+                            self.chunked_prefill)
 
     def engine_options(self) -> EngineOptions:
         return EngineOptions(self.device, self.precision, self.compile, self.cuda_graphs,
