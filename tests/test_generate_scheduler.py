@@ -13,6 +13,7 @@ from gpuflow.serve.generate.blocks import (
     BlockTable,
     block_key,
 )
+from gpuflow.serve.generate.limits import EngineLimits
 from gpuflow.serve.generate.scheduler import Plan, Scheduler, Sequence
 
 
@@ -83,6 +84,13 @@ def test_a_step_carries_decodes_first_then_prompt_chunks_within_the_token_budget
         run(scheduler, plan, {short: 100, long: 100})
     assert lengths == [9, 9, 7]
     assert len(long.tokens) == 26  # only the last chunk yielded a token
+
+
+def test_a_step_budget_is_raised_to_a_decode_token_a_sequence_and_whole_prompts() -> None:
+    assert EngineLimits(max_num_seqs=4, max_num_batched_tokens=16).step_tokens(64) == 16
+    assert EngineLimits(max_num_seqs=32, max_num_batched_tokens=16).step_tokens(64) == 32
+    whole = EngineLimits(max_num_seqs=4, max_num_batched_tokens=16, chunked_prefill=False)
+    assert whole.step_tokens(64) == 64 and whole.step_tokens(8) == 16
 
 
 def test_without_chunked_prefill_a_prompt_waits_for_a_step_with_room_for_it_whole() -> None:

@@ -30,15 +30,17 @@ def build_engine(lm: PagedLM, num_blocks: int, limits: EngineLimits,
                  bucketed: bool = False, compile: bool = False, cuda_graphs: bool = False,
                  **options: Any) -> GenerationEngine:
     """An engine over a pool of ``num_blocks`` blocks (the null block among them);
-    ``options`` are the engine's own (tokenizer, eos_ids, observer). Without chunked
-    prefill a step's budget covers a whole context, and always a decode token of every
-    sequence."""
-    tokens = limits.max_num_batched_tokens
-    if not limits.chunked_prefill:
-        tokens = max(tokens, lm.context)
+    ``options`` are the engine's own (tokenizer, eos_ids, observer). A step's token
+    budget is ``limits.step_tokens``, logged when it raises the operator's."""
+    tokens = limits.step_tokens(lm.context)
+    if tokens != limits.max_num_batched_tokens:
+        log.info("gpuflow serve: --max-num-batched-tokens raised from %d to %d: a step "
+                 "holds %s", limits.max_num_batched_tokens, tokens,
+                 "a decode token of each of --max-batch-size sequences"
+                 if tokens == limits.max_num_seqs else
+                 "a whole context when prefill is not chunked")
     blocks = BlockManager(num_blocks, limits.block_size, limits.prefix_caching)
-    scheduler = Scheduler(blocks, limits.max_num_seqs, max(tokens, limits.max_num_seqs),
-                          limits.chunked_prefill)
+    scheduler = Scheduler(blocks, limits.max_num_seqs, tokens, limits.chunked_prefill)
     runner = ModelRunner(lm, num_blocks, limits.block_size, limits.max_num_seqs, bucketed,
                          compile, cuda_graphs)
     return GenerationEngine(lm, scheduler, runner, limits.max_queue, context, **options)

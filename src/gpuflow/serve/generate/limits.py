@@ -22,3 +22,10 @@ class EngineLimits:
     prefix_caching: bool = True
     max_num_batched_tokens: int = 2048
     chunked_prefill: bool = True
+
+    def step_tokens(self, context: int) -> int:
+        """Tokens a step computes at most: ``max_num_batched_tokens``, raised to cover a
+        decode token of each of ``max_num_seqs`` sequences and, without chunked prefill,
+        a whole ``context`` (else a longer prompt could never be admitted)."""
+        floor = self.max_num_seqs if self.chunked_prefill else max(self.max_num_seqs, context)
+        return max(self.max_num_batched_tokens, floor)
