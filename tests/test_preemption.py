@@ -57,6 +57,36 @@ def test_no_save_on_signal_leaves_the_signals_alone() -> None:
         assert signal.getsignal(signal.SIGTERM) is before
 
 
+# Loaders of both kinds with workers, a SIGTERM to every worker from another process (as a
+# scheduler signals the process group), batches still flowing, then an error raised with the
+# loaders still referenced: the interpreter's exit must stop the workers, not wait on them.
+LOADERS_THEN_AN_ERROR = """
+import multiprocessing, subprocess, torch
+from torch.utils.data import TensorDataset
+from gpuflow.data.eval_set import eval_set
+from gpuflow.data.loader import train_batches
+data = TensorDataset(torch.arange(256.0).unsqueeze(1))
+train = iter(train_batches(data, 8, None, 0, 0, num_workers=2, pin_memory=False))
+evaluation = iter(eval_set(data, 8, 0).loader(None, num_workers=1, pin_memory=False))
+next(train), next(evaluation)
+workers = [str(child.pid) for child in multiprocessing.active_children()]
+subprocess.run(["kill", "-TERM", *workers], check=True)
+print(len(workers), sum(1 for _ in zip(range(40), train)), sum(1 for _ in evaluation))
+raise RuntimeError("the run failed mid-iteration")
+"""
+
+
+def test_loader_workers_outlive_a_stop_signal_but_not_their_trainer(tmp_path: Path) -> None:
+    """Before: the train loader's workers ignored every SIGTERM, so an error with a loader
+    alive at exit hung the interpreter in multiprocessing's join() (the suite's CI hang),
+    and the eval loader's worker died of the signal."""
+    process = subprocess.run([sys.executable, "-c", LOADERS_THEN_AN_ERROR], cwd=tmp_path,
+                             env=cli_env(), capture_output=True, text=True, timeout=60)
+    assert process.returncode == 1, process.stderr[-3000:]
+    assert "RuntimeError: the run failed mid-iteration" in process.stderr
+    assert process.stdout.split() == ["3", "40", "31"]
+
+
 def start(run_dir: Path, *args: str, **env: str) -> subprocess.Popen[str]:
     """`gpuflow train` in its own process group, as a scheduler's job step runs it."""
     return subprocess.Popen(

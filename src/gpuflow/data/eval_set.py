@@ -19,6 +19,7 @@ from typing import Any
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from gpuflow.data.iterable import RankSamples, is_sized, is_stream
+from gpuflow.data.loader import worker_init
 from gpuflow.errors import UserError
 
 
@@ -46,14 +47,16 @@ class EvalSet:
 
     def loader(self, collate: Callable[[list[Any]], Any], num_workers: int,
                pin_memory: bool) -> Iterable[Any]:
-        """One pass over the evaluated samples, in order."""
+        """One pass over the evaluated samples, in order; its workers outlive a preemption's
+        signal like the training loader's (``gpuflow.data.loader.worker_init``)."""
+        workers = {"num_workers": num_workers, "pin_memory": pin_memory,
+                   "worker_init_fn": worker_init(num_workers)}
         if is_stream(self.dataset):
             loader = DataLoader(RankSamples(self.dataset), batch_size=self.batch_size,
-                                collate_fn=collate, num_workers=num_workers,
-                                pin_memory=pin_memory)
+                                collate_fn=collate, **workers)
             return loader if self.batches is None else islice(loader, self.batches)
         return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False,
-                          collate_fn=collate, num_workers=num_workers, pin_memory=pin_memory)
+                          collate_fn=collate, **workers)
 
 
 def eval_set(dataset: Dataset, batch_size: int, eval_batches: int) -> EvalSet:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import signal
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -40,12 +43,36 @@ def batches_per_epoch(dataset: Dataset, batch_size: int, world_size: int = 1) ->
     return count
 
 
-def outlive_stop_signals(worker_id: int) -> None:
-    """A worker ignores SIGTERM and SIGUSR1, which a scheduler may send the whole process
-    group: the trainer decides when to stop (``gpuflow.train.preemption``) and still needs
-    batches until then."""
-    for stop in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(stop, signal.SIG_IGN)
+STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGUSR1})
+
+
+def worker_init(num_workers: int) -> Callable[[int], None] | None:
+    """The ``worker_init_fn`` of every loader of a run (training and evaluation): the
+    workers outlive the stop signals of a preemption, but not their own trainer's stop."""
+    return partial(outlive_stop_signals, os.getpid()) if num_workers > 0 else None
+
+
+def outlive_stop_signals(trainer: int, worker_id: int) -> None:
+    """A worker ignores SIGTERM and SIGUSR1 from anyone but ``trainer``: a scheduler may
+    signal the whole process group, and the trainer decides when to stop
+    (``gpuflow.train.preemption``) and still needs batches until then. The trainer's own
+    SIGTERM still ends it: multiprocessing's ``terminate()`` then an unbounded ``join()``
+    is how the trainer's interpreter stops workers at exit, and a worker that ignored it
+    would keep the trainer from ever exiting. Where the sender cannot be told (no
+    ``sigwaitinfo``, macOS), only SIGUSR1 is ignored."""
+    if not hasattr(signal, "sigwaitinfo"):
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # inherited by later threads
+    threading.Thread(target=_exit_on_stop_from, args=(trainer,), daemon=True,
+                     name="stop-signals").start()
+
+
+def _exit_on_stop_from(trainer: int) -> None:
+    while True:
+        info = signal.sigwaitinfo(STOP_SIGNALS)
+        if info.si_signo == signal.SIGTERM and info.si_pid == trainer:
+            os._exit(128 + signal.SIGTERM)  # what the default action reports, near enough
 
 
 def train_batches(dataset: Dataset, batch_size: int, collate: Any, seed: int,
@@ -76,7 +103,7 @@ def train_batches(dataset: Dataset, batch_size: int, collate: Any, seed: int,
         "prefetch_factor": 4 if num_workers > 0 else None,
         # The loader's own seed draw must not consume the global RNG that a resume restores.
         "generator": torch.Generator().manual_seed(seed),
-        "worker_init_fn": outlive_stop_signals if num_workers > 0 else None,
+        "worker_init_fn": worker_init(num_workers),
     }
     if is_stream(dataset):
         if augment is not None:
