@@ -21,8 +21,9 @@ def register(commands: Any) -> None:
                            "(digits: the bundled scans, textlm: the Python documentation)")
     pack.add_argument("--out", required=True, help="folder to write the packed set to")
     pack.add_argument("--workload", required=True,
-                      help="digits, mnist-idx, textlm, speech, images, hf:DIR (text under the "
-                           "tokenizer of model directory DIR), or pkg.module:factory")
+                      help="digits, mnist-idx, textlm, speech, images, hf:DIR (text, or JSONL "
+                           "conversations, under the tokenizer of model directory DIR), or "
+                           "pkg.module:factory")
     pack.add_argument("--shard-size-mb", type=float,
                       help="target size of each shard in MiB (default 64)")
     pack.add_argument("--max-side", type=int, metavar="PX",
@@ -36,6 +37,13 @@ def register(commands: Any) -> None:
                            "(default: text)")
     pack.add_argument("--workers", type=int, metavar="N",
                       help="with --tokenizer: tokenizer processes (default: one per core)")
+    pack.add_argument("--seq-len", type=int, metavar="N",
+                      help="hf:DIR with a JSONL of conversations: the window length they are "
+                           "packed to, several to a window (default: the model's context, at "
+                           "most 1024, as training takes it)")
+    pack.add_argument("--truncate-chats", action="store_true",
+                      help="hf:DIR conversations: cut one longer than --seq-len + 1 tokens "
+                           "instead of refusing it")
     pack.add_argument("--force", action="store_true",
                       help="pack again over a finished set in --out")
     pack.add_argument("--no-progress", dest="progress", action="store_false",
@@ -55,7 +63,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     progress = ("off" if not args.progress else "bar" if sys.stderr.isatty() else "lines")
     manifest = pack(args.workload, args.src, args.out, shard_mb=shard_mb,
                     force=args.force, progress=progress, max_side=args.max_side,
-                    tokenizer=args.tokenizer, text_field=args.text_field, workers=args.workers)
+                    tokenizer=args.tokenizer, text_field=args.text_field, workers=args.workers,
+                    seq_len=args.seq_len, truncate_chats=args.truncate_chats)
     counts = ", ".join(f"{name} {manifest.count(name):,} "
                        f"{'tokens' if manifest.kind == 'tokens' else 'samples'} in "
                        f"{len(shards)} shard(s)" for name, shards in manifest.splits.items())

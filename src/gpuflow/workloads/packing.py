@@ -18,7 +18,11 @@ from gpuflow.data.pack import DEFAULT_SHARD_MB, write_pack
 from gpuflow.data.pack_progress import Mode
 from gpuflow.data.pack_sources import PackSource, RecordSource
 from gpuflow.errors import UserError
+from gpuflow.model_dir import ModelDirectory
 from gpuflow.workload import resolve_workload
+from gpuflow.workloads.chats import chat_files
+from gpuflow.workloads.chats_pack import pack_chats
+from gpuflow.workloads.hf_dir import window_length
 
 # Built-in workloads that read their raw data for packing otherwise than for training
 # (lazily, or as text for token shards): "module:function" taking the raw --data-dir.
@@ -54,7 +58,8 @@ def pack(workload: str, src: str | Path | None, out: str | Path,
          shard_mb: float = DEFAULT_SHARD_MB, force: bool = False,
          progress: bool | Mode = True, max_side: int | None = None,
          tokenizer: str | Path | None = None, text_field: str | None = None,
-         workers: int | None = None) -> Manifest:
+         workers: int | None = None, seq_len: int | None = None,
+         truncate_chats: bool = False) -> Manifest:
     """Pack ``workload``'s data from ``src`` (its raw --data-dir; None: its default) into
     ``out``, continuing an interrupted pack of the same settings. ``progress``: a live bar
     (True or "bar"), a line per shard ("lines"), or nothing (False or "off"). ``max_side``
@@ -62,15 +67,31 @@ def pack(workload: str, src: str | Path | None, out: str | Path,
     ``tokenizer`` (textlm): a model directory whose tokenizer turns the text (files, or the
     ``text_field`` of JSONL lines) into token ids, in ``workers`` processes (default: one
     per core; the set does not depend on it). ``hf:DIR`` packs text as textlm does under
-    DIR's tokenizer, the set ``--workload hf:DIR`` trains on."""
+    DIR's tokenizer, the set ``--workload hf:DIR`` trains on; a ``src`` of JSONL
+    conversations becomes windows of ``seq_len`` tokens (default: the model's, as training
+    takes it), a longer conversation refused or cut (``truncate_chats``)."""
     if workload.startswith("hf:"):
         if tokenizer is not None:
             raise UserError("--workload hf:DIR packs text under DIR's own tokenizer: drop "
                             "--tokenizer.")
         workload, tokenizer = "textlm", workload.removeprefix("hf:")
+        if src is not None and chat_files(src):
+            return _pack_chats(tokenizer, src, out, seq_len, truncate_chats, shard_mb, force,
+                               progress)
+    if seq_len is not None or truncate_chats:
+        raise UserError("--seq-len and --truncate-chats apply to conversations packed with "
+                        "--workload hf:DIR only.")
     given = {"max_side": max_side, "text_field": text_field,
              "tokenizer": None if tokenizer is None else str(Path(tokenizer).resolve())}
     options = {name: value for name, value in given.items() if value is not None}
     source_options = options if workers is None else {**options, "workers": workers}
     return write_pack(workload, src, out, partial(workload_source, options=source_options),
                       shard_mb=shard_mb, force=force, progress=progress, options=options)
+
+
+def _pack_chats(directory: str, src: str | Path, out: str | Path, seq_len: int | None,
+                truncate: bool, shard_mb: float, force: bool,
+                progress: bool | Mode) -> Manifest:
+    model_dir = ModelDirectory.check(Path(directory).expanduser().resolve(), weights=False)
+    return pack_chats(directory, src, out, window_length(model_dir, seq_len), truncate,
+                      shard_mb, force, progress)
