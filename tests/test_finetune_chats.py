@@ -66,14 +66,15 @@ def test_labels_are_the_assistant_tokens_by_markers_and_by_prefixes(
         workload = resolve_workload(f"hf:{directory}", {"data_dir": str(data), "seq_len": 64})
         items[name] = workload.train_dataset[0]
     tokenizer = load_hf_tokenizer(hub_models["llama"])
-    x, y = items["prefixes"]
+    (x, positions), y = items["prefixes"]
     rendered = tokenizer.apply_chat_template(chat["messages"], tokenize=False)
     ids = tokenizer.encode(rendered, add_special_tokens=False)
     assert x[:len(ids) - 1].tolist() == ids[:-1]
     learned = y[y != IGNORE_INDEX].tolist()
     assert tokenizer.decode(learned) == "Hello! How can I help?<|eot_id|>Sure.<|eot_id|>"
     assert (y[len(ids) - 1:] == IGNORE_INDEX).all()  # the padding
-    assert items["markers"][1].equal(y) and items["markers"][0].equal(x)
+    assert positions.tolist() == [*range(len(ids) - 1), *range(64 - len(ids) + 1)]
+    assert items["markers"][1].equal(y) and items["markers"][0][0].equal(x)
 
 
 def test_a_tiny_chat_set_is_learned_and_answered_through_the_export(
@@ -134,7 +135,7 @@ def test_bad_lines_templates_and_long_conversations_are_refused(
         resolve_workload(f"hf:{llama}", {"data_dir": str(data), "seq_len": 32})
     cut = resolve_workload(f"hf:{llama}", {"data_dir": str(data), "seq_len": 32,
                                            "truncate_chats": True})
-    assert cut.train_dataset[0][0].shape == (32,)
+    assert cut.train_dataset[0][0][0].shape == (32,)
     # A template that numbers the turns it renders: no rendering extends the one before.
     counting = with_template(llama, tmp_path / "counting",
                              "{{ messages | length }}{% for m in messages %}{{ m['content'] }}"

@@ -9,10 +9,9 @@ conversation turn by turn: the assistant's turn ``i`` is the text that rendering
 to write), and the tokens whose text starts inside it are labelled. A template whose
 renderings do not extend one another has neither, and is refused with the reason.
 
-Each conversation is one training window, right-padded to the sequence length: attention
-never crosses conversations (the model is causal and the padding comes after), at the cost
-of the padding's compute. Targets are -100 (``IGNORE_INDEX``) everywhere but the
-assistant's tokens. Conversations are held in memory, as tokens.
+Conversations are then packed several to a window with attention kept inside each
+(``gpuflow.workloads.chat_windows``), in memory here, or into a packed set by
+``gpuflow data pack`` (``gpuflow.workloads.chats_pack``).
 """
 
 from __future__ import annotations
@@ -22,12 +21,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch.utils.data import Dataset
-
 from gpuflow.data.tokenize_worker import VAL_EVERY
 from gpuflow.errors import UserError
-from gpuflow.workload import IGNORE_INDEX
+from gpuflow.workloads.chat_windows import ChatWindows, Conversation, pack_conversations
 
 ROLES = ("system", "user", "assistant", "tool")
 GENERATION_MARK = "{% generation %}"
@@ -78,7 +74,7 @@ def _messages(line: str, where: str) -> list[dict[str, str]]:
 
 
 def assistant_tokens(tokenizer: Any, messages: list[dict[str, str]],
-                     where: str) -> tuple[list[int], list[bool]]:
+                     where: str) -> Conversation:
     """The rendered conversation's ids and, per id, whether it is the assistant's."""
     template = tokenizer.chat_template
     if not template:
@@ -98,7 +94,7 @@ def assistant_tokens(tokenizer: Any, messages: list[dict[str, str]],
 
 
 def _by_prefixes(tokenizer: Any, messages: list[dict[str, str]],
-                 where: str) -> tuple[list[int], list[bool]]:
+                 where: str) -> Conversation:
     def render(upto: int, opened: bool) -> str:
         return tokenizer.apply_chat_template(messages[:upto], tokenize=False,
                                              add_generation_prompt=opened)
@@ -123,34 +119,12 @@ def _by_prefixes(tokenizer: Any, messages: list[dict[str, str]],
     return list(encoded["input_ids"]), mask
 
 
-class ChatWindows(Dataset):
-    """One conversation per item: ``(x, y)`` of ``seq_len`` ids and targets, right-padded
-    (``x`` with ``pad_id``, ``y`` with -100)."""
-
-    def __init__(self, samples: list[tuple[list[int], list[bool]]], seq_len: int,
-                 pad_id: int) -> None:
-        self.samples, self.seq_len, self.pad_id = samples, seq_len, pad_id
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, mask = self.samples[index]
-        x = torch.full((self.seq_len,), self.pad_id, dtype=torch.long)
-        y = torch.full((self.seq_len,), IGNORE_INDEX, dtype=torch.long)
-        length = min(len(ids) - 1, self.seq_len)
-        x[:length] = torch.tensor(ids[:length])
-        y[:length] = torch.tensor([token if learn else IGNORE_INDEX
-                                   for token, learn in zip(ids[1:length + 1], mask[1:length + 1],
-                                                           strict=True)])
-        return x, y
-
-
-def chat_datasets(files: list[Path], tokenizer: Any, seq_len: int,
-                  truncate: bool) -> tuple[ChatWindows, ChatWindows | None]:
-    """Training and held-out conversations (lines numbered a multiple of 10 are held out);
-    a conversation longer than ``seq_len`` + 1 tokens is cut (``truncate``) or refused."""
-    splits: dict[bool, list[tuple[list[int], list[bool]]]] = {False: [], True: []}
+def tokenized_chats(files: list[Path], tokenizer: Any, seq_len: int,
+                    truncate: bool) -> dict[str, list[Conversation]]:
+    """The conversations of ``files`` as ids and assistant masks, by split ("train", and
+    "val": lines numbered a multiple of 10); one longer than ``seq_len`` + 1 tokens is cut
+    (``truncate``) or refused."""
+    splits: dict[str, list[Conversation]] = {"train": [], "val": []}
     for path in files:
         for number, messages in read_chats(path):
             ids, mask = assistant_tokens(tokenizer, messages, f"{path}:{number}")
@@ -158,9 +132,24 @@ def chat_datasets(files: list[Path], tokenizer: Any, seq_len: int,
                 raise UserError(f"{path}:{number}: the conversation is {len(ids)} tokens, "
                                 f"longer than --seq-len {seq_len} + 1. Raise --seq-len, or "
                                 "add --truncate-chats to cut long ones.")
-            splits[number % VAL_EVERY == 0].append((ids, mask))
-    if not splits[False]:
+            splits["val" if number % VAL_EVERY == 0 else "train"].append((ids, mask))
+    if not splits["train"]:
         raise UserError(f"{files[0].parent} holds no training conversations.")
-    pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
-    return (ChatWindows(splits[False], seq_len, pad),
-            ChatWindows(splits[True], seq_len, pad) if splits[True] else None)
+    return splits
+
+
+def pad_id(tokenizer: Any) -> int:
+    """The id padding a window's end: the tokenizer's pad token, else its EOS, else 0
+    (never learned nor attended to by the conversations)."""
+    return next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None),
+                0)
+
+
+def chat_datasets(files: list[Path], tokenizer: Any, seq_len: int,
+                  truncate: bool) -> tuple[ChatWindows, ChatWindows | None]:
+    """Training and held-out windows of conversations packed in memory."""
+    splits = tokenized_chats(files, tokenizer, seq_len, truncate)
+    train, val = (ChatWindows(list(pack_conversations(splits[name], seq_len,
+                                                      pad_id(tokenizer))))
+                  for name in ("train", "val"))
+    return train, val if len(val) else None

@@ -3,7 +3,9 @@
 The model is ``AutoModelForCausalLM`` from the directory's safetensors (sharded ones
 too; ``from_config``: random weights of its ``config.json``), the data text under the
 directory's tokenizer: a set packed with ``gpuflow data pack --tokenizer DIR``, or text
-files tokenized in memory. Everything else comes from the model itself (``gpuflow.hf``):
+files tokenized in memory; or conversations, several to a window with attention kept inside
+each (``gpuflow.workloads.chat_windows``), packed with ``gpuflow data pack`` or in memory.
+Everything else comes from the model itself (``gpuflow.hf``):
 FSDP and activation checkpointing wrap its decoder layers, tensor parallelism follows its
 own plan, and FLOPs (hence MFU) are counted on its own shapes. The export is a model
 directory again, with the source's tokenizer, chat template and generation config.
@@ -22,7 +24,9 @@ from gpuflow import hf
 from gpuflow.errors import UserError
 from gpuflow.model_dir import GENERATION_FILE, ModelDirectory, load_hf_tokenizer
 from gpuflow.workload import Workload
+from gpuflow.workloads.chat_windows import collate_windows
 from gpuflow.workloads.chats import chat_datasets, chat_files
+from gpuflow.workloads.chats_pack import is_chat_set, open_chat_set
 from gpuflow.workloads.text_tokens import first_windows, token_datasets
 
 DEFAULT_SEQ_LEN = 1024
@@ -65,7 +69,7 @@ def copy_companions(source: Path, out: Path) -> None:
             shutil.copy2(source / name, out / name)
 
 
-def _seq_len(directory: ModelDirectory, seq_len: int | None) -> int:
+def window_length(directory: ModelDirectory, seq_len: int | None) -> int:
     """``seq_len``, checked against the model's context; by default that context, at most
     ``DEFAULT_SEQ_LEN``."""
     try:
@@ -95,18 +99,25 @@ def build(directory: str, data_dir: str | None = None, data: str = "real",
         raise UserError(f"The tokenizer in {path} has {len(tokenizer)} ids, more than the "
                         f"{rows} rows of the model's embedding (config.json vocab_size): "
                         "they do not belong together. Use the model's own tokenizer.")
-    seq = _seq_len(model_dir, seq_len)
+    seq = window_length(model_dir, seq_len)
     model = load_causal_lm(model_dir, from_config)
     rows = model.get_input_embeddings().num_embeddings  # type: ignore[operator]
     chats = chat_files(data_dir) if data_dir is not None and data == "real" else []
-    train, val = (chat_datasets(chats, tokenizer, seq, truncate_chats) if chats else
-                  token_datasets(data_dir, data, seq, rows, path, f"the model in {path}"))
+    if chats or is_chat_set(data_dir):
+        train, val = (chat_datasets(chats, tokenizer, seq, truncate_chats) if chats else
+                      open_chat_set(data_dir, seq, rows))  # type: ignore[arg-type]
+        count = min(EXAMPLE_ITEMS, len(train))
+        collate, example = collate_windows, collate_windows([train[i] for i in range(count)])
+    else:
+        train, val = token_datasets(data_dir, data, seq, rows, path, f"the model in {path}")
+        collate, example = None, first_windows(train, EXAMPLE_ITEMS)
     return Workload(
         name="hf",
         model=model,
         train_dataset=train,
         val_dataset=val,
-        example_batch=first_windows(train, EXAMPLE_ITEMS),
+        collate_fn=collate,
+        example_batch=example,
         tokens_per_sample=seq,
         max_sequence_length=seq,
         export_hf=partial(save_directory, path),
