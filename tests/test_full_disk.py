@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import errno
 import io
+import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from disk_faults import (
     FullDisk,
     assert_clear_message,
@@ -22,6 +26,7 @@ from disk_faults import (
 from gpuflow import checkpoint as ckpt
 from gpuflow.cli import main
 from gpuflow.errors import UserError
+from gpuflow.parallel.env import free_port
 from gpuflow.telemetry.steps import MetricsLog
 
 TRAIN = ["train", "--workload", "disk_faults:paced_mlp", "--batch-size", "16",
@@ -79,6 +84,66 @@ def test_a_checkpoint_that_reads_back_wrong_prunes_nothing(
         ckpt.save_checkpoint(tmp_path, 3, weights(3), {"step": 3}, keep=2)
     monkeypatch.undo()
     assert_earlier_checkpoints_intact(tmp_path, [2, 1])
+
+
+# What a sharded save of _sharded_state() writes over both ranks: the DTensor weight's two
+# halves (256 x 256 float32), its replicated bias once (64), the plain tensor both ranks
+# hold once (128 x 128), and rank 0's trainer state (one int64). Summing every rank's global
+# sizes asked for 655,880 bytes.
+SHARDED_NEEDED = 256 * 256 * 4 + 64 * 4 + 128 * 128 * 4 + 8
+TRAINER_STATE = {"step": torch.tensor(5), "optimizer": {"param_groups": []}}
+
+
+def _sharded_state() -> dict[str, dict[str, torch.Tensor]]:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,))
+    return {"model": {"weight": distribute_tensor(torch.ones(256, 256), mesh, [Shard(0)]),
+                      "bias": distribute_tensor(torch.ones(64), mesh, [Replicate()])},
+            "optimizer": {"scale": torch.full((128, 128), 2.0)}}
+
+
+def _sharded_save_worker(rank: int, port: int, directory: str) -> None:
+    """Each rank's disk first has too little room for the save, then enough for what the
+    ranks write but not for their global sizes summed."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    state, folder = _sharded_state(), Path(directory) / "checkpoints"
+    disk = FullDisk(folder, 0)
+    install(disk, setattr)
+
+    def save(budget: int) -> str:
+        disk.left = budget
+        gather = lambda view: (dist.all_gather_object(views := [None, None], view),  # noqa: E731
+                               views)[1]
+        try:
+            ckpt.save_sharded_checkpoint(folder, budget, state, TRAINER_STATE,
+                                         keep=2, is_main=rank == 0, gather=gather)
+        except UserError as exc:
+            return str(exc)
+        return "saved"
+
+    outcomes = [save(200_000), save(SHARDED_NEEDED + 100_000)]
+    Path(f"{directory}/rank{rank}.json").write_text(json.dumps(outcomes))
+    dist.destroy_process_group()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is unavailable")
+def test_a_sharded_save_asks_for_the_room_its_ranks_write_not_global_sizes(
+        tmp_path: Path) -> None:
+    mp.start_processes(_sharded_save_worker, args=(free_port(), str(tmp_path)), nprocs=2,
+                       start_method="fork")  # nothing to import again
+    for rank in (0, 1):
+        refused, saved = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert f"needs {SHARDED_NEEDED:,} bytes, 200,000 bytes free" in refused
+        assert saved == "saved"
+    checkpoints = tmp_path / "checkpoints"
+    assert [c.step for c in ckpt.list_checkpoints(checkpoints)] == [SHARDED_NEEDED + 100_000]
+    weights, trainer_state = ckpt.load_checkpoint(ckpt.list_checkpoints(checkpoints)[0])
+    assert torch.equal(weights["weight"], torch.ones(256, 256))
+    assert torch.equal(trainer_state["optimizer"]["state"]["scale"], torch.full((128, 128), 2.0))
+    assert trainer_state["step"] == 5
 
 
 def test_an_unwritable_folder_is_one_clear_message(tmp_path: Path,

@@ -196,14 +196,15 @@ def save_sharded_checkpoint(directory: Path, step: int, state: dict[str, Any],
 
     final = directory / f"{PREFIX}{step:08d}"
     tmp = directory / f".tmp-{PREFIX}{step:08d}-sharded"
-    needed = storage.tensor_bytes(state) + (storage.tensor_bytes(trainer_state) if is_main
-                                            else 0)
+    own, shared = storage.shard_bytes(state)
+    own += storage.tensor_bytes(trainer_state) if is_main else 0
     try:
         setup = _attempt(lambda: _fresh_folder(directory, tmp) if is_main else None, final)
-        views = gather((needed, storage.free_bytes(directory), setup))
-        total = sum(view[0] for view in views)
-        failed = next((view[2] for view in views if view[2] is not None), None)
-        if failed is None and min(view[1] for view in views) < total:
+        views = gather((own, shared, storage.free_bytes(directory), setup))
+        total = (sum(view[0] for view in views)  # plain tensors: each key once
+                 + sum({key: size for view in views for key, size in view[1].items()}.values()))
+        failed = next((view[3] for view in views if view[3] is not None), None)
+        if failed is None and min(view[2] for view in views) < total:
             failed = storage.storage_error(errno.ENOSPC, final, total, ADVICE)
         if failed is None:
             with storage.guarded(final, ADVICE, total):

@@ -47,6 +47,37 @@ def tensor_bytes(value: Any) -> int:
     return 0
 
 
+def shard_bytes(state: Any) -> tuple[int, dict[str, int]]:
+    """What this rank writes of ``state`` in a torch.distributed.checkpoint save, which
+    writes every piece once, however many ranks hold it: the bytes of this rank's DTensor
+    shards (of a shard replicated over some mesh dimensions, the copy at coordinate 0 of
+    them), and its plain tensors by key, for the ranks to count each key once between
+    them. Counting global sizes on every rank would ask FSDP's N ranks for N times the
+    room."""
+    from torch.distributed.tensor import DTensor
+
+    own, shared = 0, {}
+    for key, tensor in _tensors(state, ""):
+        if not isinstance(tensor, DTensor):
+            shared[key] = tensor_bytes(tensor)
+            continue
+        coordinate = tensor.device_mesh.get_coordinate()
+        if coordinate is not None and all(
+                placement.is_shard() or index == 0
+                for placement, index in zip(tensor.placements, coordinate, strict=True)):
+            own += tensor_bytes(tensor.to_local())
+    return own, shared
+
+
+def _tensors(value: Any, key: str) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(value, torch.Tensor):
+        yield key, value
+    elif isinstance(value, dict | list | tuple):
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for name, item in items:
+            yield from _tensors(item, f"{key}.{name}" if key else str(name))
+
+
 def storage_errno(exc: BaseException) -> int | None:
     """The out-of-space or permission errno behind ``exc``, if one is: in it, in its cause or
     context, in a torch.distributed.checkpoint failure of some rank, or in the text of a Rust
