@@ -17,7 +17,6 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from gpuflow.config import TrainConfig
@@ -48,6 +47,7 @@ from gpuflow.train.preemption import Preemption
 from gpuflow.train.probe import step_flops
 from gpuflow.train.progress import ProgressDisplay
 from gpuflow.train.state import Position, RunState, seed_everything
+from gpuflow.train.units import StepCounter, weighted
 from gpuflow.workload import Batch, Workload, call_model, serving_state
 
 if TYPE_CHECKING:
@@ -99,6 +99,8 @@ class Trainer:
                                              workload.loss_fn, self.policy, self.device)
         self.config = config
         self.global_batch = self.dims.global_batch(config.batch_size, config.grad_accum)
+        self.counter = StepCounter(workload, self.dims, self.device, self.global_batch,
+                                   config.grad_accum)
         self._schedule_steps(config)
         self.flops_per_step = self._step_flops(example)
         # Converted after counting: the model's FLOPs are the same in fp8.
@@ -188,17 +190,6 @@ class Trainer:
         sampler, seed = self.workload.batch_sampler, (config or self.config).seed
         return None if sampler is None else sampler(seed, rank, self.dims.dp)
 
-    def _samples_in(self, targets: list[torch.Tensor]) -> int:
-        """Samples in a step over all replicas: the global batch, or counted when the
-        workload forms batches of varying size (ranks within a replica share a batch)."""
-        if self.workload.batch_sampler is None:
-            return self.global_batch
-        count = torch.tensor(float(sum(int(t.shape[0]) for t in targets)), device=self.device)
-        if self.dims.world > 1:
-            dist.all_reduce(count)
-            count = count * self.dims.dp / self.dims.world
-        return round(count.item())
-
     def _compile(self, example: Batch) -> Compiled | None:
         compiled = compile_step(self.strategy.forward_model, self.model,
                                 self.workload.blocks(),
@@ -275,19 +266,28 @@ class Trainer:
                                              background=config.num_workers == 0)
         return self._batches
 
+    def _next_batch(self) -> Batch:
+        self.timer.wait_begin()
+        inputs, target = next(self._batch_stream())
+        self.timer.wait_end()
+        self.timer.count_padding(self.workload.padding, inputs)
+        return inputs, target
+
     def train_step(self) -> float:
-        """One optimizer step over ``grad_accum`` micro-batches; returns the mean loss."""
-        timer, batches, accum = self.timer, self._batch_stream(), self.config.grad_accum
+        """One optimizer step over ``grad_accum`` micro-batches; returns the mean loss
+        (per loss unit over all ranks, when the workload declares units)."""
+        timer, accum, counter = self.timer, self.config.grad_accum, self.counter
+        # Weighing by loss units needs the whole step's count before the first backward.
+        ahead = [self._next_batch() for _ in range(accum)] if counter.weighs_loss else []
+        counts = counter.count([target for _, target in ahead]) if ahead else None
         losses, targets = [], []
         for micro in range(accum):
-            timer.wait_begin()
-            inputs, target = next(batches)
-            timer.wait_end()
-            timer.count_padding(self.workload.padding, inputs)
+            inputs, target = ahead[micro] if ahead else self._next_batch()
             targets.append(target)
             timer.compute.begin()
             losses.append(self.strategy.forward_backward(
-                inputs, target, self.workload.loss_fn, micro, accum, self.scaler))
+                inputs, target, weighted(self.workload.loss_fn, counts, micro), micro, accum,
+                self.scaler))
             timer.comm.end_if_begun()
             timer.compute.end()
         self.position.batches_consumed += accum
@@ -298,7 +298,7 @@ class Trainer:
         self._optimizer_step(math.isfinite(loss_value))
         timer.optimizer.end()
         self.position.step += 1
-        samples = self._samples_in(targets)
+        samples = counter.samples(targets, counts)
         self.position.samples_seen += samples
         window = timer.window
         window.steps += 1

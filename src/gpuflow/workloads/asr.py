@@ -87,13 +87,20 @@ def padding(inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, in
 
 
 def ctc_loss(outputs: dict[str, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
-    """CTC in fp32, summed over the batch and divided by its target characters, so each
-    character weighs the same whatever the size of its batch."""
+    """CTC in fp32, summed over the batch and divided by its target characters (not
+    torch's mean of per-utterance means), so each character weighs the same whatever the
+    length of its transcript; training weighs batches by :func:`target_characters`."""
     log_probs = torch.log_softmax(outputs["logits"].float(), dim=-1).transpose(0, 1)
     lengths = (target != IGNORE_INDEX).sum(dim=1)
     total = F.ctc_loss(log_probs, target.clamp(min=0), outputs["frames"], lengths, blank=0,
                        reduction="sum", zero_infinity=True)
     return total / lengths.sum().clamp(min=1)
+
+
+def target_characters(target: torch.Tensor) -> torch.Tensor:
+    """The loss units of a batch (``Workload.loss_units``): what :func:`ctc_loss` averages
+    over, so that ranks with more characters weigh more and DDP trains as one process."""
+    return (target != IGNORE_INDEX).sum()
 
 
 def error_metric(vocabulary: Vocabulary, unit: str, outputs: dict[str, torch.Tensor],
@@ -179,6 +186,7 @@ def build(data_dir: str | None = None, data: str = "real", model_size: str | Non
         train_dataset=train,
         val_dataset=val,
         loss_fn=ctc_loss,
+        loss_units=target_characters,
         metrics={"wer": partial(error_metric, vocabulary, "word"),
                  "cer": partial(error_metric, vocabulary, "char")},
         collate_fn=collate_utterances,
