@@ -1,16 +1,23 @@
 """The trainer's own parts: the optimizer it builds (fused where it can, its groups' settings
-restored by name across strategies) and how long a run without a length trains."""
+restored by name across strategies), how long a run without a length trains, and the end of
+a run: its checkpoint saved before the final evaluation, a stop signal on the last step
+included."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import signal
 from pathlib import Path
 
+import pytest
 import torch
+from runs import configs, events
 from user_workloads import mlp
 
 from gpuflow import TrainConfig
-from gpuflow.train.trainer import Trainer
+from gpuflow.errors import Preempted
+from gpuflow.train.trainer import Trainer, train
 from gpuflow.workloads import speech
 
 
@@ -86,3 +93,38 @@ def test_saved_optimizer_settings_follow_group_names_across_strategies() -> None
     unnamed = [{"weight_decay": 0.1, "lr": 0.5}, {"weight_decay": 0.0, "lr": 0.5}]
     both = [{"name": "decay", "params": ["a", "b"]}, {"name": "no_decay", "params": ["c"]}]
     assert [g["weight_decay"] for g in with_saved_settings(unnamed, both)] == [0.1, 0.0]
+
+
+ending = configs(max_steps=3, eval_every=0, log_every=1)
+
+
+def test_the_final_checkpoint_is_saved_before_the_final_evaluation(tmp_path: Path) -> None:
+    """A stop signal during the evaluation, which can outlast a grace period, loses no step."""
+    trainer = Trainer(mlp(), ending(tmp_path))
+    checkpoint_steps = []
+    evaluate = trainer.evaluate
+
+    def noting_the_checkpoint() -> dict[str, float]:
+        checkpoint_steps.append(trainer.state.last.step if trainer.state.last else None)
+        return evaluate()
+
+    trainer.evaluate = noting_the_checkpoint  # type: ignore[method-assign]
+    assert "val_loss" in trainer.fit().final_metrics
+    assert checkpoint_steps == [3]
+
+
+def test_a_stop_signal_on_the_last_step_saves_and_stops_before_evaluating(
+        tmp_path: Path) -> None:
+    config = ending(tmp_path)
+    trainer = Trainer(mlp(), config)
+    trainer.run_steps(2)
+    trainer.preemption.received = signal.SIGTERM  # as the handler notes one in the last step
+    with pytest.raises(Preempted, match="after step 3"):
+        trainer.fit()
+    assert trainer.state.last is not None and trainer.state.last.step == 3
+    assert [e["step"] for e in events(tmp_path, "preempted")] == [3]
+    assert not events(tmp_path, "eval")
+    # The requeued job has nothing left to train: it evaluates and writes the summary.
+    result = train(mlp(), dataclasses.replace(config, resume=True))
+    assert result.steps == 3 and "val_loss" in result.final_metrics
+    assert [e["step"] for e in events(tmp_path, "eval")] == [3]

@@ -329,7 +329,8 @@ class Trainer:
                 self.average.load_into_weights()
             if self.step % config.log_every == 0 or at_end:
                 self._log_window()
-            if self.preemption.stop_agreed and not at_end:
+            # Before evaluating, which can outlast the grace period; the last step included.
+            if self.preemption.stop_agreed:
                 raise self.preemption.stop(self.step, self.save_checkpoint, self.metrics.write)
             if config.eval_every and self.step % config.eval_every == 0 and not at_end:
                 self.evaluate()
@@ -337,16 +338,17 @@ class Trainer:
                 self.save_checkpoint()
 
     def fit(self) -> RunResult:
-        """Train to ``total_steps``, evaluate, save the final checkpoint and the summary."""
+        """Train to ``total_steps``, save the final checkpoint, evaluate, write the summary.
+        The checkpoint comes first: a stop signal during the evaluation then loses no step."""
         if self.is_main:
             self.progress.announce(record.banner(self.description))
         try:
             with self.preemption.handling():
                 self.run_steps(self.total_steps - self.step)
-                final = self.evaluate()
                 last = self.state.last
                 if self.config.save_checkpoints and (last is None or last.step != self.step):
                     self.save_checkpoint()
+                final = self.evaluate()
         finally:
             self.close()
         last = self.state.last
