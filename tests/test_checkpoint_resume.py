@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -100,15 +101,25 @@ def test_every_checkpoint_corrupt_is_a_clear_error(tmp_path: Path) -> None:
         Trainer(mlp(), config(run_dir, resume=True))
 
 
-def test_half_written_checkpoint_is_never_listed(tmp_path: Path) -> None:
+@pytest.mark.filterwarnings("ignore:torch.distributed is unavailable")
+@pytest.mark.parametrize("sharded", [False, True])
+def test_saves_killed_midway_are_never_listed_and_gone_after_the_next_save(
+        tmp_path: Path, sharded: bool) -> None:
+    """Either layout's save removes what any killed save left (a sharded one's folder was
+    kept before), ahead of counting its room."""
     directory = tmp_path / "checkpoints"
-    (directory / ".tmp-step-00000009-123").mkdir(parents=True)
-    (directory / ".tmp-step-00000009-123" / ckpt.MODEL_FILE).write_bytes(b"partial")
+    for leftover in (".tmp-step-00000009-sharded/state", ".tmp-step-00000008-123",
+                     f".tmp-step-00000007-{os.getpid()}"):
+        (directory / leftover).mkdir(parents=True)
+        (directory / leftover / ckpt.MODEL_FILE).write_bytes(b"partial")
     assert ckpt.list_checkpoints(directory) == []
-    model = torch.nn.Linear(2, 2)
-    saved = ckpt.save_checkpoint(directory, 3, model.state_dict(), {"step": 3}, keep=2)
-    assert saved.path.name == "step-00000003"
-    assert not list(directory.glob(".tmp-*"))
+    weights = torch.nn.Linear(2, 2).state_dict()
+    if sharded:
+        saved = ckpt.save_sharded_checkpoint(directory, 3, {"model": weights}, {"step": 3},
+                                             keep=2, is_main=True, gather=lambda view: [view])
+    else:
+        saved = ckpt.save_checkpoint(directory, 3, weights, {"step": 3}, keep=2)
+    assert [path.name for path in directory.iterdir()] == ["step-00000003"]
     assert ckpt.verify_checkpoint(saved)["step"] == 3
 
 

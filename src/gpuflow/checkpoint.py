@@ -168,9 +168,9 @@ def save_checkpoint(directory: Path, step: int, model_state: Mapping[str, torch.
     tmp = directory / f".tmp-{PREFIX}{step:08d}-{os.getpid()}"
     needed = storage.tensor_bytes(dict(model_state)) + storage.tensor_bytes(trainer_state)
     with storage.guarded(final, ADVICE, needed):
-        storage.ensure_room(directory, needed, ADVICE)
         try:
             _fresh_folder(directory, tmp)
+            storage.ensure_room(directory, needed, ADVICE)
             digest = write_safetensors(tmp / MODEL_FILE, model_state, {"step": str(step)})
             _seal(directory, tmp, step, trainer_state, {MODEL_FILE: digest})
         except BaseException:
@@ -200,12 +200,14 @@ def save_sharded_checkpoint(directory: Path, step: int, state: dict[str, Any],
     own += storage.tensor_bytes(trainer_state) if is_main else 0
     try:
         setup = _attempt(lambda: _fresh_folder(directory, tmp) if is_main else None, final)
-        views = gather((own, shared, storage.free_bytes(directory), setup))
-        total = (sum(view[0] for view in views)  # plain tensors: each key once
-                 + sum({key: size for view in views for key, size in view[1].items()}.values()))
-        failed = next((view[3] for view in views if view[3] is not None), None)
-        if failed is None and min(view[2] for view in views) < total:
-            failed = storage.storage_error(errno.ENOSPC, final, total, ADVICE)
+        failed = next((error for error in gather(setup) if error is not None), None)
+        if failed is None:  # the room, measured once killed saves' leftovers are gone
+            views = gather((own, shared, storage.free_bytes(directory)))
+            total = (sum(view[0] for view in views)  # plain tensors: each key once
+                     + sum({key: size for view in views for key, size in view[1].items()}
+                           .values()))
+            if min(view[2] for view in views) < total:
+                failed = storage.storage_error(errno.ENOSPC, final, total, ADVICE)
         if failed is None:
             with storage.guarded(final, ADVICE, total):
                 dcp.save(state, storage_writer=_shard_writer(tmp / STATE_DIR))
@@ -259,8 +261,11 @@ def _attempt(action: Callable[[], object], final: Path) -> Exception | None:
 
 
 def _fresh_folder(directory: Path, tmp: Path) -> None:
+    """An empty ``tmp``, once the temporary folders of saves killed midway are gone: never
+    listed nor loaded, they would still take the room this save needs."""
     directory.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(tmp, ignore_errors=True)
+    for leftover in directory.glob(f".tmp-{PREFIX}*"):
+        shutil.rmtree(leftover, ignore_errors=True)
     tmp.mkdir()
 
 
@@ -302,9 +307,6 @@ def _prune(directory: Path, keep: int) -> None:
     never leaves fewer good checkpoints than before."""
     for stale in list_checkpoints(directory)[keep:]:
         shutil.rmtree(stale.path, ignore_errors=True)
-    for leftover in directory.glob(f".tmp-{PREFIX}*"):
-        if not leftover.name.endswith((f"-{os.getpid()}", "-sharded")):
-            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def list_checkpoints(directory: Path) -> list[Checkpoint]:
