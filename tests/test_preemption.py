@@ -19,7 +19,13 @@ from runs import events, step_records
 
 from gpuflow import checkpoint as ckpt
 from gpuflow.config import build_config
-from gpuflow.errors import EXIT_PREEMPTED
+from gpuflow.errors import EXIT_PREEMPTED, UserError
+from gpuflow.parallel.launch import (
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    SHUTDOWN_TIMEOUT_ENV,
+    LaunchSpec,
+    launch,
+)
 from gpuflow.train.preemption import Preemption
 
 TOTAL_STEPS = 30
@@ -55,6 +61,25 @@ def test_no_save_on_signal_leaves_the_signals_alone() -> None:
     before = signal.getsignal(signal.SIGTERM)
     with preemption.handling():
         assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_the_agent_gives_signalled_workers_time_to_save(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's agent SIGKILLs its workers 30 s after passing a signal on, unless told
+    otherwise: shorter than a large save (docs/checkpoints.md's table)."""
+    import torch.distributed.launcher.api as elastic
+
+    given: list[int | None] = []
+    monkeypatch.setattr(elastic, "elastic_launch", lambda config, entrypoint: (
+        lambda *argv: given.append(config.shutdown_timeout)))
+    monkeypatch.delenv(SHUTDOWN_TIMEOUT_ENV, raising=False)
+    launch(LaunchSpec(nproc=2), ["train"])
+    monkeypatch.setenv(SHUTDOWN_TIMEOUT_ENV, "45")
+    launch(LaunchSpec(nproc=2), ["train"])
+    assert given == [DEFAULT_SHUTDOWN_TIMEOUT_S, 45] and DEFAULT_SHUTDOWN_TIMEOUT_S >= 120
+    monkeypatch.setenv(SHUTDOWN_TIMEOUT_ENV, "2m")
+    with pytest.raises(UserError, match="TORCH_ELASTIC_SHUTDOWN_TIMEOUT='2m' is not a whole"):
+        launch(LaunchSpec(nproc=2), ["train"])
 
 
 # Loaders of both kinds with workers, a SIGTERM to every worker from another process (as a

@@ -7,6 +7,7 @@ workers, restarts them on failure (``max_restarts``) and rendezvouses nodes over
 from __future__ import annotations
 
 import hashlib
+import os
 import signal
 import sys
 import uuid
@@ -17,6 +18,11 @@ from gpuflow.errors import EXIT_PREEMPTED, EXIT_USER_ERROR, Preempted, UserError
 
 # Besides torchelastic's own: Slurm's --signal=USR1@T is passed on to the workers too.
 AGENT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+# How long the signalled agent waits for its workers to write their checkpoint and exit
+# before it SIGKILLs them: torch's own default (30 s) is shorter than a large save takes,
+# and the scheduler's grace period, which ends the agent too, is the real bound.
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+DEFAULT_SHUTDOWN_TIMEOUT_S = 300
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,7 @@ def launch(spec: LaunchSpec, worker_argv: Sequence[str]) -> None:
     from gpuflow.parallel.env import free_port
 
     spec.validate()
+    grace = shutdown_timeout()
     endpoint = spec.rdzv_endpoint or f"127.0.0.1:{free_port()}"
     rdzv_configs: dict[str, object] = {"timeout": 300}
     if spec.nnodes > 1:
@@ -65,12 +72,13 @@ def launch(spec: LaunchSpec, worker_argv: Sequence[str]) -> None:
         max_restarts=spec.max_restarts,
         monitor_interval=0.5,
         signals_to_handle=AGENT_SIGNALS,
+        shutdown_timeout=grace,
     )
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "gpuflow.cli", *worker_argv)
     except SignalException as exc:
-        # The agent passed the signal on and waited (up to TORCH_ELASTIC_SHUTDOWN_TIMEOUT,
-        # 30 s) for the workers to save their checkpoint and exit.
+        # The agent passed the signal on and waited (up to ``grace``) for the workers to
+        # save their checkpoint and exit.
         raise Preempted(f"the job got {exc.sigval.name} and passed it to its workers; their "
                         "lines above say where they stopped (none with "
                         "--no-save-on-signal).") from None
@@ -87,6 +95,20 @@ def launch(spec: LaunchSpec, worker_argv: Sequence[str]) -> None:
             f"{_signal_name(first.exitcode)} first{stopped}. Its own error, if it printed one, "
             "is above."
         ) from None
+
+
+def shutdown_timeout() -> int:
+    """Seconds the agent gives signalled workers: $TORCH_ELASTIC_SHUTDOWN_TIMEOUT, torchrun's
+    own setting, or gpuflow's default."""
+    raw = os.environ.get(SHUTDOWN_TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_SHUTDOWN_TIMEOUT_S
+    if not raw.strip().isdigit():
+        raise UserError(f"{SHUTDOWN_TIMEOUT_ENV}={raw!r} is not a whole number of seconds: "
+                        "it is how long the launcher lets signalled workers save a checkpoint "
+                        f"before SIGKILL. Set it to 0 or more, or unset it for "
+                        f"{DEFAULT_SHUTDOWN_TIMEOUT_S} s.")
+    return int(raw)
 
 
 def _default_run_id(spec: LaunchSpec, endpoint: str) -> str:
