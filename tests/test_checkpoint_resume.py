@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -10,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from conftest import ROOT, cli_env, sigkill_at_gate
 from runs import configs, newest_weights, step_records
 from user_workloads import gated_digits, mlp
@@ -17,6 +20,9 @@ from user_workloads import gated_digits, mlp
 from gpuflow import Trainer, train
 from gpuflow import checkpoint as ckpt
 from gpuflow.cli import main
+from gpuflow.parallel import state as parallel_state
+from gpuflow.parallel.env import free_port
+from gpuflow.train.averaging import STATE_KEY, WeightAverage
 from gpuflow.train.trainer import seed_everything
 
 config = configs(max_steps=12, batch_size=32, log_every=3, eval_every=0, warmup_steps=3)
@@ -145,3 +151,56 @@ def test_nonfinite_loss_stops_with_exit_3_and_keeps_last_good_checkpoint(
     ckpt.verify_checkpoint(checkpoints[0])
     assert all(torch.isfinite(t).all() for t in newest_weights(run_dir).values())
     assert not (run_dir / "summary.json").exists()
+
+
+def _averaged_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   average: WeightAverage, inputs: torch.Tensor) -> None:
+    model(inputs).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    average.update()
+
+
+def _ema_resume_worker(rank: int, port: int, out: str) -> None:
+    """A one-process run's weights, optimizer and weight average (two steps), loaded into
+    the same model sharded over two ranks, one more step on each."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+    )
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    alone, inputs = torch.nn.Linear(8, 8), torch.randn(4, 8)
+    sharded = fully_shard(torch.nn.Linear(8, 8))
+    runs = []
+    for model in (alone, sharded):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        runs.append((model, optimizer, WeightAverage(optimizer, 0.5)))
+    for _ in range(2):
+        _averaged_step(*runs[0], inputs)
+    # What a one-process checkpoint holds, on every rank (full_state() gives rank 0 alone),
+    # copied as a file would be: the one-process run goes on updating its own.
+    saved = copy.deepcopy((alone.state_dict(), get_optimizer_state_dict(
+        alone, runs[0][1], options=StateDictOptions(full_state_dict=True))))
+    parallel_state.load(sharded, saved[0], runs[1][1], saved[1], full=True)
+    for run in runs:  # the sharded run's step failed: a whole average and sharded weights
+        _averaged_step(*run, inputs)
+    expected = runs[0][1].state[alone.weight][STATE_KEY]
+    got = runs[1][1].state[sharded.weight][STATE_KEY]
+    Path(f"{out}.{rank}").write_text(json.dumps(
+        [type(got).__name__, torch.equal(got.full_tensor(), expected)]))
+    dist.destroy_process_group()
+
+
+def test_a_weight_average_from_one_process_resumes_sharded(tmp_path: Path) -> None:
+    """`gpuflow train --ema-decay D` saved by one process and resumed with `--nproc 2
+    --strategy fsdp` crashed in torch._foreach_lerp_ (a plain average, DTensor weights)."""
+    out = str(tmp_path / "ema")
+    mp.start_processes(_ema_resume_worker, args=(free_port(), out), nprocs=2,
+                       start_method="fork")  # nothing to import again
+    for rank in (0, 1):
+        assert json.loads(Path(f"{out}.{rank}").read_text()) == ["DTensor", True]

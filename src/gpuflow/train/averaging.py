@@ -16,6 +16,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 STATE_KEY = "ema"
@@ -36,10 +37,21 @@ class WeightAverage:
         state = self.optimizer.state
         averaged = [p for p in self.params if STATE_KEY in state[p]]
         if averaged:
-            self._lerp([state[p][STATE_KEY] for p in averaged], averaged, None)
+            self._lerp([self._average_of(p) for p in averaged], averaged, None)
         for p in self.params:
             if STATE_KEY not in state[p]:
                 state[p][STATE_KEY] = p.detach().clone()
+
+    def _average_of(self, param: torch.Tensor) -> torch.Tensor:
+        """``param``'s average, placed like it: loaded from a one-process checkpoint into
+        sharded parameters, the average is still the whole tensor (torch's full-state
+        loading shards only the optimizer's own entries), so this rank keeps its shard."""
+        average = self.optimizer.state[param][STATE_KEY]
+        if isinstance(param, DTensor) and not isinstance(average, DTensor):
+            average = distribute_tensor(average.to(param.to_local().device), param.device_mesh,
+                                        param.placements, src_data_rank=None)
+            self.optimizer.state[param][STATE_KEY] = average
+        return average
 
     @property
     def started(self) -> bool:
@@ -49,7 +61,7 @@ class WeightAverage:
     def load_into_weights(self) -> None:
         """Make the average the model's weights (the end of a run)."""
         if self.started:
-            copy_each(self.params, [self.optimizer.state[p][STATE_KEY] for p in self.params])
+            copy_each(self.params, [self._average_of(p) for p in self.params])
 
     @contextlib.contextmanager
     def weights_swapped_in(self) -> Iterator[None]:
