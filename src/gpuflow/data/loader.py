@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
+import atexit
+import multiprocessing
 import signal
-import threading
 from collections.abc import Callable, Iterable, Iterator
-from functools import partial
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -43,36 +43,40 @@ def batches_per_epoch(dataset: Dataset, batch_size: int, world_size: int = 1) ->
     return count
 
 
-STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGUSR1})
-
-
 def worker_init(num_workers: int) -> Callable[[int], None] | None:
-    """The ``worker_init_fn`` of every loader of a run (training and evaluation): the
-    workers outlive the stop signals of a preemption, but not their own trainer's stop."""
-    return partial(outlive_stop_signals, os.getpid()) if num_workers > 0 else None
+    """The ``worker_init_fn`` of every loader of a run (training and evaluation)."""
+    return outlive_stop_signals if num_workers > 0 else None
 
 
-def outlive_stop_signals(trainer: int, worker_id: int) -> None:
-    """A worker ignores SIGTERM and SIGUSR1 from anyone but ``trainer``: a scheduler may
-    signal the whole process group, and the trainer decides when to stop
-    (``gpuflow.train.preemption``) and still needs batches until then. The trainer's own
-    SIGTERM still ends it: multiprocessing's ``terminate()`` then an unbounded ``join()``
-    is how the trainer's interpreter stops workers at exit, and a worker that ignored it
-    would keep the trainer from ever exiting. Where the sender cannot be told (no
-    ``sigwaitinfo``, macOS), only SIGUSR1 is ignored."""
-    if not hasattr(signal, "sigwaitinfo"):
-        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-        return
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # inherited by later threads
-    threading.Thread(target=_exit_on_stop_from, args=(trainer,), daemon=True,
-                     name="stop-signals").start()
+def outlive_stop_signals(worker_id: int) -> None:
+    """A worker ignores SIGTERM and SIGUSR1, which a scheduler may send the whole process
+    group: the trainer decides when to stop (``gpuflow.train.preemption``) and still needs
+    batches until then. (:func:`_kill_workers_at_exit` ends them when the trainer exits.)"""
+    for stop in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(stop, signal.SIG_IGN)
 
 
-def _exit_on_stop_from(trainer: int) -> None:
-    while True:
-        info = signal.sigwaitinfo(STOP_SIGNALS)
-        if info.si_signo == signal.SIGTERM and info.si_pid == trainer:
-            os._exit(128 + signal.SIGTERM)  # what the default action reports, near enough
+@atexit.register  # after multiprocessing's own handler, so it runs before it
+def _kill_workers_at_exit() -> None:
+    """At exit Python's multiprocessing stops daemon children with SIGTERM, then waits for
+    them without a limit, and torch's own loader shutdown does nothing by then: a worker
+    that ignores SIGTERM would keep a trainer that still holds a loader (an uncaught
+    error's traceback, pytest's reports) from ever exiting. SIGKILL those first."""
+    for child in multiprocessing.active_children():
+        if child.daemon and _ignores_sigterm(child.pid):
+            child.kill()
+            child.join()
+
+
+def _ignores_sigterm(pid: int | None) -> bool:
+    """From /proc (Linux); False where it cannot be read."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    ignored = next((line.split()[1] for line in status.splitlines()
+                    if line.startswith("SigIgn:")), "0")
+    return bool(int(ignored, 16) >> (signal.SIGTERM - 1) & 1)
 
 
 def train_batches(dataset: Dataset, batch_size: int, collate: Any, seed: int,
