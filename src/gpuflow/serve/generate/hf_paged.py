@@ -18,6 +18,7 @@ import torch
 from transformers import Cache
 from transformers.cache_utils import CacheLayerMixin
 
+from gpuflow.serve.generate.blocks import blocks_for
 from gpuflow.serve.generate.paged import KVPool, StepBatch, gather, write_kv
 
 
@@ -53,7 +54,7 @@ class PagedRows:
             at = [row * length + t for row in range(end - first)
                   for t in range(starts[row + 1] - starts[row])]
             padded_at = torch.tensor(at, dtype=torch.long).to(batch.tokens.device)
-        width = -(-max(batch.host_context_lens[first:end]) // batch.block_size)
+        width = blocks_for(max(batch.host_context_lens[first:end]), batch.block_size)
         tokens = slice(starts[0], starts[-1])
         return cls(batch.slot_mapping[tokens], padded_at, batch.block_tables[first:end, :width],
                    length, tokens)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from gpuflow.serve.generate.blocks import blocks_for
 from gpuflow.serve.generate.paged import NULL_BLOCK, KVPool, PagedLM, RowSpec, StepBatch
 from gpuflow.serve.model import batch_buckets
 
@@ -34,7 +35,7 @@ class ModelRunner:
                  cuda_graphs: bool = False) -> None:
         self.lm, self.block_size = lm, block_size
         self.pool: KVPool = lm.new_pool(num_blocks, block_size)
-        self.max_blocks = -(-lm.context // block_size)  # a whole context's block table
+        self.max_blocks = blocks_for(lm.context, block_size)  # a whole context's block table
         self.compiled = compile or cuda_graphs
         self.buckets = batch_buckets(max_num_seqs) if bucketed or self.compiled else None
         # As the predict path's Runner: no CUDA graphs off CUDA (describe() says so).
