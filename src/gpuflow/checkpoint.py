@@ -203,9 +203,7 @@ def save_sharded_checkpoint(directory: Path, step: int, state: dict[str, Any],
         failed = next((error for error in gather(setup) if error is not None), None)
         if failed is None:  # the room, measured once killed saves' leftovers are gone
             views = gather((own, shared, storage.free_bytes(directory)))
-            total = (sum(view[0] for view in views)  # plain tensors: each key once
-                     + sum({key: size for view in views for key, size in view[1].items()}
-                           .values()))
+            total = storage.sharded_save_bytes([view[:2] for view in views])
             if min(view[2] for view in views) < total:
                 failed = storage.storage_error(errno.ENOSPC, final, total, ADVICE)
         if failed is None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import errno
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -68,6 +68,12 @@ def shard_bytes(state: Any) -> tuple[int, dict[str, int]]:
             own += tensor_bytes(tensor.to_local())
     return own, shared
 
+
+def sharded_save_bytes(views: Sequence[tuple[int, dict[str, int]]]) -> int:
+    """The bytes a sharded save writes over all ranks, from each rank's
+    :func:`shard_bytes`: every rank's own shards, and each plain tensor's key once."""
+    shared = {key: size for _, by_key in views for key, size in by_key.items()}
+    return sum(own for own, _ in views) + sum(shared.values())
 
 def _tensors(value: Any, key: str) -> Iterator[tuple[str, torch.Tensor]]:
     if isinstance(value, torch.Tensor):
