@@ -79,6 +79,20 @@ def register(commands: argparse._SubParsersAction) -> None:
     add("--cuda-graphs", action="store_true",
         help="CUDA only: capture CUDA graphs for the fixed buckets, decode steps included "
              "(implies --compile)")
+    add_engine_flags(parser)
+    add("--workers", type=int, default=1,
+        help="server processes, each with its own copy of the model (default 1)")
+    add("--threads", type=int,
+        help="torch intra-op threads per worker (default: torch's choice, one per core); "
+             "keep workers x threads within the cores")
+    add("--token", help=f"bearer token every request must carry (or ${TOKEN_ENV})")
+    add("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.set_defaults(handler=run)
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """The language-model engine's KV cache and scheduling flags."""
+    add = parser.add_argument
     add("--kv-cache-gib", type=float,
         help="language models: memory for the paged KV cache, in blocks; admission counts "
              "blocks, up to --max-batch-size sequences at once (default: half the GPU's free "
@@ -96,14 +110,6 @@ def register(commands: argparse._SubParsersAction) -> None:
     add("--no-chunked-prefill", dest="chunked_prefill", action="store_false",
         help="language models: prefill each prompt whole in one step (the step's token "
              "budget is then raised to the model's context)")
-    add("--workers", type=int, default=1,
-        help="server processes, each with its own copy of the model (default 1)")
-    add("--threads", type=int,
-        help="torch intra-op threads per worker (default: torch's choice, one per core); "
-             "keep workers x threads within the cores")
-    add("--token", help=f"bearer token every request must carry (or ${TOKEN_ENV})")
-    add("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    parser.set_defaults(handler=run)
 
 
 def _is_loopback(host: str) -> bool:
