@@ -73,6 +73,10 @@ def register(commands: argparse._SubParsersAction) -> None:
         type=lambda name: DTYPES.get(name, name), choices=["fp32", "bf16", "fp16"],
         help="inference autocast dtype: fp32, bf16 or fp16 (also spelled float32, bfloat16, "
              "float16, half; default fp32)")
+    add("--quantize", metavar="int8",
+        help="int8: weight-only quantization of the linear layers through torchao (per-row "
+             "scales; activations keep --precision; needs torchao, pip install "
+             "'gpuflow[fp8]'); default: weights as saved")
     add("--compile", action="store_true",
         help="torch.compile the model for each batch bucket, and for language models the "
              "decode step of /v1/completions for each bucket of active sequences")
@@ -125,6 +129,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     import uvicorn
 
     from gpuflow.serve.model import check_source
+    from gpuflow.serve.quantize import quantization_api
     from gpuflow.serve.settings import SETTINGS_ENV, ServeSettings, settings_json
 
     token = args.token or os.environ.get(TOKEN_ENV) or None
@@ -143,6 +148,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         raise UserError("--max-wait-ms and --inline-below-ms must be 0 or more, "
                         "--timeout-ms and --ttft-timeout-ms positive.")
     check_source(Path(args.source))  # exit code 2 on a wrong path, before uvicorn starts
+    if args.quantize is not None:
+        quantization_api(args.quantize)  # an unknown scheme, or no torchao: exit code 2
     if args.chat_template is not None and not args.chat_template.is_file():
         raise UserError(f"--chat-template {args.chat_template} is not a file.")
     settings = ServeSettings(
@@ -150,7 +157,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms,
         inline_below_ms=args.inline_below_ms, max_queue=args.max_queue, timeout_ms=args.timeout_ms,
         max_body_bytes=args.max_body_bytes, device=args.device, precision=args.precision,
-        compile=args.compile or args.cuda_graphs, cuda_graphs=args.cuda_graphs, token=token,
+        compile=args.compile or args.cuda_graphs, cuda_graphs=args.cuda_graphs,
+        quantize=args.quantize, token=token,
         threads=args.threads, workers=args.workers, kv_cache_gib=args.kv_cache_gib,
         block_size=args.block_size, prefix_cache=args.prefix_cache,
         chunked_prefill=args.chunked_prefill,
@@ -166,7 +174,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         os.environ[SETTINGS_ENV] = settings_json(settings)
         print(f"gpuflow serve: http://{args.host}:{args.port} (API docs at /docs); "
               f"{args.workers} worker(s), batches of up to {args.max_batch_size}, "
-              f"{args.precision}; /readyz turns 200 after warm-up", flush=True)
+              f"{args.precision}" + (f", {args.quantize} weights" if args.quantize else "")
+              + "; /readyz turns 200 after warm-up", flush=True)
         uvicorn.run("gpuflow.serve.app:app_from_env", factory=True, host=args.host,
                     port=args.port, workers=args.workers, log_level=args.log_level)
         if not failure.is_file():

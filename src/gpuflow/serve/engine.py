@@ -20,6 +20,7 @@ class EngineOptions:
     compile: bool = False
     cuda_graphs: bool = False
     max_batch_size: int = 32
+    quantize: str | None = None  # "int8": the linear weights, through torchao
 
 
 class Engine:
@@ -30,7 +31,7 @@ class Engine:
         self.options = options
         self.codec: Codec = make_codec(loaded.workload, loaded.serving_state)
         self.runner = Runner(loaded.model, options.device, options.precision,
-                             options.compile, options.cuda_graphs)
+                             options.compile, options.cuda_graphs, options.quantize)
         self.buckets = batch_buckets(options.max_batch_size)
 
     @classmethod

@@ -33,6 +33,7 @@ from gpuflow.errors import UserError
 from gpuflow.hf import is_hf_model
 from gpuflow.model_dir import TOKENIZER_FILES, ModelDirectory, is_model_directory
 from gpuflow.precision import PrecisionPolicy, make_policy
+from gpuflow.serve.quantize import Quantized, quantize_weights
 from gpuflow.serving import RUN_CONFIG_FILE, SERVING_FILE
 from gpuflow.workload import Workload, call_model, is_builtin, resolve_workload
 
@@ -279,14 +280,16 @@ def batch_buckets(max_batch_size: int) -> list[int]:
 class Runner:
     """Calls the model on a device, in a precision, under ``torch.inference_mode``.
 
-    ``compile`` uses ``torch.compile``; on CUDA with ``cuda_graphs`` it compiles with
-    ``mode="reduce-overhead"``, which captures a CUDA graph per input shape, so the fixed
-    batch buckets replay as graphs. On a CPU there are no CUDA graphs and the model runs
-    without them (``describe()`` says so).
+    ``quantize`` (``"int8"``) quantizes the linear weights on the device, before any
+    compile (``gpuflow.serve.quantize``). ``compile`` uses ``torch.compile``; on CUDA with
+    ``cuda_graphs`` it compiles with ``mode="reduce-overhead"``, which captures a CUDA graph
+    per input shape, so the fixed batch buckets replay as graphs. On a CPU there are no CUDA
+    graphs and the model runs without them (``describe()`` says so).
     """
 
     def __init__(self, model: nn.Module, device: str = "auto", precision: str = "fp32",
-                 compile: bool = False, cuda_graphs: bool = False) -> None:
+                 compile: bool = False, cuda_graphs: bool = False,
+                 quantize: str | None = None) -> None:
         self.device = resolve_device(device)
         self.policy: PrecisionPolicy = make_policy(precision, self.device)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
@@ -296,6 +299,7 @@ class Runner:
         if self.device.type == "cpu" and precision == "fp16":
             self.notes.append("fp16 autocast on a CPU without native fp16 is slower than fp32")
         model = model.to(self.device)
+        self.quantized: Quantized | None = quantize_weights(model, quantize) if quantize else None
         self.compiled = compile or self.cuda_graphs
         if self.compiled:
             mode = "reduce-overhead" if self.cuda_graphs else None
@@ -312,6 +316,8 @@ class Runner:
         dtype = self.policy.autocast_dtype
         text = f"{self.device}, " + ("fp32" if dtype is None
                                       else f"{self.policy.name} autocast over fp32 weights")
+        if self.quantized is not None:
+            text += f", {self.quantized.describe()}"
         if self.compiled:
             text += ", compiled" + (" with CUDA graphs" if self.cuda_graphs else "")
         return "; ".join([text, *self.notes])

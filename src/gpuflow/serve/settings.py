@@ -33,6 +33,7 @@ class ServeSettings:
     precision: str = "fp32"
     compile: bool = False
     cuda_graphs: bool = False
+    quantize: str | None = None  # "int8": linear weights through torchao (serve/quantize.py)
     token: str | None = None
     threads: int | None = None
     retry_after_s: int = 1
@@ -67,7 +68,7 @@ class ServeSettings:
 
     def engine_options(self) -> EngineOptions:
         return EngineOptions(self.device, self.precision, self.compile, self.cuda_graphs,
-                             self.max_batch_size)
+                             self.max_batch_size, self.quantize)
 
 
 def settings_json(settings: ServeSettings) -> str:

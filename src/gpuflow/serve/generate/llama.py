@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -54,7 +55,9 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 # Attention of one layer: rotated q, k and v [N, heads, head_dim], the layer, its scale.
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
-Dense = tuple[torch.Tensor, torch.Tensor | None]  # a linear layer's weight, transposed, and bias
+# A linear layer's weight, transposed, and bias; or the layer itself when its weight is a
+# tensor subclass (a torchao quantized one, ``--quantize``), whose own ``F.linear`` multiplies.
+Dense = tuple[torch.Tensor, torch.Tensor | None] | nn.Linear
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # cos/sin depend on the position only
 MAX_TABLE = 2**22  # cos (and sin) values kept for the whole context at most: 16 MiB in fp32
 
@@ -62,6 +65,8 @@ MAX_TABLE = 2**22  # cos (and sin) values kept for the whole context at most: 16
 def _dense(x: torch.Tensor, layer: Dense) -> torch.Tensor:
     """``F.linear`` of a 2-D ``x`` as one matrix product: ``F.linear`` on ``[B, T, D]``
     costs a transpose, a reshape and a view besides, at every call."""
+    if isinstance(layer, nn.Linear):
+        return layer(x)
     weight_t, bias = layer
     return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
 
@@ -85,6 +90,8 @@ class _Layer:
     @classmethod
     def of(cls, layer: nn.Module) -> _Layer:
         def linear(module: nn.Linear) -> Dense:
+            if is_traceable_wrapper_subclass(module.weight):
+                return module
             return module.weight.t(), module.bias
 
         attention, mlp = layer.self_attn, layer.mlp
