@@ -114,6 +114,17 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     add("--no-chunked-prefill", dest="chunked_prefill", action="store_false",
         help="language models: prefill each prompt whole in one step (the step's token "
              "budget is then raised to the model's context)")
+    add("--num-speculative-tokens", type=int, default=0, metavar="K",
+        help="language models: speculative decoding: draft K tokens after each decoding "
+             "sequence's last and verify them in one forward (greedy text unchanged, "
+             "sampled text keeps the model's distribution); drafted by --draft-model, or "
+             "else by prompt lookup (default 0: off)")
+    add("--draft-model", metavar="DIR|RUN",
+        help="language models: a smaller model with the served model's tokenizer that "
+             "drafts the --num-speculative-tokens tokens")
+    add("--prompt-lookup-max", type=int, default=3, metavar="N",
+        help="language models: prompt lookup drafts what followed the latest earlier "
+             "occurrence of the last N tokens (then N-1, down to 1; default 3)")
 
 
 def _is_loopback(host: str) -> bool:
@@ -138,9 +149,17 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                         f"--token TOKEN (or set {TOKEN_ENV}) so that every request must carry "
                         "'Authorization: Bearer TOKEN'.")
     for name in ("max_batch_size", "max_queue", "workers", "max_body_bytes", "threads",
-                 "max_model_len", "block_size", "max_num_batched_tokens"):
+                 "max_model_len", "block_size", "max_num_batched_tokens",
+                 "prompt_lookup_max"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1.")
+    if args.num_speculative_tokens < 0:
+        raise UserError("--num-speculative-tokens must be 0 (off) or more.")
+    if args.draft_model is not None:
+        if not args.num_speculative_tokens:
+            raise UserError("--draft-model drafts --num-speculative-tokens tokens: give "
+                            "--num-speculative-tokens K (5 is common).")
+        check_source(Path(args.draft_model))
     if args.kv_cache_gib is not None and args.kv_cache_gib <= 0:
         raise UserError("--kv-cache-gib must be positive.")
     if args.max_wait_ms < 0 or args.timeout_ms <= 0 or args.inline_below_ms < 0 \
@@ -166,7 +185,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         ttft_timeout_ms=args.ttft_timeout_ms,
         served_model_name=tuple(args.served_model_name or ()),
         chat_template=str(args.chat_template) if args.chat_template else None,
-        max_model_len=args.max_model_len)
+        max_model_len=args.max_model_len,
+        num_speculative_tokens=args.num_speculative_tokens,
+        draft_model=args.draft_model, prompt_lookup_max=args.prompt_lookup_max)
     settings.check_device()
     with tempfile.TemporaryDirectory(prefix="gpuflow-serve-") as scratch:
         failure = Path(scratch) / "failure.json"

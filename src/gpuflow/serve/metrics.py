@@ -15,8 +15,9 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 class ServeMetrics:
     """Requests by status, end-to-end / queue / compute time, batch sizes, queue and
     in-flight; for generation, time to first token, inter-token latency, generated tokens,
-    running and waiting sequences, KV cache blocks in use, preemptions, and the prefix
-    cache's lookups, hits and hit rate."""
+    running and waiting sequences, KV cache blocks in use, preemptions, the prefix
+    cache's lookups, hits and hit rate, and speculative decoding's drafted and accepted
+    tokens and acceptance rate."""
 
     def __init__(self, max_batch_size: int) -> None:
         self.registry = CollectorRegistry()
@@ -70,7 +71,14 @@ class ServeMetrics:
         self.prefix_hit_rate = Gauge("gpuflow_prefix_cache_hit_rate",
                                      "Share of looked-up prompt tokens found cached (0-1)",
                                      registry=reg)
-        self._totals = (0, 0, 0)  # preemptions, prefix queries and hits counted so far
+        self.drafted = Counter("gpuflow_spec_decode_draft_tokens",
+                               "Tokens drafted for speculative decoding", registry=reg)
+        self.accepted = Counter("gpuflow_spec_decode_accepted_tokens",
+                                "Drafted tokens the model accepted", registry=reg)
+        self.acceptance_rate = Gauge("gpuflow_spec_decode_acceptance_rate",
+                                     "Share of drafted tokens accepted (0-1)", registry=reg)
+        # Preemptions, prefix queries and hits, drafted and accepted tokens counted so far.
+        self._totals = (0, 0, 0, 0, 0)
 
     def first_token(self, seconds: float) -> None:
         self.first_token_time.observe(seconds)
@@ -87,14 +95,17 @@ class ServeMetrics:
         self.kv_blocks_used.set(now.blocks_used)
         self.kv_blocks_total.set(now.blocks_total)
         self.kv_cache_usage.set(now.blocks_used / now.blocks_total if now.blocks_total else 0.0)
-        totals = (now.preemptions, now.prefix_queries, now.prefix_hits)
-        for counter, total, counted in zip((self.preemptions, self.prefix_queries,
-                                            self.prefix_hits), totals, self._totals,
-                                           strict=True):
+        totals = (now.preemptions, now.prefix_queries, now.prefix_hits, now.drafted,
+                  now.accepted)
+        counters = (self.preemptions, self.prefix_queries, self.prefix_hits, self.drafted,
+                    self.accepted)
+        for counter, total, counted in zip(counters, totals, self._totals, strict=True):
             counter.inc(total - counted)
         self._totals = totals
         if now.prefix_queries:
             self.prefix_hit_rate.set(now.prefix_hits / now.prefix_queries)
+        if now.drafted:
+            self.acceptance_rate.set(now.accepted / now.drafted)
 
     def batch_formed(self, rows: int) -> None:
         self.batch_size.observe(rows)

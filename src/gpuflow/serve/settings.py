@@ -48,6 +48,9 @@ class ServeSettings:
     served_model_name: tuple[str, ...] = ()  # the first is the one answers name
     chat_template: str | None = None  # a Jinja file that replaces the model's own
     max_model_len: int | None = None
+    num_speculative_tokens: int = 0  # drafted per decoding sequence a step (0: none)
+    draft_model: str | None = None  # drafts them; None: prompt lookup
+    prompt_lookup_max: int = 3
 
     def check_device(self) -> None:
         """Refuse --cuda-graphs where the model will not run on a CUDA device, rather than
@@ -64,7 +67,8 @@ class ServeSettings:
         """The generation engine's: ``--max-batch-size`` sequences running at once."""
         return EngineLimits(self.max_batch_size, self.max_queue, self.kv_cache_gib,
                             self.block_size, self.prefix_cache, self.max_num_batched_tokens,
-                            self.chunked_prefill)
+                            self.chunked_prefill, self.num_speculative_tokens,
+                            self.prompt_lookup_max)
 
     def engine_options(self) -> EngineOptions:
         return EngineOptions(self.device, self.precision, self.compile, self.cuda_graphs,

@@ -37,6 +37,7 @@ from gpuflow.serve.generate.engine import GenerationEngine
 from gpuflow.serve.generate.models import refusal
 from gpuflow.serve.generate.tokenizer import HFTokenizer, load_tokenizer
 from gpuflow.serve.metrics import ServeMetrics
+from gpuflow.serve.model import load_model
 from gpuflow.serve.settings import ServeSettings
 
 log = logging.getLogger("gpuflow.serve")
@@ -184,9 +185,11 @@ class ServerState:
         byte its packs put between documents."""
         settings, loaded = self.settings, engine.loaded
         directory = loaded.directory
+        draft = self._draft_model(engine)
         if directory is None:
             return build_generator(loaded.model, engine.runner, settings.engine_limits(),
-                                   self.metrics, eos_ids=(END_OF_DOCUMENT,))
+                                   self.metrics, eos_ids=(END_OF_DOCUMENT,),
+                                   draft_model=draft)
         tokenizer = load_tokenizer(directory.path)
         why = refusal(loaded.model, tokenized=True)
         if why is not None:
@@ -195,7 +198,24 @@ class ServerState:
         return build_generator(
             loaded.model, engine.runner, settings.engine_limits(), self.metrics, tokenizer,
             directory.generation.eos_ids or _eos_of(tokenizer),
-            directory.context_length(settings.max_model_len))
+            directory.context_length(settings.max_model_len), draft)
+
+    def _draft_model(self, engine: Engine) -> torch.nn.Module | None:
+        """``--draft-model`` on the served model's device, with the same tokenizer (ids that
+        mean other text would draft nothing useful), or None."""
+        settings = self.settings
+        if settings.draft_model is None or not settings.num_speculative_tokens:
+            return None
+        draft = load_model(settings.draft_model)
+        served = engine.loaded.directory
+        if (draft.directory is None) != (served is None) or (
+                served is not None and draft.directory is not None
+                and load_tokenizer(draft.directory.path).hf.get_vocab()
+                != load_tokenizer(served.path).hf.get_vocab()):
+            raise UserError(f"--draft-model {settings.draft_model} does not share the served "
+                            "model's tokenizer: a draft model's token ids must mean the same "
+                            "text.")
+        return draft.model.to(engine.runner.device).eval()
 
 
 def _eos_of(tokenizer: HFTokenizer) -> tuple[int, ...]:

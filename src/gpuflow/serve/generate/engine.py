@@ -5,7 +5,8 @@ A thread of its own loops: take the requests submitted since the last step into 
 chunked prefill, preemption), drop those whose client went away (their blocks freed at
 once), run the step through the ``ModelRunner`` (``runner.py``: one mixed forward, or a
 bucketed, compiled or CUDA-graph decode step), then take each finished chunk's next token
-(``sampling.py``) and retire a sequence on its ``max_tokens``, a stop string, an
+(``sampling.py``), or the tokens its drafts earned (speculative decoding,
+``speculate.py``), and retire a sequence on its ``max_tokens``, a stop string, an
 end-of-sequence id, or the context's end. Events (text deltas with the tokens'
 log-probabilities when asked, then the finish) are handed to the requests' asyncio queues
 on the server's event loop, all of a step's at once: one wake-up of the loop a step, not
@@ -36,6 +37,7 @@ from gpuflow.serve.generate.requests import (
 from gpuflow.serve.generate.runner import ModelRunner
 from gpuflow.serve.generate.sampling import SamplingParams, choose_tokens
 from gpuflow.serve.generate.scheduler import Plan, Scheduler, Sequence
+from gpuflow.serve.generate.speculate import Draft, Proposer, verified
 from gpuflow.serve.generate.tokenizer import ByteTokenizer, Tokenizer
 
 log = logging.getLogger("gpuflow.serve")
@@ -47,8 +49,11 @@ class GenerationEngine:
     def __init__(self, lm: PagedLM, scheduler: Scheduler, runner: ModelRunner,
                  max_queue: int, context: Callable[[], contextlib.AbstractContextManager[Any]],
                  tokenizer: Tokenizer | None = None, eos_ids: Iterable[int] = (),
-                 observer: EngineObserver | None = None) -> None:
+                 observer: EngineObserver | None = None,
+                 proposer: Proposer | None = None) -> None:
         self.lm, self.scheduler, self.runner = lm, scheduler, runner
+        self.proposer = proposer  # drafts tokens to verify (speculative decoding), or None
+        self.drafted = self.accepted = 0  # drafted tokens so far, and those accepted
         self.max_queue = max_queue
         self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
         self.eos_ids, self.observer = frozenset(eos_ids), observer
@@ -169,18 +174,30 @@ class GenerationEngine:
             self._retire(generation, "cancelled")
 
     def _step(self, plan: Plan) -> None:
-        """Run the plan's chunks, then take the next token of each that reached its end."""
-        rows = [RowSpec(chunk.tokens, chunk.start, chunk.seq.table.blocks,
-                        self._live[chunk.seq].wanted(chunk)) for chunk in plan.chunks]
-        logits = self.runner.run(rows)
+        """Run the plan's chunks (a decoding sequence's with its drafted tokens, if any),
+        then take the next tokens of each that reached its end."""
+        drafts = self._drafts(plan)
+        steps = []
+        for chunk in plan.chunks:
+            draft = drafts.get(chunk.seq)
+            tokens = chunk.tokens if draft is None else chunk.tokens + draft.tokens
+            wanted = self._live[chunk.seq].wanted(chunk) if draft is None else "all"
+            steps.append((RowSpec(tokens, chunk.start, chunk.seq.table.blocks, wanted), chunk))
+        steps.sort(key=lambda step: len(step[0].tokens) > 1)  # one-token rows first
+        logits = self.runner.run([row for row, _ in steps])
         self.scheduler.advance(plan)
         finished: list[tuple[Generation, torch.Tensor]] = []
-        for row, chunk, chunk_logits in zip(rows, plan.chunks, logits, strict=True):
-            generation = self._live[chunk.seq]
+        for (row, chunk), chunk_logits in zip(steps, logits, strict=True):
+            generation, draft = self._live[chunk.seq], drafts.get(chunk.seq)
+            if draft is not None:
+                self._take_verified(generation, draft, chunk_logits)
+                continue
             if row.logits == "all":
                 generation.score_prompt(chunk, chunk_logits)
             if chunk.final:
                 finished.append((generation, chunk_logits[-1:]))
+        if self.proposer is not None:
+            self.proposer.settle(plan.chunks)
         if not finished:
             return
         tokens = choose_tokens([g.sampler for g, _ in finished],
@@ -188,8 +205,41 @@ class GenerationEngine:
         for (generation, row), token in zip(finished, tokens, strict=True):
             self._advance(generation, token, row)
 
-    def _advance(self, generation: Generation, token: int, logits: torch.Tensor) -> None:
-        """Time the token, hand it to its request, retire the request when finished."""
+    def _drafts(self, plan: Plan) -> dict[Sequence, Draft]:
+        """The proposer's drafts for the step's decoding sequences, each within the room
+        the scheduler reserved and the tokens its request has left to generate."""
+        if self.proposer is None:
+            return {}
+        rooms = {}
+        for chunk in plan.chunks:
+            generation = self._live[chunk.seq]
+            room = min(chunk.room, generation.params.max_tokens - len(generation.generated) - 1)
+            if room > 0:
+                rooms[chunk.seq] = room
+        if not rooms:
+            return {}
+        samplers = {seq: self._live[seq].sampler for seq in rooms}
+        drafts = self.proposer.propose(plan.chunks, rooms, samplers)
+        self.drafted += sum(len(draft.tokens) for draft in drafts.values())
+        return drafts
+
+    def _take_verified(self, generation: Generation, draft: Draft,
+                       logits: torch.Tensor) -> None:
+        """Take the tokens one verifying forward gives ``generation`` (``logits[k + 1, V]``):
+        the drafts it accepts, then one of its own; the accepted drafts' keys and values,
+        written by the step, count as computed."""
+        accepted = 0
+        for position, token in enumerate(verified(generation.sampler, logits, draft)):
+            accepted += position < len(draft.tokens) and token == draft.tokens[position]
+            if not self._advance(generation, token, logits[position:position + 1]):
+                self.accepted += accepted
+                return  # finished: its blocks are released
+        self.accepted += accepted
+        self.scheduler.accept(generation.seq, accepted)
+
+    def _advance(self, generation: Generation, token: int, logits: torch.Tensor) -> bool:
+        """Time the token, hand it to its request, retire the request when finished;
+        whether it goes on."""
         now = time.monotonic()
         if self.observer is not None:
             if generation.last_token_at is None:
@@ -201,6 +251,7 @@ class GenerationEngine:
         self._outbox += [(generation, event) for event in events]
         if finished is not None:
             self._retire(generation, finished)
+        return finished is None
 
     def _retire(self, generation: Generation, reason: str) -> None:
         self._outbox += [(generation, event) for event in generation.finish(reason)]
@@ -235,7 +286,8 @@ class GenerationEngine:
             blocks = self.scheduler.blocks
             self.observer.occupancy(Occupancy(
                 self.active, self.waiting, blocks.used, blocks.total,
-                self.scheduler.preemptions, blocks.prefix_queries, blocks.prefix_hits))
+                self.scheduler.preemptions, blocks.prefix_queries, blocks.prefix_hits,
+                self.drafted, self.accepted))
 
 
 def _deliver(events: list[tuple[Generation, Event]]) -> None:

@@ -13,7 +13,10 @@ class EngineLimits:
     quarter of a CPU's RAM) in blocks of ``block_size`` tokens, full blocks cached for
     reuse unless ``prefix_caching`` is off; a step computes at most
     ``max_num_batched_tokens`` tokens, a long prompt split over steps unless
-    ``chunked_prefill`` is off (then a step takes a whole prompt, up to the context)."""
+    ``chunked_prefill`` is off (then a step takes a whole prompt, up to the context).
+    ``num_speculative_tokens`` (0: none) tokens are drafted for each decoding sequence and
+    verified in one forward: by a draft model when one is served, else by prompt lookup
+    of the sequence's last ``prompt_lookup_max`` tokens down to one."""
 
     max_num_seqs: int = 32
     max_queue: int = 1024
@@ -22,6 +25,8 @@ class EngineLimits:
     prefix_caching: bool = True
     max_num_batched_tokens: int = 2048
     chunked_prefill: bool = True
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int = 3
 
     def step_tokens(self, context: int) -> int:
         """Tokens a step computes at most: ``max_num_batched_tokens``, raised to cover a

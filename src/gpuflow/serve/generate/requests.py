@@ -145,8 +145,8 @@ class Generation:
 @dataclass(frozen=True)
 class Occupancy:
     """The engine after a step: sequences running and waiting, KV blocks in use of those
-    sequences can hold, preemptions so far, and prompt tokens looked up in the prefix
-    cache so far and found there."""
+    sequences can hold, preemptions so far, prompt tokens looked up in the prefix cache so
+    far and found there, and tokens drafted for speculative decoding so far and accepted."""
 
     running: int
     waiting: int
@@ -155,6 +155,8 @@ class Occupancy:
     preemptions: int
     prefix_queries: int
     prefix_hits: int
+    drafted: int = 0
+    accepted: int = 0
 
 
 class EngineObserver(Protocol):

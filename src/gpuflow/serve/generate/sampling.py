@@ -122,15 +122,43 @@ class Sampler:
                                       picked * params.repetition_penalty)
         return logits
 
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution a sampled request draws from at ``logits[V]`` (its penalties
+        applied by the caller): temperature, then top-k and top-p."""
+        params = self.params
+        filtered = filter_logits(logits / params.temperature, params.top_k, params.top_p)
+        return torch.softmax(filtered, dim=-1)
+
     def choose(self, logits: torch.Tensor) -> int:
         """The next token from ``logits[V]`` (on the CPU, in fp32)."""
         params = self.params
         logits = self.penalize(logits) if params.penalized else logits
         if params.temperature == 0.0:
             return int(logits.argmax())
-        filtered = filter_logits(logits / params.temperature, params.top_k, params.top_p)
-        probs = torch.softmax(filtered, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return int(torch.multinomial(self.probabilities(logits), 1, generator=self.generator))
+
+    def verify(self, logits: torch.Tensor, drafted: int,
+               draft_probs: torch.Tensor | None = None) -> int:
+        """The token at a drafted position: ``drafted`` itself if the request accepts it,
+        else its own choice. Greedy: ``drafted`` if it is the argmax. Sampled: speculative
+        rejection sampling, which keeps this request's distribution ``p`` whatever drafted:
+        ``drafted`` (drawn from ``draft_probs``, ``q``; a one-hot at ``drafted`` when None,
+        as prompt lookup drafts) is accepted with probability ``min(1, p / q)``, else a
+        token is drawn from ``max(p - q, 0)``, normalised."""
+        params = self.params
+        logits = self.penalize(logits) if params.penalized else logits
+        if params.temperature == 0.0:
+            return int(logits.argmax())
+        p = self.probabilities(logits)
+        q = (torch.nn.functional.one_hot(torch.tensor(drafted), p.numel()).to(p.dtype)
+             if draft_probs is None else draft_probs)
+        if float(torch.rand((), generator=self.generator)) * q[drafted] < p[drafted]:
+            return drafted
+        residual = (p - q).clamp_min(0.0)
+        residual[drafted] = 0.0  # exactly 0 in exact arithmetic when drafted is refused
+        if not bool(residual.sum() > 0):  # p == q but for rounding: keep p
+            residual = p
+        return int(torch.multinomial(residual, 1, generator=self.generator))
 
 
 def choose_tokens(samplers: list[Sampler], logits: torch.Tensor) -> list[int]:

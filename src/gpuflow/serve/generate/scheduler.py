@@ -10,6 +10,11 @@ and admits waiting sequences in arrival order while the pool has their chunk's b
 fewer than ``max_num_seqs`` run: a long prompt is prefilled over several steps, and only
 its last chunk yields logits. Admission stops at the first sequence that does not fit, so
 none is overtaken for ever (first come, first served).
+
+With speculative decoding (``lookahead`` > 0) a decoding sequence's chunk also reserves
+blocks and budget for up to ``lookahead`` drafted tokens after its own (``Chunk.room``,
+within the context); ``accept`` then counts the drafted tokens the model accepted as
+computed, their keys and values already in the pool.
 """
 
 from __future__ import annotations
@@ -47,11 +52,13 @@ class Sequence:
 @dataclass(frozen=True)
 class Chunk:
     """Tokens ``start`` to ``start + length`` of ``seq``, computed in one step. ``final``:
-    they reach the sequence's last token, whose logits choose its next."""
+    they reach the sequence's last token, whose logits choose its next. ``room``: drafted
+    tokens the step may verify after them (blocks and budget reserved)."""
 
     seq: Sequence
     start: int
     length: int
+    room: int = 0
 
     @property
     def final(self) -> bool:
@@ -73,13 +80,17 @@ class Scheduler:
     """Running and waiting sequences over a ``BlockManager``."""
 
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 chunked_prefill: bool = True) -> None:
+                 chunked_prefill: bool = True, lookahead: int = 0,
+                 context: int | None = None) -> None:
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError("max_num_batched_tokens must cover one decode token of each of "
                              "max_num_seqs sequences")
+        if lookahead and context is None:
+            raise ValueError("drafted tokens need the context they must stay within")
         self.blocks = blocks
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
+        self.lookahead, self.context = lookahead, context
         self.running: list[Sequence] = []  # admission order: the last is the newest
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.preemptions = 0
@@ -94,17 +105,25 @@ class Scheduler:
         prefills: list[Chunk] = []
         preempted: list[Sequence] = []
         planned: set[Sequence] = set()
+        decoders = sum(seq.uncomputed == 1 for seq in self.running)  # not yet planned
         for decoding in (True, False):
             for seq in list(self.running):
                 if (budget == 0 or seq in planned or seq in preempted or seq.uncomputed == 0
                         or (seq.uncomputed == 1) != decoding):
                     continue
                 length = min(seq.uncomputed, budget)
+                decoders -= decoding
+                # Drafts take only budget that every other decoding sequence's token leaves.
+                room = self._lookahead(seq, budget - length - decoders) if decoding else 0
                 if self._make_room(seq, seq.num_computed + length, planned, preempted):
+                    # Drafts never preempt: they get the blocks the pool has free.
+                    while room and not self.blocks.grow(seq.table,
+                                                        seq.num_computed + length + room):
+                        room -= 1
                     (decodes if decoding else prefills).append(
-                        Chunk(seq, seq.num_computed, length))
+                        Chunk(seq, seq.num_computed, length, room))
                     planned.add(seq)
-                    budget -= length
+                    budget -= length + room
         # A step that preempted admits nothing: the pool just proved too small.
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs):
@@ -116,6 +135,14 @@ class Scheduler:
             prefills.append(chunk)
             budget -= chunk.length
         return Plan(decodes + prefills)
+
+    def _lookahead(self, seq: Sequence, budget: int) -> int:
+        """Drafted tokens a decoding ``seq`` may have verified: within the budget left and
+        the context (its last drafted token's position below it)."""
+        if not self.lookahead:
+            return 0
+        assert self.context is not None
+        return max(0, min(self.lookahead, budget, self.context - len(seq.tokens)))
 
     def _make_room(self, seq: Sequence, tokens: int, planned: set[Sequence],
                    preempted: list[Sequence]) -> bool:
@@ -162,6 +189,12 @@ class Scheduler:
             seq = chunk.seq
             seq.num_computed = chunk.start + chunk.length
             self.blocks.register(seq.table, seq.tokens, seq.num_computed)
+
+    def accept(self, seq: Sequence, drafted: int) -> None:
+        """``drafted`` tokens verified after ``seq``'s last computed one were accepted (now in
+        its tokens): their keys and values, written by the step, count as computed."""
+        seq.num_computed += drafted
+        self.blocks.register(seq.table, seq.tokens, seq.num_computed)
 
     def finish(self, seq: Sequence) -> None:
         """Drop a sequence (finished, or its client gone), freeing its blocks at once."""
