@@ -4,12 +4,18 @@ model's distribution (rejection sampling, checked statistically)."""
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+
 import pytest
 import torch
+from conftest import serving
 from generation import greedy, greedy_text, through_engine
 from test_generate import engine_for, tiny_gpt
 
+from gpuflow.cli import main
 from gpuflow.models.gpt import GPT, GPTConfig
+from gpuflow.serve.app import ServeSettings, create_app
 from gpuflow.serve.generate.build import build_engine
 from gpuflow.serve.generate.limits import EngineLimits
 from gpuflow.serve.generate.models import GPTDecoder
@@ -103,3 +109,42 @@ def test_rejection_sampling_keeps_the_model_distribution(draft_kind: str) -> Non
             draft = Draft([token], q[None])
         counts[next(verified(sampler, logits[None].repeat(2, 1), draft))] += 1
     assert torch.allclose(counts / draws, p, atol=0.012), (counts / draws, p)
+
+
+def test_a_server_drafting_with_its_own_model_accepts_every_draft(
+        textlm_run: tuple[Path, GPT]) -> None:
+    """``--draft-model`` of the served run itself: greedy text as without drafts, ``n`` 2
+    sampled choices, and every draft accepted (the draft's distribution is the model's, so
+    rejection sampling accepts with probability 1), as /metrics says."""
+    run_dir, model = textlm_run
+    settings = ServeSettings(str(run_dir), device="cpu", max_batch_size=4,
+                             num_speculative_tokens=3, draft_model=str(run_dir))
+
+    async def scenario() -> tuple[dict, dict, str]:
+        async with serving(create_app(settings)) as client:
+            greedy_answer = (await client.post("/v1/completions", json={
+                "prompt": "def main():", "max_tokens": 12, "temperature": 0})).json()
+            sampled = (await client.post("/v1/completions", json={
+                "prompt": "import os", "max_tokens": 10, "n": 2, "seed": 3})).json()
+            return greedy_answer, sampled, (await client.get("/metrics")).text
+
+    greedy_answer, sampled, metrics = asyncio.run(scenario())
+    assert greedy_answer["choices"][0]["text"] == greedy_text(model, b"def main():", 12)
+    assert [choice["index"] for choice in sampled["choices"]] == [0, 1]
+    assert sampled["usage"]["completion_tokens"] == 20
+    values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+              if line.startswith("gpuflow_spec_decode")}
+    assert values["gpuflow_spec_decode_draft_tokens_total"] > 0
+    assert values["gpuflow_spec_decode_accepted_tokens_total"] == \
+        values["gpuflow_spec_decode_draft_tokens_total"]
+    assert values["gpuflow_spec_decode_acceptance_rate"] == 1.0
+
+
+def test_speculation_flags_are_checked_before_the_server_starts(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["serve", str(tmp_path), "--num-speculative-tokens", "-1"]) == 2
+    assert main(["serve", str(tmp_path), "--draft-model", str(tmp_path)]) == 2  # no K
+    assert main(["serve", str(tmp_path), "--num-speculative-tokens", "4",
+                 "--draft-model", str(tmp_path / "missing")]) == 2
+    assert main(["serve", str(tmp_path), "--num-speculative-tokens", "4",
+                 "--prompt-lookup-max", "0"]) == 2
