@@ -13,7 +13,9 @@ more, every server runs on core 0 (one torch thread) and the clients on the othe
 ``--model textlm``: textlm's GPT (tiny unless ``--model-size`` says otherwise; untrained:
 the cost of generating does not depend on the weights) through gpuflow's engine
 (/v1/completions), gpuflow's no-cache path (/v1/predict), gpuflow serving its Hugging Face
-export, `transformers serve` and vLLM on that export (the GPU suite's stage).
+export, `transformers serve` and vLLM on that export (the GPU suite's stage), and
+llama.cpp's `llama-server` on a GGUF conversion of it (one thread; found or built:
+``contenders/llama_cpp.py``), against which gpuflow's engine is judged.
 
 Closed-loop clients ask for the same greedy completion at each concurrency, the contenders
 taking turns round by round so that a change in machine load hits all of them, each window
@@ -54,6 +56,7 @@ from _common import (  # noqa: E402
     write_json,
 )
 from _load import Contender, drive, median_of_rounds, start, stop  # noqa: E402
+from contenders import llama_cpp  # noqa: E402
 from serving import free_port, untrained_export  # noqa: E402
 
 ARGS: argparse.Namespace  # the command line, parsed once in __main__
@@ -224,9 +227,14 @@ def textlm_contenders(servers: Servers, folder: Path) -> tuple[list[Contender], 
                                                      "ignore_eos": True}
             contenders.append(Contender(name, started, "/v1/completions", body, True,
                                         ARGS.tokens))
-    return contenders, {
+    if not ARGS.no_llama_cpp and ARGS.device.startswith("cuda"):
+        servers.notes.append("llama.cpp: its build here is for the CPU; not run on CUDA")
+    llama = None if ARGS.no_llama_cpp or ARGS.device.startswith("cuda") else (
+        llama_cpp.contender(servers, hf_dir, folder, greedy, ARGS.llama_server,
+                            max(ARGS.levels), ARGS.tokens, may_build=not ARGS.quick))
+    return contenders + ([llama[0]] if llama else []), {
         "model": f"textlm {ARGS.model_size or 'tiny (4 x 128, 128 context)'}, untrained",
-        "gpuflow_runs_on": runs_on(url)}
+        "gpuflow_runs_on": runs_on(url), "llama_cpp": llama[1] if llama else None}
 
 
 def runs_on(url: str) -> dict[str, Any]:
@@ -301,6 +309,10 @@ def parse() -> argparse.Namespace:
     add("--no-transformers", action="store_true", help="leave `transformers serve` out")
     add("--no-vllm", action="store_true", help="leave vLLM out")
     add("--no-hf", action="store_true", help="textlm: leave out gpuflow on the HF export")
+    add("--no-llama-cpp", action="store_true", help="textlm: leave llama.cpp out")
+    add("--llama-server", default=os.environ.get("LLAMA_SERVER"),
+        help="textlm: a built llama-server (default $LLAMA_SERVER, else built in "
+        ".cache-llama, except with --quick)")
     add("--quiet-wait-s", type=float, default=60.0,
         help="before each window, wait up to this long for the CPUs to go idle (0: do not)")
     add("--quick", action="store_true",
@@ -357,7 +369,7 @@ def main() -> int:
             "rounds", "warmup_s", "window_s", "quiet_wait_s", "quick", "device", "precision",
             "compile", "cuda_graphs")} | {"server_cores": sorted(server_cores or [])},
         "runs": runs,
-        "targets": judge(runs) if ARGS.model == "hub-llama" else {},
+        "targets": judge(runs) if ARGS.model == "hub-llama" else llama_cpp.judge(runs),
         "table": table(runs),
         "notes": servers.notes,
         "machine": machine,
