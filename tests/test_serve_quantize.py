@@ -100,8 +100,8 @@ def test_the_server_generates_and_predicts_with_int8_weights(
         return ready, completion.json()["choices"][0]["text"], predicted.status_code
 
     ready, text, predicted = asyncio.run(scenario())
-    assert ready["runs_on"] == ("cpu, fp32, int8 weights (per-row scales) in 8 linear "
-                                "layers, 69% of the parameters; 1 tied to another module kept")
+    assert ready["runs_on"] == ("cpu, fp32, int8 weights in 8 linear layers (69% of the "
+                                "parameters, per-row scales; 1 tied to another module kept)")
     assert text == expected and predicted == 200
 
 

@@ -36,8 +36,8 @@ class Quantized:
 
     def describe(self) -> str:
         kept = f"; {self.tied} tied to another module kept" if self.tied else ""
-        return (f"{self.scheme} weights (per-row scales) in {self.layers} linear layers, "
-                f"{self.fraction:.0%} of the parameters{kept}")
+        return (f"{self.scheme} weights in {self.layers} linear layers ({self.fraction:.0%} "
+                f"of the parameters, per-row scales{kept})")
 
 
 def quantization_api(scheme: str) -> Any:
