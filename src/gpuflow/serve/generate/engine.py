@@ -53,7 +53,7 @@ class GenerationEngine:
                  proposer: Proposer | None = None) -> None:
         self.lm, self.scheduler, self.runner = lm, scheduler, runner
         self.proposer = proposer  # drafts tokens to verify (speculative decoding), or None
-        self.drafted = self.accepted = 0  # drafted tokens so far, and those accepted
+        self.drafted = self.accepted = 0  # drafted tokens verified so far, those accepted
         self.max_queue = max_queue
         self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
         self.eos_ids, self.observer = frozenset(eos_ids), observer
@@ -216,12 +216,9 @@ class GenerationEngine:
             room = min(chunk.room, generation.params.max_tokens - len(generation.generated) - 1)
             if room > 0:
                 rooms[chunk.seq] = room
-        if not rooms:
-            return {}
+        # Called on every step, drafting or not: a draft model computes every chunk.
         samplers = {seq: self._live[seq].sampler for seq in rooms}
-        drafts = self.proposer.propose(plan.chunks, rooms, samplers)
-        self.drafted += sum(len(draft.tokens) for draft in drafts.values())
-        return drafts
+        return self.proposer.propose(plan.chunks, rooms, samplers)
 
     def _take_verified(self, generation: Generation, draft: Draft,
                        logits: torch.Tensor) -> None:
@@ -230,7 +227,9 @@ class GenerationEngine:
         written by the step, count as computed."""
         accepted = 0
         for position, token in enumerate(verified(generation.sampler, logits, draft)):
-            accepted += position < len(draft.tokens) and token == draft.tokens[position]
+            if position < len(draft.tokens):  # a draft judged (those after a finish are not)
+                self.drafted += 1
+                accepted += token == draft.tokens[position]
             if not self._advance(generation, token, logits[position:position + 1]):
                 self.accepted += accepted
                 return  # finished: its blocks are released
