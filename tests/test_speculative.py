@@ -31,6 +31,8 @@ def test_prompt_lookup_drafts_what_followed_the_latest_longest_match() -> None:
     tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
     assert lookup(tokens, 2, 3, 1) == [7, 8]  # "2 3" last seen before "7 8"
     assert lookup(tokens + [7], 4, 3, 1) == [8, 5, 2, 3]  # "2 3 7", the longest match
+    assert lookup(tokens + [7], 7, 3, 1) == [8, 5, 2, 3, 7, 8, 5]  # the copy goes on
+    assert lookup([4, 1, 2, 1, 2], 5, 2, 1) == [1, 2, 1, 2, 1]  # a loop of period 2
     assert lookup([4, 5, 6], 3, 3, 1) == []  # nothing repeats
     assert lookup(tokens, 0, 3, 1) == []
     assert lookup([1, 2, 1], 5, 3, 2) == []  # a one-token match is below min_ngram

@@ -72,8 +72,11 @@ class PromptLookup:
 
 
 def lookup(tokens: list[int], count: int, max_ngram: int, min_ngram: int) -> list[int]:
-    """Up to ``count`` tokens that followed the latest earlier occurrence of the last ``n``
-    of ``tokens`` (``n`` from ``max_ngram`` down to ``min_ngram``), or none."""
+    """``count`` tokens that followed the latest earlier occurrence of the last ``n`` of
+    ``tokens`` (``n`` from ``max_ngram`` down to ``min_ngram``), or none. A match ``d``
+    tokens back is followed by a copy ``d`` tokens back, the draft included where it runs
+    past the end (as an LZ77 copy overlaps itself): a loop of period ``d`` is drafted in
+    full, not ``d`` tokens at a time."""
     if count < 1 or len(tokens) < min_ngram + 1:
         return []
     array = np.asarray(tokens, dtype=np.int64)
@@ -83,7 +86,11 @@ def lookup(tokens: list[int], count: int, max_ngram: int, min_ngram: int) -> lis
         starts = np.flatnonzero((windows == array[-n:]).all(axis=1))
         if starts.size:
             follow = int(starts[-1]) + n
-            return array[follow:follow + count].tolist()
+            draft = array[follow:follow + count].tolist()
+            back = len(tokens) - follow
+            while len(draft) < count:
+                draft.append(draft[len(draft) - back])
+            return draft
     return []
 
 
