@@ -158,6 +158,20 @@ def decode_in_turns(modes: list[Mode], tokens: int, rounds: int) -> None:
     asyncio.run(measure())
 
 
+def table_lines(modes: dict[str, dict[str, Any]]) -> list[str]:
+    """The modes side by side; speed against fp32 compiled alike (eager or compiled)."""
+    lines = [f"{'mode':<14}{'tokens/s':>10}{'vs fp32':>9}{'perplexity':>12}{'change':>9}"
+             f"{'MiB':>7}"]
+    for mode, found in modes.items():
+        ppl, change = found.get("perplexity_per_byte"), found.get("perplexity_change_vs_fp32")
+        lines.append(f"{mode:<14}{found['decode_tokens_per_s']:>10.1f}"
+                     f"{found['speed_vs_fp32']:>8.2f}x"
+                     f"{'-' if ppl is None else f'{ppl:.4f}':>12}"
+                     f"{'-' if change is None else f'{100 * change:+.2f}%':>9}"
+                     f"{found['state_dict_bytes'] / 2**20:>7.2f}")
+    return lines
+
+
 def main(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     load = ForeignLoad()
@@ -171,20 +185,21 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     decode_in_turns(ways, args.tokens, args.rounds)
     modes = {mode.name: mode.result() for mode in ways}
     for mode, found in modes.items():
-        print(f"  {mode:>13}: {found['decode_tokens_per_s']:7.1f} tokens/s, perplexity "
-              f"{found.get('perplexity_per_byte', '-')} per byte, "
-              f"{found['state_dict_bytes'] / 2**20:.2f} MiB", flush=True)
         fp32 = modes["fp32 compiled" if MODES[mode][2] else "fp32"]
         found["speed_vs_fp32"] = round(
             found["decode_tokens_per_s"] / fp32["decode_tokens_per_s"], 3)
         if "perplexity_per_byte" in found:
             found["perplexity_change_vs_fp32"] = round(
                 found["perplexity_per_byte"] / fp32["perplexity_per_byte"] - 1, 5)
+    table = table_lines(modes)
+    print("\n".join(table), flush=True)
     return {
         **provenance(torchao=package_version("torchao"),
                      transformers=package_version("transformers")),
         "machine": machine_info(),
-        "foreign_cpu_share": {"whole_run": load.share(), "measuring": measured.share()},
+        "benchmark": "quantize",
+        "foreign_cpu_share": measured.share(),  # while decoding and computing perplexity
+        "foreign_cpu_share_with_training": load.share(),
         "model": {"workload": "textlm", "model_size": MODEL_SIZE,
                   "trained_steps": args.steps, "batch_size": 16, "train_s": round(train_s, 1),
                   "corpus": "Python documentation bundled with CPython (training split)"},
@@ -193,6 +208,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "decode": {"prompt_bytes": len(PROMPT), "tokens": args.tokens, "rounds": args.rounds,
                    "clients": 1, "torch_threads": 1},
         "modes": modes,
+        "table": table,
     }
 
 
