@@ -15,7 +15,7 @@ of the documentation's kind, where drafts are seldom right: what speculation cos
 does not pay). Every setting's text must be the plain one's, token for token; the result
 says so, with each setting's acceptance rate.
 
-    .venv/bin/python benchmarks/speculative.py              # ~6 minutes on 2 cores
+    .venv/bin/python benchmarks/speculative.py              # ~10 minutes on 2 cores
     .venv/bin/python benchmarks/speculative.py --quick      # a minute, fewer steps
 """
 
@@ -47,12 +47,10 @@ from gpuflow.serve.generate.sampling import SamplingParams  # noqa: E402
 from gpuflow.serve.model import load_model  # noqa: E402
 from gpuflow.workloads import textlm  # noqa: E402
 
-MODEL_SIZE = "layers=4,dim=128,heads=4,seq=768"
-DRAFT_SIZE = "layers=1,dim=64,heads=2,seq=768"
+MODEL_SIZE = "layers=4,dim=128,heads=4,seq=256"
+DRAFT_SIZE = "layers=1,dim=64,heads=2,seq=256"
 PROMPTS = {
-    "code": '''class Vector:
-    """A vector in the plane."""
-
+    "code": """class Vector:
     def __init__(self, x, y):
         self.x = x
         self.y = y
@@ -61,24 +59,16 @@ PROMPTS = {
         return Vector(self.x + other.x, self.y + other.y)
 
     def __sub__(self, other):
-        return Vector(self.x - other.x, self.y - other.y)
-
-    def __mul__(self, other):
-        return Vector(self.x * other.x, self.y * other.y)
-
-    def __truediv__(self, other):
-''',
-    "prose": ("The module provides functions for working with files and directories. "
-              "Each function raises an exception when the operating system reports an "
-              "error, and the exception carries the error number and the file name. "
-              "When a function takes a path, it accepts a string or a path object, and "),
+""",
+    "prose": ("The module provides functions for working with files and directories. Each "
+              "function raises an exception when the operating system reports an error, "),
 }
 
 
 def trained(size: str, steps: int, run_dir: Path) -> GPT:
     """A textlm of ``size`` trained ``steps`` steps on its default corpus."""
     result = train(textlm.build(model_size=size),
-                   TrainConfig(max_steps=steps, batch_size=8, lr=3e-3, progress=False,
+                   TrainConfig(max_steps=steps, batch_size=16, lr=3e-3, progress=False,
                                eval_every=0, run_dir=str(run_dir), workload="textlm",
                                model_size=size, seed=0))
     return result.model.eval()
@@ -141,26 +131,26 @@ def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
     add("--run", type=Path, help="serve this textlm run (its --model-size) instead of training")
-    add("--steps", type=int, default=600, help="training steps of the model (default 600)")
+    add("--steps", type=int, default=1500, help="training steps of each model (default 1500)")
     add("--rounds", type=int, default=3)
-    add("--max-tokens", type=int, default=256)
-    add("--quick", action="store_true", help="80 training steps, one round, 64 tokens")
+    add("--max-tokens", type=int, default=80)
+    add("--quick", action="store_true", help="80 training steps, one round, 32 tokens")
     add("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.quick:
-        args.steps, args.rounds, args.max_tokens = 80, 1, 64
+        args.steps, args.rounds, args.max_tokens = 80, 1, 32
     return args
 
 
 def main() -> int:
     args = parse()
-    torch.set_num_threads(1)
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory() as scratch:
+    with tempfile.TemporaryDirectory() as scratch:  # trained on every core, timed on one
         target = (load_model(args.run).model.eval() if args.run else
                   trained(MODEL_SIZE, args.steps, Path(scratch) / "target"))
         draft = trained(DRAFT_SIZE, args.steps, Path(scratch) / "draft")
     trained_s = time.perf_counter() - started
+    torch.set_num_threads(1)
     settings = {"plain": (None, 0), "lookup-4": (None, 4), "lookup-8": (None, 8),
                 "draft-3": ("draft", 3)}
     results = measure({"target": target, "draft": draft}, settings, args.rounds,
