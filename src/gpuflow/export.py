@@ -17,6 +17,7 @@ import torch
 
 from gpuflow import checkpoint as ckpt
 from gpuflow import storage
+from gpuflow.byte_vocab import BYTE_VOCAB_SIZE
 from gpuflow.errors import UserError
 from gpuflow.serving import RUN_CONFIG_FILE, SERVING_FILE
 
@@ -24,7 +25,6 @@ if TYPE_CHECKING:
     from gpuflow.workload import Workload
 
 EXPORT_FORMAT_VERSION = "1"
-BYTE_VOCABULARY = 256
 ExportFormat = Literal["safetensors", "hf"]
 ADVICE = "Free some space or export to another --out on a larger disk."
 
@@ -93,7 +93,7 @@ def _export_hf(config: dict[str, Any], serving: dict[str, Any] | None,
 def _byte_vocabulary(model: torch.nn.Module) -> bool:
     """Whether the model's tokens are the 256 bytes, as gpuflow's text workloads train
     language models, Hugging Face ones too: then its tokenizer maps id ``i`` to byte ``i``."""
-    return getattr(getattr(model, "config", None), "vocab_size", None) == BYTE_VOCABULARY
+    return getattr(getattr(model, "config", None), "vocab_size", None) == BYTE_VOCAB_SIZE
 
 
 def write_hf_export(workload: Workload, config: dict[str, Any], step: int, out: Path,

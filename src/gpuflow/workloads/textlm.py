@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from gpuflow.byte_vocab import BYTE_VOCAB_SIZE
 from gpuflow.data.streaming import open_packed
 from gpuflow.data.text import ByteWindows, RandomBytes, load_split
 from gpuflow.errors import UserError
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
     from gpuflow.data.pack_sources import TokenSource
     from gpuflow.data.tokenize_pack import TokenizedSource
 
-VOCAB_SIZE = 256
+VOCAB_SIZE = BYTE_VOCAB_SIZE
 EXAMPLE_ITEMS = 4
 
 PRESETS: dict[str, GPTConfig] = {

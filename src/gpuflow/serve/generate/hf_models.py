@@ -29,10 +29,10 @@ from torch import nn
 from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from gpuflow.byte_vocab import BYTE_VOCAB_SIZE
 from gpuflow.serve.generate.hf_paged import PagedCache, PagedRows
 from gpuflow.serve.generate.paged import KVPool, StepBatch, check_context
 
-BYTES = 256
 ATTENTION = ("sdpa", "eager")  # the implementations that take a 4-D custom mask
 
 
@@ -113,7 +113,7 @@ def refusal(model: PreTrainedModel, tokenized: bool = False) -> str | None:
             or getattr(text, "add_cross_attention", False):
         return f"{type(model).__name__} is not a decoder-only causal language model"
     vocab = getattr(text, "vocab_size", None)
-    if not tokenized and (not isinstance(vocab, int) or vocab < BYTES):
+    if not tokenized and (not isinstance(vocab, int) or vocab < BYTE_VOCAB_SIZE):
         return (f"its vocabulary of {vocab} tokens is not bytes (ids 0..255) and it comes "
                 "with no tokenizer")
     attention = getattr(config, "_attn_implementation", None)
@@ -145,7 +145,7 @@ class HFCausalLM:
         self.model, self.dtype, self.shape = model, dtype, shape
         self.context = shape.context
         self.vocab_size = model.config.get_text_config(decoder=True).vocab_size if tokenized \
-            else BYTES
+            else BYTE_VOCAB_SIZE
         self._windows = sorted(set(shape.windows), key=lambda w: -1 if w is None else w)
         parameters = _parameters(model)
         self._cache_argument = _cache_argument(model)

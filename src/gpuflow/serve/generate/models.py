@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from gpuflow.byte_vocab import BYTE_VOCAB_SIZE
 from gpuflow.hf import is_hf_model
 from gpuflow.models.gpt import GPT
 from gpuflow.serve.generate.paged import (
@@ -87,7 +88,7 @@ def refusal(model: nn.Module, tokenized: bool = False) -> str | None:
     if it can: gpuflow's GPT over bytes, and Hugging Face causal LMs, with the tokenizer
     of their directory (``tokenized``) or else with tokens 0..255 as bytes."""
     if isinstance(model, GPT):
-        if model.config.vocab_size == 256:
+        if model.config.vocab_size == BYTE_VOCAB_SIZE:
             return None
         return (f"its vocabulary of {model.config.vocab_size} tokens is not bytes and "
                 "its run has no tokenizer")

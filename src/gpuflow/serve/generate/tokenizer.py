@@ -23,6 +23,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
+from gpuflow.byte_vocab import BYTE_VOCAB_SIZE
 from gpuflow.model_dir import load_hf_tokenizer
 
 CONTEXT = 5  # prompt tokens decoded before the first generated one
@@ -135,7 +136,7 @@ class Tokenizer(ABC):
 class ByteTokenizer(Tokenizer):
     """gpuflow's byte-level models: token ``i`` is byte ``i`` of the UTF-8 text."""
 
-    vocab_size = 256
+    vocab_size = BYTE_VOCAB_SIZE
     special = frozenset()
     has_chat_template = False
 
