@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import serving
-from generation import greedy, greedy_text, through_engine
+from generation import completion as completion_of
+from generation import greedy, greedy_reference, greedy_text, through_engine
 from test_generate import engine_for, tiny_gpt
 
 from gpuflow.cli import main
@@ -19,6 +20,7 @@ from gpuflow.serve.app import ServeSettings, create_app
 from gpuflow.serve.generate.build import build_engine
 from gpuflow.serve.generate.limits import EngineLimits
 from gpuflow.serve.generate.models import GPTDecoder
+from gpuflow.serve.generate.requests import Done
 from gpuflow.serve.generate.sampling import Sampler, SamplingParams
 from gpuflow.serve.generate.speculate import Draft, lookup, verified
 
@@ -49,9 +51,10 @@ def draft_gpt(seed: int) -> GPT:
     {"num_speculative_tokens": 4, "num_blocks": 17, "block_size": 4},  # preempting
     {"num_speculative_tokens": 4, "bucketed": True},
     {"num_speculative_tokens": 4, "draft": "same"},  # a draft that is always right
+    {"num_speculative_tokens": 4, "draft": "same", "num_blocks": 17, "block_size": 4},
     {"num_speculative_tokens": 2, "draft": "other", "block_size": 4},
 ], ids=["lookup", "lookup-small-budget", "lookup-preempting", "lookup-bucketed",
-        "draft-same", "draft-other"])
+        "draft-same", "draft-same-preempting", "draft-other"])
 def test_speculative_greedy_text_is_the_text_without_it(setup: dict) -> None:
     """Sequences join and leave while drafts are accepted and refused; every greedy
     completion is the one recomputing every prefix gives, and every block comes back."""
@@ -72,34 +75,84 @@ def test_speculative_greedy_text_is_the_text_without_it(setup: dict) -> None:
         assert done.completion_tokens == budget
     assert engine.scheduler.blocks.used == 0
     assert engine.accepted > 0 and engine.drafted >= engine.accepted
-    if draft == "same":  # every draft is the served model's own argmax
-        assert engine.accepted == engine.drafted
+    if draft == "same":  # every draft is the served model's own argmax, even after a
+        assert engine.accepted == engine.drafted  # preemption recomputed its keys
+    assert (engine.scheduler.preemptions > 0) == ("num_blocks" in setup)
+
+
+def test_a_prompt_reusing_blocks_written_with_drafts_and_an_end_inside_a_draft() -> None:
+    """An end-of-sequence id chosen instead of a draft ends a completion in the middle of
+    a verification; a second request whose prompt is the first's prompt and completion
+    then reuses the blocks the first filled with accepted drafts: both give the greedy
+    text without speculation."""
+    model = tiny_gpt()
+    prompt = b"xy"
+    completion = greedy_reference(model, prompt, 40)  # 121, 121, 221 x 10, 235, ...
+    eos = completion[12]  # where a run of accepted 221s meets the model's 235
+    engine = build_engine(GPTDecoder(model, torch.float32), 64,
+                          EngineLimits(2, 64, block_size=4, num_speculative_tokens=4),
+                          torch.inference_mode, eos_ids=[eos])
+    follow_up = prompt + bytes(completion[:12])
+
+    async def one_after_the_other() -> list[tuple[list[int], Done]]:
+        engine.start()
+        try:
+            await asyncio.to_thread(engine.wait_warm, 60)
+            done = []
+            for text, params in ((prompt, SamplingParams(max_tokens=40, temperature=0.0)),
+                                 (follow_up, SamplingParams(max_tokens=8, temperature=0.0,
+                                                            ignore_eos=True))):
+                generation = engine.submit(list(text), params)
+                done.append((generation.generated, (await completion_of(generation))[1]))
+            return done
+        finally:
+            engine.stop()
+
+    (first, first_done), (second, second_done) = asyncio.run(one_after_the_other())
+    assert first == completion[:completion.index(eos)]
+    assert first_done.finish_reason == "stop"
+    assert second == greedy_reference(model, follow_up, 8)
+    # Every full block of the follow-up's prompt but the last token's: generated tokens.
+    assert second_done.cached_tokens == 12
+    assert engine.accepted > 0 and engine.scheduler.blocks.used == 0
+
+
+def test_a_seeded_sampled_request_is_not_drafted_for() -> None:
+    """Drafts change how many random draws a sampled token takes: a seeded request gets
+    none, so its text is the one the seed gives without speculation."""
+    model = tiny_gpt()
+    requests = [(PROMPTS[1], SamplingParams(max_tokens=20, temperature=0.9, seed=11))]
+    plain = through_engine(engine_for(model, 2), requests, first=1)
+    engine = engine_for(model, 2, num_speculative_tokens=4)
+    assert through_engine(engine, requests, first=1)[0].tokens == plain[0].tokens
+    assert engine.drafted == 0
 
 
 def test_penalties_hold_over_accepted_drafts() -> None:
-    """A repetition penalty counts each accepted draft before the next is verified: greedy
-    text with penalties is the same with and without speculation."""
+    """A frequency penalty counts each accepted draft before the next is verified: greedy
+    text with the penalty (which changes every completion here) is the same with and
+    without speculation, drafts accepted among it."""
     model = tiny_gpt()
-    params = SamplingParams(max_tokens=20, temperature=0.0, repetition_penalty=1.3,
-                            frequency_penalty=0.5)
+    params = SamplingParams(max_tokens=20, temperature=0.0, frequency_penalty=0.02)
+    unpenalized = through_engine(engine_for(model, 3), greedy(PROMPTS[:3], [20] * 3), first=3)
     requests = [(prompt, params) for prompt in PROMPTS[:3]]
     plain = through_engine(engine_for(model, 3), requests, first=3)
     engine = engine_for(model, 3, num_speculative_tokens=4)
     drafted = through_engine(engine, requests, first=3)
+    assert all(a.tokens != b.tokens for a, b in zip(plain, unpenalized, strict=True))
     assert [r.tokens for r in drafted] == [r.tokens for r in plain]
-    assert engine.drafted > 0
+    assert engine.accepted > 0
 
 
 @pytest.mark.parametrize("draft_kind", ["prompt-lookup", "draft-model"])
 def test_rejection_sampling_keeps_the_model_distribution(draft_kind: str) -> None:
     """The first token a verification yields is distributed as the request's own
-    distribution ``p`` whatever drafted it: 20,000 draws over a 6-token vocabulary, each
-    frequency within 0.012 of ``p`` (over 4.5 standard deviations of a frequency near 0.3,
-    so a correct sampler fails about once in 10^5 runs; drawing the draft's token as is
-    would be off by up to 0.45)."""
+    distribution ``p`` (temperature 0.8, top-k 5) whatever drafted it: 20,000 seeded draws
+    over a 6-token vocabulary, each frequency within 0.012 of ``p`` (3.4 standard
+    deviations of the largest; keeping every draft as is would be off by 0.5 or more)."""
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 1.5])
-    sampler = Sampler(SamplingParams(temperature=0.8, seed=7))
-    p = torch.softmax(logits / 0.8, dim=-1)
+    sampler = Sampler(SamplingParams(temperature=0.8, top_k=5, seed=7))
+    p = torch.softmax(logits.masked_fill(logits == -1.0, float("-inf")) / 0.8, dim=-1)
     q = torch.tensor([0.05, 0.5, 0.05, 0.3, 0.05, 0.05])  # a poor draft's distribution
     draws = 20_000
     counts = torch.zeros(6)

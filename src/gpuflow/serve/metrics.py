@@ -72,8 +72,8 @@ class ServeMetrics:
                                      "Share of looked-up prompt tokens found cached (0-1)",
                                      registry=reg)
         self.drafted = Counter("gpuflow_spec_decode_draft_tokens",
-                               "Tokens drafted for speculative decoding and verified (not "
-                               "those after their sequence finished)", registry=reg)
+                               "Tokens drafted for speculative decoding (not those after "
+                               "their sequence finished)", registry=reg)
         self.accepted = Counter("gpuflow_spec_decode_accepted_tokens",
                                 "Drafted tokens the model accepted", registry=reg)
         self.acceptance_rate = Gauge("gpuflow_spec_decode_acceptance_rate",

@@ -4,7 +4,10 @@ model's block tables, so the draft needs no block manager of its own.
 The draft computes every chunk the served model computes, in the same step and before it
 (so a block in the prefix cache holds both models' keys and values), then drafts each
 decoding sequence's tokens one forward at a time. Where the served model accepted every
-draft, the draft has not yet computed the last one: its next step starts from there.
+draft, the draft has not yet computed the last one: its next step starts from there (a
+sequence that ends first leaves that one position missing from the draft's side of a
+cached block, which only makes the draft's guesses there worse: the served model
+verifies every one).
 """
 
 from __future__ import annotations
@@ -47,12 +50,12 @@ class DraftModel:
                     continue
                 token, dist = _draw(samplers[seq], row_logits[-1])
                 tokens[seq].append(token)
-                probs[seq].append(dist)
+                if dist is not None:
+                    probs[seq].append(dist)
                 if len(tokens[seq]) < rooms[seq]:  # its next draft needs this one computed
                     rows[seq] = RowSpec([token], row.start + len(row.tokens),
                                         seq.table.blocks)
-        return {seq: Draft(drafted, None if samplers[seq].params.temperature == 0.0
-                           else torch.stack(probs[seq]))
+        return {seq: Draft(drafted, torch.stack(probs[seq]) if probs[seq] else None)
                 for seq, drafted in tokens.items()}
 
     def _catch_up(self, chunk: Chunk, drafting: bool) -> RowSpec:
@@ -72,10 +75,11 @@ class DraftModel:
         self._written.clear()
 
 
-def _draw(sampler: Sampler, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
+def _draw(sampler: Sampler, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
     """A drafted token from the draft's ``logits[V]``, and the distribution it was drawn from
-    (the request's temperature, top-k and top-p; greedy: the argmax)."""
+    (the request's temperature, top-k and top-p), or None for a greedy request (its argmax:
+    verification compares argmaxes)."""
     if sampler.params.temperature == 0.0:
-        return int(logits.argmax()), logits
+        return int(logits.argmax()), None
     dist = sampler.probabilities(logits)
     return int(torch.multinomial(dist, 1, generator=sampler.generator)), dist

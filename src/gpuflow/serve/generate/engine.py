@@ -53,7 +53,7 @@ class GenerationEngine:
                  proposer: Proposer | None = None) -> None:
         self.lm, self.scheduler, self.runner = lm, scheduler, runner
         self.proposer = proposer  # drafts tokens to verify (speculative decoding), or None
-        self.drafted = self.accepted = 0  # drafted tokens verified so far, those accepted
+        self.drafted = self.accepted = 0  # drafted tokens so far, and those accepted
         self.max_queue = max_queue
         self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
         self.eos_ids, self.observer = frozenset(eos_ids), observer
@@ -212,8 +212,10 @@ class GenerationEngine:
             return {}
         rooms = {}
         for chunk in plan.chunks:
-            generation = self._live[chunk.seq]
-            room = min(chunk.room, generation.params.max_tokens - len(generation.generated) - 1)
+            params = self._live[chunk.seq].params
+            if params.seed is not None and params.temperature > 0.0:
+                continue  # drafts would change its random draws, and so its seeded text
+            room = min(chunk.room, params.max_tokens - len(self._live[chunk.seq].generated) - 1)
             if room > 0:
                 rooms[chunk.seq] = room
         # Called on every step, drafting or not: a draft model computes every chunk.
@@ -223,18 +225,19 @@ class GenerationEngine:
     def _take_verified(self, generation: Generation, draft: Draft,
                        logits: torch.Tensor) -> None:
         """Take the tokens one verifying forward gives ``generation`` (``logits[k + 1, V]``):
-        the drafts it accepts, then one of its own; the accepted drafts' keys and values,
-        written by the step, count as computed."""
-        accepted = 0
+        the drafts it accepts, then one of its own; each accepted draft's keys and values,
+        written by the step, count as computed (and its full blocks cached) as it is
+        taken."""
         for position, token in enumerate(verified(generation.sampler, logits, draft)):
-            if position < len(draft.tokens):  # a draft judged (those after a finish are not)
-                self.drafted += 1
-                accepted += token == draft.tokens[position]
+            accepted = position < len(draft.tokens) and token == draft.tokens[position]
+            self.accepted += accepted
             if not self._advance(generation, token, logits[position:position + 1]):
-                self.accepted += accepted
-                return  # finished: its blocks are released
-        self.accepted += accepted
-        self.scheduler.accept(generation.seq, accepted)
+                # Finished, its blocks released: the drafts after this one go unjudged.
+                self.drafted += min(position + 1, len(draft.tokens))
+                return
+            if accepted:
+                self.scheduler.accept(generation.seq, 1)
+        self.drafted += len(draft.tokens)
 
     def _advance(self, generation: Generation, token: int, logits: torch.Tensor) -> bool:
         """Time the token, hand it to its request, retire the request when finished;

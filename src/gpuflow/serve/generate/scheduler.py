@@ -11,15 +11,17 @@ fewer than ``max_num_seqs`` run: a long prompt is prefilled over several steps, 
 its last chunk yields logits. Admission stops at the first sequence that does not fit, so
 none is overtaken for ever (first come, first served).
 
-With speculative decoding (``lookahead`` > 0) a decoding sequence's chunk also reserves
-blocks and budget for up to ``lookahead`` drafted tokens after its own (``Chunk.room``,
-within the context); ``accept`` then counts the drafted tokens the model accepted as
-computed, their keys and values already in the pool.
+With speculative decoding (``lookahead`` > 0), once every token above is planned, each
+decoding sequence's chunk gets room for up to ``lookahead`` drafted tokens after its own
+(``Chunk.room``) out of the budget and free blocks left, within the context; ``accept``
+then counts the drafted tokens the model accepted as computed, their keys and values
+already in the pool.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 from dataclasses import dataclass, field
 
 from gpuflow.serve.generate.blocks import BlockManager, BlockTable
@@ -105,25 +107,17 @@ class Scheduler:
         prefills: list[Chunk] = []
         preempted: list[Sequence] = []
         planned: set[Sequence] = set()
-        decoders = sum(seq.uncomputed == 1 for seq in self.running)  # not yet planned
         for decoding in (True, False):
             for seq in list(self.running):
                 if (budget == 0 or seq in planned or seq in preempted or seq.uncomputed == 0
                         or (seq.uncomputed == 1) != decoding):
                     continue
                 length = min(seq.uncomputed, budget)
-                decoders -= decoding
-                # Drafts take only budget that every other decoding sequence's token leaves.
-                room = self._lookahead(seq, budget - length - decoders) if decoding else 0
                 if self._make_room(seq, seq.num_computed + length, planned, preempted):
-                    # Drafts never preempt: they get the blocks the pool has free.
-                    while room and not self.blocks.grow(seq.table,
-                                                        seq.num_computed + length + room):
-                        room -= 1
                     (decodes if decoding else prefills).append(
-                        Chunk(seq, seq.num_computed, length, room))
+                        Chunk(seq, seq.num_computed, length))
                     planned.add(seq)
-                    budget -= length + room
+                    budget -= length
         # A step that preempted admits nothing: the pool just proved too small.
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs):
@@ -134,15 +128,24 @@ class Scheduler:
             self.running.append(chunk.seq)
             prefills.append(chunk)
             budget -= chunk.length
-        return Plan(decodes + prefills)
+        return Plan(self._with_room(decodes, budget) + prefills)
 
-    def _lookahead(self, seq: Sequence, budget: int) -> int:
-        """Drafted tokens a decoding ``seq`` may have verified: within the budget left and
-        the context (its last drafted token's position below it)."""
+    def _with_room(self, decodes: list[Chunk], budget: int) -> list[Chunk]:
+        """The decode chunks, each given room for drafted tokens out of what the step left:
+        its token budget and the pool's free blocks (a draft never preempts, nor takes from
+        a prompt's chunk), and within the context (the last draft's position below it)."""
         if not self.lookahead:
-            return 0
+            return decodes
         assert self.context is not None
-        return max(0, min(self.lookahead, budget, self.context - len(seq.tokens)))
+        given = []
+        for chunk in decodes:
+            end = chunk.start + chunk.length
+            room = max(0, min(self.lookahead, budget, self.context - end))
+            while room and not self.blocks.grow(chunk.seq.table, end + room):
+                room -= 1
+            budget -= room
+            given.append(dataclasses.replace(chunk, room=room))
+        return given
 
     def _make_room(self, seq: Sequence, tokens: int, planned: set[Sequence],
                    preempted: list[Sequence]) -> bool:
@@ -192,7 +195,8 @@ class Scheduler:
 
     def accept(self, seq: Sequence, drafted: int) -> None:
         """``drafted`` tokens verified after ``seq``'s last computed one were accepted (now in
-        its tokens): their keys and values, written by the step, count as computed."""
+        its tokens): their keys and values, written by the step, count as computed, and
+        the blocks they fill are cached."""
         seq.num_computed += drafted
         self.blocks.register(seq.table, seq.tokens, seq.num_computed)
 

@@ -29,7 +29,7 @@ from gpuflow.serve.generate.scheduler import Chunk, Sequence
 @dataclass(frozen=True)
 class Draft:
     """Drafted tokens, and the distributions they were drawn from (``[k, V]``; None when
-    each was certain, as prompt lookup's are)."""
+    each was certain, as prompt lookup's are, or the request is greedy)."""
 
     tokens: list[int]
     probs: torch.Tensor | None = None
