@@ -117,6 +117,30 @@ def test_a_prompt_reusing_blocks_written_with_drafts_and_an_end_inside_a_draft()
     assert engine.accepted > 0 and engine.scheduler.blocks.used == 0
 
 
+def test_a_failing_draft_model_leaves_decoding_undrafted_and_exact() -> None:
+    """The draft model's forward fails on two steps (a prompt's and a decode's): those steps
+    decode without drafts, the draft catches up on its keys later, and every completion is
+    the exact greedy one with drafts accepted after the failures."""
+    model = tiny_gpt()
+    engine = build_engine(GPTDecoder(model, torch.float32), 64,
+                          EngineLimits(3, 64, num_speculative_tokens=3), torch.inference_mode,
+                          draft=GPTDecoder(model, torch.float32))
+    runner = engine.proposer.runner  # type: ignore[union-attr]
+    run, calls = runner.run, [0]
+
+    def flaky(rows):
+        calls[0] += 1
+        if calls[0] in (1, 6):
+            raise RuntimeError("out of memory")
+        return run(rows)
+
+    runner.run = flaky
+    results = through_engine(engine, greedy(PROMPTS[:3], BUDGETS[:3]), first=3)
+    for prompt, budget, (text, _, _) in zip(PROMPTS, BUDGETS, results, strict=False):
+        assert text == greedy_text(model, prompt, budget)
+    assert calls[0] > 6 and engine.accepted == engine.drafted > 0
+
+
 def test_a_seeded_sampled_request_is_not_drafted_for() -> None:
     """Drafts change how many random draws a sampled token takes: a seeded request gets
     none, so its text is the one the seed gives without speculation."""

@@ -12,6 +12,7 @@ verifies every one).
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Mapping
 
@@ -22,6 +23,8 @@ from gpuflow.serve.generate.runner import ModelRunner
 from gpuflow.serve.generate.sampling import Sampler
 from gpuflow.serve.generate.scheduler import Chunk, Sequence
 from gpuflow.serve.generate.speculate import Draft
+
+log = logging.getLogger("gpuflow.serve")
 
 
 class DraftModel:
@@ -37,6 +40,20 @@ class DraftModel:
 
     def propose(self, chunks: list[Chunk], rooms: Mapping[Sequence, int],
                 samplers: Mapping[Sequence, Sampler]) -> dict[Sequence, Draft]:
+        """Drafts; none when the draft model fails (drafting only saves time): its keys for
+        the step's chunks then count as unwritten, to be caught up on the next step."""
+        try:
+            return self._propose(chunks, rooms, samplers)
+        except Exception as exc:
+            log.warning("gpuflow serve: the draft model failed (%s: %s); this step decodes "
+                        "without drafts", type(exc).__name__, exc)
+            for chunk in chunks:
+                self._written[chunk.seq] = min(self._computed.get(chunk.seq, chunk.start),
+                                               chunk.start)
+            return {}
+
+    def _propose(self, chunks: list[Chunk], rooms: Mapping[Sequence, int],
+                 samplers: Mapping[Sequence, Sampler]) -> dict[Sequence, Draft]:
         tokens: dict[Sequence, list[int]] = {seq: [] for seq in rooms}
         probs: dict[Sequence, list[torch.Tensor]] = {seq: [] for seq in rooms}
         rows = {chunk.seq: self._catch_up(chunk, chunk.seq in rooms) for chunk in chunks}
