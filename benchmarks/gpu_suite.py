@@ -442,12 +442,13 @@ def generation_stage(suite: Suite, device: str, name: str, *extra: str) -> None:
     generation_json = suite.work / f"{name}.json"
     suite.log(f"generation benchmark {' '.join(extra)}")
     # The dry run walks the stage with the engine alone; test_generate's quick run covers the
-    # Hugging Face export, whose server would add ~15 s here.
-    flags = (["--model", "textlm", "--quick", "--no-hf"] if suite.dry_run else
-             ["--model", "textlm", "--precision", "bf16", "--no-transformers",
-              "--model-size", "124m",
-              "--concurrency", "1,8,32,64", "--max-batch-size", "64", "--rounds", "1",
-              "--warmup-s", "2", "--window-s", "3"])
+    # Hugging Face export, whose server would add ~15 s here. llama.cpp, a CPU contender,
+    # is the CPU benchmark's (generation.py --model textlm): vLLM is the GPU's.
+    flags = (["--model", "textlm", "--quick", "--no-hf", "--no-llama-cpp"] if suite.dry_run
+             else ["--model", "textlm", "--precision", "bf16", "--no-transformers",
+                   "--no-llama-cpp", "--model-size", "124m", "--concurrency", "1,8,32,64",
+                   "--max-batch-size", "64", "--rounds", "1", "--warmup-s", "2",
+                   "--window-s", "3"])
     limit = 120 if suite.dry_run else 360 if "--cuda-graphs" in extra else 240
     code, log = suite.run(name, [sys.executable, "benchmarks/generation.py", "--device", device,
                                  *flags, *extra, "--out", str(generation_json)], limit)
