@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import api_error, serving
-from image_trees import bomb_png, encode, photo
+from image_trees import bomb_png, encode, photo, write_photo_tree
 
 from gpuflow.cli import main
 from gpuflow.config import TrainConfig
@@ -103,3 +103,44 @@ def test_gpuflow_predict_reads_a_packed_set_of_encoded_files(
     for line in lines:
         (prediction,) = line["predictions"]
         assert prediction["label"] in CLASSES and line["target"] in (0, 1)
+
+
+def test_a_run_serves_without_its_data_dir_as_it_did_with_it(tmp_path: Path) -> None:
+    """Trained here, served where --data-dir is not: the model and codec come from the run
+    (serving.json), and answer exactly as they did while the data was there."""
+    tree = write_photo_tree(tmp_path / "tree", per_class=6)
+    run_dir = tmp_path / "run"
+    seed_everything(0)
+    config = TrainConfig(workload="images", data_dir=str(tree), image_size=16,
+                         model_size="resnet18,width=8", max_steps=2, batch_size=4,
+                         eval_every=0, progress=False, run_dir=str(run_dir))
+    train(images.build(str(tree), model_size="resnet18,width=8", image_size=16), config)
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    jpeg = encode(photo("china").crop((100, 100, 300, 260)), "JPEG", "RGB")
+    (inputs / "a.jpg").write_bytes(jpeg)
+    (inputs / "b.png").write_bytes(encode(photo("flower").crop((0, 0, 120, 90)), "PNG", "RGB"))
+
+    def predicted(out: Path) -> dict[str, list[dict]]:
+        assert main(["predict", str(run_dir), str(inputs), "--out", str(out), "--device",
+                     "cpu", "--num-workers", "0", "--top-k", "2", "--no-progress"]) == 0
+        return {Path(r["input"]).name: r["predictions"]
+                for r in map(json.loads, out.read_text().splitlines())}
+
+    with_data = predicted(tmp_path / "with.jsonl")
+    tree.rename(tmp_path / "elsewhere")
+    without_data = predicted(tmp_path / "without.jsonl")
+    assert without_data == with_data
+    for (prediction,) in without_data.values():
+        assert prediction["label"] in CLASSES
+        assert {entry["label"] for entry in prediction["top"]} == set(CLASSES)
+
+    async def scenario() -> None:
+        app = create_app(ServeSettings(str(run_dir), device="cpu", max_batch_size=4))
+        async with serving(app) as client:
+            reply = await client.post("/v1/predict?top_k=2", content=jpeg,
+                                      headers={"Content-Type": "image/jpeg"})
+            check_prediction(reply)
+            assert reply.json()["predictions"] == with_data["a.jpg"]
+
+    asyncio.run(scenario())

@@ -218,9 +218,11 @@ def is_builtin(spec: str) -> bool:
     return spec in BUILTIN_WORKLOADS or spec.partition(":")[0] in PREFIXED_WORKLOADS
 
 
-def resolve_workload(spec: str, options: Mapping[str, Any] | None = None) -> Workload:
+def resolve_workload(spec: str, options: Mapping[str, Any] | None = None,
+                     serving_state: Mapping[str, Any] | None = None) -> Workload:
     """Build a workload from a built-in name, ``hf:DIR`` (a Hugging Face model directory)
-    or ``pkg.module:factory``."""
+    or ``pkg.module:factory``. ``serving_state``, its codec's state a run saved, goes to a
+    factory with a parameter of that name: a server rebuilds from it, not the data."""
     prefix, _, argument = spec.partition(":")
     if prefix in PREFIXED_WORKLOADS:
         options = {"directory": argument, **dict(options or {})}
@@ -263,6 +265,8 @@ def resolve_workload(spec: str, options: Mapping[str, Any] | None = None) -> Wor
                 f"parameter{'s' if len(unsupported) > 1 else ''} "
                 f"{', '.join(unsupported)}. Drop the flag, or add the parameter to the factory."
             )
+        if serving_state is not None and "serving_state" in signature.parameters:
+            options["serving_state"] = serving_state
     workload = factory(**options)
     if not isinstance(workload, Workload):
         raise UserError(

@@ -120,8 +120,10 @@ def read_source(path: Path) -> Source:
             serving)
 
 
-def build_workload(config: dict[str, Any], workload: str | None = None) -> Workload:
-    """The run's workload, rebuilt with the options it was trained with.
+def build_workload(config: dict[str, Any], workload: str | None = None,
+                   serving: dict[str, Any] | None = None) -> Workload:
+    """The run's workload, rebuilt with the options it was trained with, and its codec's
+    saved state (``serving``) for a factory that sizes its model from that.
 
     A built-in workload whose training data is not on this machine is rebuilt from its
     synthetic data instead: the network's shape depends on the options, not the data.
@@ -130,18 +132,20 @@ def build_workload(config: dict[str, Any], workload: str | None = None) -> Workl
     train_config = TrainConfig(**{k: v for k, v in config.items() if k in known})
     spec = workload or train_config.workload
     options = train_config.workload_options()
+    state = (serving or {}).get("spec")
     try:
-        return resolve_workload(spec, options)
+        return resolve_workload(spec, options, state)
     except UserError:
         if not is_builtin(spec) or options.get("data") == "synthetic":
             raise
-        return resolve_workload(spec, {**options, "data": "synthetic"})
+        return resolve_workload(spec, {**options, "data": "synthetic"}, state)
 
 
 def restore_workload(config: dict[str, Any], weights: dict[str, torch.Tensor], source: Path,
-                     workload: str | None = None) -> Workload:
+                     workload: str | None = None,
+                     serving: dict[str, Any] | None = None) -> Workload:
     """The run's workload rebuilt, its model holding ``weights``, in eval mode."""
-    built = build_workload(config, workload)
+    built = build_workload(config, workload, serving)
     try:
         built.model.load_state_dict(weights, strict=True)
     except RuntimeError as exc:
@@ -232,7 +236,7 @@ def load_hf_export(path: Path, workload: str | None = None) -> LoadedModel:
     """The run's workload rebuilt from the export's run record, serving the export's model
     (under the tokenizer the export carries, when it carries one)."""
     config, step, serving = read_run_record(path)
-    built = build_workload(config, workload)
+    built = build_workload(config, workload, serving)
     built.model = open_hf_export(path, built)
     tokenized = any((path / name).is_file() for name in TOKENIZER_FILES)
     return LoadedModel(built, config, step, path, serving,
@@ -263,8 +267,8 @@ def load_model(path: str | Path, workload: str | None = None, name: str | None =
     if is_model_directory(source):
         return load_model_directory(source, name, max_model_len)
     config, weights, step, serving = read_source(source)
-    return LoadedModel(restore_workload(config, weights, source, workload), config, step,
-                       source, serving)
+    return LoadedModel(restore_workload(config, weights, source, workload, serving), config,
+                       step, source, serving)
 
 
 def batch_buckets(max_batch_size: int) -> list[int]:

@@ -10,7 +10,9 @@ on the device. See docs/workloads/images.md.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -92,19 +94,40 @@ def _resnet_blocks(model: nn.Module) -> list[nn.Module]:
     return list(model.net.blocks)  # type: ignore[union-attr,arg-type]
 
 
-def _synthetic(size: int, seed: int) -> TensorDataset:
+def _synthetic(size: int, seed: int, count: int = SYNTHETIC_COUNT,
+               classes: int = SYNTHETIC_CLASSES) -> TensorDataset:
     generator = torch.Generator().manual_seed(seed)
-    pixels = torch.randint(0, 256, (SYNTHETIC_COUNT, size, size, 3), dtype=torch.uint8,
+    pixels = torch.randint(0, 256, (count, size, size, 3), dtype=torch.uint8,
                            generator=generator)
-    return TensorDataset(pixels, torch.randint(0, SYNTHETIC_CLASSES, (SYNTHETIC_COUNT,),
-                                               generator=generator))
+    return TensorDataset(pixels, torch.randint(0, classes, (count,), generator=generator))
+
+
+def _served(kind: str, width: int, state: Mapping[str, Any]) -> Workload:
+    """A trained run rebuilt for serving from its codec's saved state (class names and
+    size): the model's head is as wide as in training, and no data is read, so a run is
+    served where its ``--data-dir`` is not. Its few random images only fill the example
+    batch a server warms up on."""
+    try:
+        classes, size = [str(name) for name in state["classes"]], int(state["size"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UserError(f"The images run's saved codec state {dict(state)!r} lacks its class "
+                        f"names or size ({type(exc).__name__}: {exc}); train the run again "
+                        "or serve it where its --data-dir is.") from None
+    examples = _synthetic(size, 0, EXAMPLE_ITEMS, max(len(classes), 2))
+    return Workload(name="images", model=image_model(kind, width, max(len(classes), 2), size),
+                    train_dataset=examples, example_batch=tuple(examples.tensors),
+                    repeated_blocks=_resnet_blocks, serving=images_serving(classes, size))
 
 
 def build(data_dir: str | None = None, data: str = "real", model_size: str | None = None,
           image_size: int | None = None, strict_data: bool = False,
-          decode: str | None = None) -> Workload:
-    """The `images` workload: a ResNet trained on encoded image files."""
+          decode: str | None = None,
+          serving_state: Mapping[str, Any] | None = None) -> Workload:
+    """The `images` workload: a ResNet trained on encoded image files; given a run's
+    ``serving_state`` (when a server rebuilds it), built from that instead of the data."""
     kind, width = parse_model(model_size)
+    if serving_state is not None:
+        return _served(kind, width, serving_state)
     size = image_size or DEFAULT_IMAGE_SIZE
     if size < 8:
         raise UserError(f"--image-size {size}: images need at least 8 pixels a side.")
