@@ -1,17 +1,22 @@
 """Training steps of the planner's layouts on this machine, shared by the planner's tests
-(peak memory) and benchmarks/planner_steps.py (step times): the layout applied to a
-workload's model the way the trainer applies it, without the trainer around it."""
+and benchmarks (planner_memory.py: peak memory, planner_steps.py: step times): the layout
+applied to a workload's model the way the trainer applies it, without the trainer around
+it, and its peak memory as torch's ``MemTracker`` counts it."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker
 
+from gpuflow.config import TrainConfig
 from gpuflow.planner.layout import Layout
+from gpuflow.train.optim import build_optimizer
 from gpuflow.workload import Workload, call_model, resolve_workload
 
 SMALL_GPT = "layers=2,dim=64,heads=2,seq=64"
@@ -57,7 +62,7 @@ def strategy_step(workload: Workload, layout: Layout) -> tuple[Any, nn.Module]:
     from gpuflow.parallel.pipeline import Pipeline
     from gpuflow.parallel.replicated import apply_ddp
     from gpuflow.parallel.sharded import apply_fsdp
-    from gpuflow.parallel.strategy import resize_rows
+    from gpuflow.parallel.strategy import apply_activation_checkpointing, resize_rows
     from gpuflow.parallel.tensor import apply_tensor_parallel
 
     model, cpu = workload.model, torch.device("cpu")
@@ -73,13 +78,15 @@ def strategy_step(workload: Workload, layout: Layout) -> tuple[Any, nn.Module]:
 
         return pipelined, pipe.parts
     forward: Any = model
+    if layout.activation_checkpointing:
+        apply_activation_checkpointing(model, workload.blocks())
     if layout.strategy == "ddp":
         forward = apply_ddp(model, cpu)
     elif layout.strategy == "fsdp":
         param_dtype = torch.bfloat16 if layout.precision == "bf16" else None
         apply_fsdp(model, workload.blocks(), param_dtype, layout.reshard_after_forward,
                    wrap=layout.fsdp_wrap)
-    else:
+    elif layout.tp > 1:
         mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
         apply_tensor_parallel(workload.blocks(), workload.tensor_parallel_plan, mesh["tp"])
 
@@ -95,6 +102,29 @@ def training_step(forward_backward: Any, optimizer: Any, batch: Any) -> None:
     forward_backward(batch)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def measured_peak(workload: Workload, layout: Layout) -> int:
+    """Peak bytes of two training steps (forward, backward, AdamW step) of ``layout`` on
+    this rank, counted by MemTracker: code independent of the planner's.
+
+    The strategy is applied inside the tracker (DDP's buckets, FSDP's shards count), except
+    a pipeline's, whose traced stage modules MemTracker must meet before it tracks them."""
+    batch = batch_of(workload, layout.samples_per_step // layout.dp)  # data made outside
+    tracker = MemTracker()
+    setup = contextlib.nullcontext() if layout.pp > 1 else tracker
+    if layout.pp == 1:
+        tracker.track_external(workload.model, batch)
+    with setup:
+        forward_backward, local = strategy_step(workload, layout)
+        optimizer = build_optimizer(local, TrainConfig(), torch.device("cpu"))
+    if layout.pp > 1:  # this rank's stage only: the whole model object stays with the caller
+        tracker.track_external(local, optimizer, batch)
+    with tracker:
+        for _ in range(2):
+            tracker.reset_mod_stats()  # each step a fresh peak in the per-module stats
+            training_step(forward_backward, optimizer, batch)
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 
 def fastest_step_s(steps: dict[str, tuple[Any, Any, Any]], rounds: int, warmup: int

@@ -8,7 +8,6 @@ gloo ranks.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from pathlib import Path
@@ -18,45 +17,17 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from planner_layouts import SMALL_GPT, batch_of, strategy_step, training_step, workload_of
-from torch.distributed._tools.mem_tracker import MemTracker
+from planner_layouts import SMALL_GPT, measured_peak, workload_of
 
-from gpuflow.config import TrainConfig
 from gpuflow.parallel.env import free_port
 from gpuflow.planner.layout import Layout
 from gpuflow.planner.memory import predict_memory
 from gpuflow.planner.transformer import TransformerDims
 from gpuflow.planner.workload_profile import profile_workload
-from gpuflow.train.optim import build_optimizer
-from gpuflow.workload import Workload, call_model, resolve_workload
+from gpuflow.workload import resolve_workload
 from gpuflow.workloads.textlm import parse_model_size
 
 TOLERANCE = 0.15
-
-
-def _train_steps(workload: Workload, forward: Any, optimizer: Any, batch: Any,
-                 precision: str, tracker: MemTracker, steps: int = 2) -> None:
-    """Run ``steps`` training steps, each a fresh peak in ``tracker``'s per-module stats."""
-    dtype = {"bf16": torch.bfloat16}.get(precision)
-    inputs, target = batch
-    for _ in range(steps):
-        tracker.reset_mod_stats()
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
-            loss = workload.loss_fn(call_model(forward, inputs), target)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-
-def measured_peak(workload: Workload, precision: str, micro_batch: int) -> int:
-    model = workload.model
-    optimizer = build_optimizer(model, TrainConfig(), torch.device("cpu"))
-    batch = batch_of(workload, micro_batch)
-    tracker = MemTracker()
-    tracker.track_external(model, optimizer, batch)
-    with tracker:
-        _train_steps(workload, model, optimizer, batch, precision, tracker)
-    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 
 # bf16 cases catch what autocast changes: weight copies that outsize a sample's activations
@@ -70,25 +41,20 @@ CASES = [("digits", None, "fp32", 64), ("digits", None, "bf16", 64),
 @pytest.mark.parametrize(("name", "size", "precision", "micro_batch"), CASES)
 def test_single_process_peak_memory_is_predicted_within_15_percent(
         name: str, size: str | None, precision: str, micro_batch: int) -> None:
-    options = {"data": "synthetic", **({"model_size": size} if size else {})}
-    workload = resolve_workload(name, options)
-    profile = profile_workload(workload, precision)
-    predicted = predict_memory(profile, Layout(strategy="single", precision=precision,
-                                               micro_batch=micro_batch)).peak
-    measured = measured_peak(workload, precision, micro_batch)
+    workload = workload_of(name, size)
+    layout = Layout(strategy="single", precision=precision, micro_batch=micro_batch)
+    predicted = predict_memory(profile_workload(workload, precision), layout).peak
+    measured = measured_peak(workload, layout)
     assert abs(predicted / measured - 1) < TOLERANCE, (predicted, measured)
 
 
 def test_activation_checkpointing_prediction_tracks_the_measurement() -> None:
-    from gpuflow.parallel.strategy import apply_activation_checkpointing
-
-    workload = resolve_workload("textlm", {"data": "synthetic", "model_size": SMALL_GPT})
+    workload = workload_of("textlm", SMALL_GPT)
     profile = profile_workload(workload, "fp32")
     plain = predict_memory(profile, Layout(strategy="single", micro_batch=8)).peak
-    apply_activation_checkpointing(workload.model, workload.blocks())
-    predicted = predict_memory(profile, Layout(strategy="single", activation_checkpointing=True,
-                                               micro_batch=8)).peak
-    measured = measured_peak(workload, "fp32", 8)
+    layout = Layout(strategy="single", activation_checkpointing=True, micro_batch=8)
+    predicted = predict_memory(profile, layout).peak
+    measured = measured_peak(workload, layout)  # checkpointing applied with the layout
     assert predicted < plain
     assert abs(predicted / measured - 1) < TOLERANCE, (predicted, measured)
 
@@ -142,36 +108,14 @@ OTHER_WORKLOAD_CASES = {
 }
 
 
-def _measure_peak(workload: Workload, layout: Layout) -> int:
-    """Peak bytes of two training steps of ``layout``.
-
-    The strategy is applied inside the tracker (DDP's buckets, FSDP's shards count), except
-    a pipeline's, whose traced stage modules MemTracker must meet before it tracks them."""
-    batch = batch_of(workload, layout.samples_per_step // layout.dp)  # data made outside
-    tracker = MemTracker()
-    setup = contextlib.nullcontext() if layout.pp > 1 else tracker
-    if layout.pp == 1:
-        tracker.track_external(workload.model, batch)
-    with setup:
-        forward_backward, local = strategy_step(workload, layout)
-        optimizer = build_optimizer(local, TrainConfig(), torch.device("cpu"))
-    if layout.pp > 1:  # this rank's stage only: the whole model object stays in the test
-        tracker.track_external(local, optimizer, batch)
-    with tracker:
-        for _ in range(2):
-            tracker.reset_mod_stats()
-            training_step(forward_backward, optimizer, batch)
-    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
-
-
 def _two_rank_worker(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    peaks = {name: _measure_peak(workload_of("textlm", SMALL_GPT), layout)
+    peaks = {name: measured_peak(workload_of("textlm", SMALL_GPT), layout)
              for name, layout in STRATEGIES.items()}
     for key, (name, size, layout) in OTHER_WORKLOAD_CASES.items():
-        peaks[key] = _measure_peak(workload_of(name, size), layout)
+        peaks[key] = measured_peak(workload_of(name, size), layout)
     Path(f"{out}.{rank}").write_text(json.dumps({"peaks": peaks}))
     dist.destroy_process_group()
 
