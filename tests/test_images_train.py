@@ -9,8 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from runs import configs, newest_weights
+from conftest import run_cli
+from image_trees import write_photo_tree
+from runs import configs, newest_weights, summary
 
+from gpuflow.cli import main
 from gpuflow.train.trainer import Trainer, seed_everything, train
 from gpuflow.workloads import images
 
@@ -92,3 +95,31 @@ def test_resnets_have_the_published_sizes_and_declare_their_blocks(photo_tree: P
     assert sum(p.numel() for p in ResNet("resnet50").parameters()) == 25_557_032
     workload = images.build(str(photo_tree), **TINY)
     assert len(workload.blocks()) == 8  # resnet18: 2 + 2 + 2 + 2 residual blocks
+
+
+def test_two_ranks_count_the_files_skipped_on_both(tmp_path: Path) -> None:
+    """Under --nproc 2 each rank's loader meets its own share of the corrupt files; the
+    summary counts them all, as one process reading the same batches does (rank 0 alone
+    would count about half)."""
+    data = tmp_path / "data"
+    write_photo_tree(data / "train", per_class=8)
+    write_photo_tree(data / "val", per_class=1)
+    broken = [data / "train" / name / f"{number:03d}.jpg"
+              for name in ("china", "flower") for number in (0, 5, 6)]
+    for path in broken:
+        path.write_bytes(path.read_bytes()[:200])  # truncated
+    common = ["train", "--workload", "images", "--data-dir", str(data), "--image-size", "16",
+              "--model-size", "resnet18,width=8", "--max-steps", "1", "--num-workers", "0",
+              "--no-progress"]
+    # A batch of 16 is an epoch: each training file is met once a batch read (the loader
+    # reads a few batches ahead), by one process or by one of the two ranks.
+    assert main([*common, "--batch-size", "16", "--run-dir", str(tmp_path / "one")]) == 0
+    result = run_cli(*common, "--nproc", "2", "--strategy", "ddp", "--batch-size", "8",
+                     "--run-dir", str(tmp_path / "two"))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    one, two = summary(tmp_path / "one"), summary(tmp_path / "two")
+    assert two["world_size"] == 2
+    count = one["data"]["skipped_files"]
+    assert count > 0 and count % len(broken) == 0, one["data"]
+    assert two["data"]["skipped_files"] == count, (one["data"], two["data"])
+    assert two["data"]["first_skipped"].split(":")[0] in map(str, broken)

@@ -126,7 +126,8 @@ class Workload:
     A metric may return a ``Ratio``: evaluation sums its parts over the batches and divides
     once (word error rate: errors over reference words, not a mean of per-batch rates).
     ``data_report()`` says what the loader met in the data, e.g. files skipped for not
-    decoding; the run's summary records it under ``data``.
+    decoding; the run's summary records it under ``data``, its counts added over the
+    data-parallel ranks (``gpuflow.train.data_report``).
     ``loss_units(target)`` counts what ``loss_fn`` averages over in a batch (its target tokens,
     a tensor or int) when that number varies: training then weighs each batch's loss by its
     units over the whole step's on all ranks (``gpuflow.train.units``), so that data-parallel

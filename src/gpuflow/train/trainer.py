@@ -41,6 +41,7 @@ from gpuflow.train import fp8, record
 from gpuflow.train.averaging import WeightAverage
 from gpuflow.train.batch import fit_batch
 from gpuflow.train.compile import Compiled, compile_step, turn_on_compile_for_step_modes
+from gpuflow.train.data_report import all_ranks_report
 from gpuflow.train.evaluate import evaluate
 from gpuflow.train.optim import build_optimizer, build_scheduler, optimizer_step
 from gpuflow.train.preemption import Preemption
@@ -355,8 +356,9 @@ class Trainer:
         summary = record.write_summary(self.description, final, self.position,
                                        medians(self.metrics.step_records()), self.eval_time_s,
                                        last.path if last else None,
-                                       report() if (report := self.workload.data_report)
-                                       else None)
+                                       all_ranks_report(self.workload.data_report,
+                                                        self.strategy.dp_rank,
+                                                        self.dist.world_size))
         return RunResult(self.run_dir, self.step, final, summary, self.model)
 
     def close(self) -> None:
