@@ -1,10 +1,12 @@
 """Conversations packed several to a window: attention stays inside each (logits equal those
 of each conversation alone), the loss stays on the assistant's tokens, `gpuflow data pack`
-writes the same windows training builds in memory, and a SIGKILLed `gpuflow train
---workload hf:DIR` run on them resumes to the uninterrupted run's weights."""
+writes the same windows training builds in memory, a SIGKILLed `gpuflow train
+--workload hf:DIR` run on them resumes to the uninterrupted run's weights, and the run
+serves /v1/predict on one conversation's token ids alone."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -14,13 +16,15 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ROOT, cli_env
+from conftest import ROOT, cli_env, serving
 from runs import newest_weights
 from test_finetune_chats import CHATS, conversation, write_chats
 
 from gpuflow import checkpoint as ckpt
 from gpuflow.cli import main
 from gpuflow.model_dir import load_hf_tokenizer
+from gpuflow.serve.app import ServeSettings, create_app
+from gpuflow.serve.model import load_model
 from gpuflow.workload import IGNORE_INDEX, resolve_workload
 from gpuflow.workloads.chat_windows import collate_windows
 
@@ -96,3 +100,28 @@ def test_packed_chats_train_and_a_sigkilled_run_resumes_exactly(
     assert reference.keys() == resumed.keys()
     for name, tensor in reference.items():
         assert torch.equal(tensor, resumed[name]), name
+    assert_predicts_from_token_ids(tmp_path / "reference", directory)
+
+
+def assert_predicts_from_token_ids(run_dir: Path, directory: Path) -> None:
+    """A run trained on packed chats (whose batches carry position_ids) is served as any
+    causal LM: /v1/predict takes a conversation's input_ids alone, of its own length, and
+    answers the trained model's logits."""
+    tokenizer = load_hf_tokenizer(directory)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": CHATS[1][0]}],
+                                         add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    async def predict() -> Any:
+        app = create_app(ServeSettings(str(run_dir), device="cpu", max_batch_size=2))
+        async with serving(app) as client:
+            return await client.post("/v1/predict", json={"inputs": {"input_ids": [ids]}})
+
+    reply = asyncio.run(predict())
+    assert reply.status_code == 200, reply.text
+    logits = torch.tensor(reply.json()["predictions"][0]["outputs"]["logits"])
+    model = load_model(run_dir).workload.model.eval()
+    with torch.inference_mode():
+        expected = model(input_ids=torch.tensor([ids])).logits[0]
+    assert logits.shape == expected.shape
+    assert torch.allclose(logits, expected, atol=1e-5)

@@ -107,7 +107,10 @@ def build(directory: str, data_dir: str | None = None, data: str = "real",
         train, val = (chat_datasets(chats, tokenizer, seq, truncate_chats) if chats else
                       open_chat_set(data_dir, seq, rows))  # type: ignore[arg-type]
         count = min(EXAMPLE_ITEMS, len(train))
-        collate, example = collate_windows, collate_windows([train[i] for i in range(count)])
+        inputs, targets = collate_windows([train[i] for i in range(count)])
+        # position_ids only restart positions at each packed conversation: the example
+        # (the served inputs' schema) holds the token ids, as one conversation is sent.
+        collate, example = collate_windows, ({"input_ids": inputs["input_ids"]}, targets)
     else:
         train, val = token_datasets(data_dir, data, seq, rows, path, f"the model in {path}")
         collate, example = None, first_windows(train, EXAMPLE_ITEMS)
