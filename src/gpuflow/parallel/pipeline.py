@@ -133,8 +133,10 @@ class Pipeline:
         with warnings.catch_warnings():
             # torch's own tracing machinery warns about its own deprecated pytree calls.
             warnings.filterwarnings("ignore", ".*LeafSpec", FutureWarning)
-            return pipeline(model, mb_args=args, mb_kwargs=kwargs or None,
+            pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs or None,
                             split_spec=split_spec)
+        _check_input_order(pipe.split_gm.graph)
+        return pipe
 
     def blocks_of(self, stage: Any) -> list[nn.Module]:
         """The repeated blocks inside one of this rank's stages (for FSDP and checkpointing)."""
@@ -325,6 +327,18 @@ def _split_points(block_names: list[str], stages: int) -> dict[str, SplitPoint]:
         )
     return {block_names[start]: SplitPoint.BEGINNING
             for start, _ in manual.stage_bounds(len(block_names), stages)[1:]}
+
+
+def _check_input_order(graph: torch.fx.Graph) -> None:
+    """The schedule hands the first stage the model's inputs in the model's order, and the
+    splitter may order that stage's parameters otherwise (by first use: a speech model's
+    lengths before its waves), which would feed each input to the other's place."""
+    inputs = [node.name for node in graph.nodes if node.op == "placeholder"]
+    first = next(node for node in graph.nodes if node.op == "call_module")
+    taken = [arg.name for arg in first.args if isinstance(arg, torch.fx.Node)]
+    if taken != inputs and sorted(taken) == sorted(inputs):
+        raise ValueError(f"the first stage takes the inputs as ({', '.join(taken)}), "
+                         f"the model as ({', '.join(inputs)})")
 
 
 def _stage_index(submod_name: str) -> int:
