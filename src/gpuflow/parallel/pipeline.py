@@ -75,7 +75,7 @@ class Pipeline:
         self.rank = mesh.get_local_rank()
         self.group = mesh.get_group()
         self.microbatches = microbatches
-        self._loss_fn = loss_fn
+        self._loss_fn = self._step_loss = loss_fn
         self._loss_scale = 1.0
         self._losses: list[torch.Tensor] = []
         self.canonical = _canonical_names(model)
@@ -172,17 +172,21 @@ class Pipeline:
         return self.stages[-1].submod.layout.rebuild(flat)
 
     def _scaled_loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
-        loss = self._loss_fn(self._outputs(output), target)
+        loss = self._step_loss(self._outputs(output), target)
         self._losses.append(loss.detach())
         return loss * self._loss_scale
 
     # --- steps --------------------------------------------------------------------------
 
-    def forward_backward(self, inputs: Any, target: torch.Tensor, scale: float
+    def forward_backward(self, inputs: Any, target: torch.Tensor, scale: float,
+                         loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
                          ) -> torch.Tensor:
         """Run one batch through the schedule; gradients accumulate scaled by ``scale`` /
-        micro-batches. Returns the batch's mean loss on the last stage, 0 elsewhere."""
+        micro-batches. ``loss_fn`` (the model's own by default) is called once a micro-batch
+        with its targets, such as a loss weighed by their units. Returns the batch's mean
+        loss on the last stage, 0 elsewhere."""
         self._loss_scale = scale / self.microbatches
+        self._step_loss = loss_fn or self._loss_fn
         self._losses = []
         args, kwargs = self._call_args(inputs)
         self.schedule.step(*args, target=target if self.last else None, **kwargs)
@@ -195,7 +199,7 @@ class Pipeline:
     def forward(self, inputs: Any, target: torch.Tensor) -> Any:
         """Outputs of a whole batch (on the last stage; None elsewhere), no gradients."""
         args, kwargs = self._call_args(inputs)
-        self._losses = []
+        self._losses, self._step_loss = [], self._loss_fn
         outputs = self.schedule.eval(*args, target=target if self.last else None, **kwargs)
         return self._outputs(outputs) if self.last else None
 

@@ -80,9 +80,10 @@ class Pipelined(Strategy):
 
     def forward_backward(self, inputs: Any, target: torch.Tensor, loss_fn: Loss,
                          micro: int, accum: int, scaler: GradScaler | None) -> torch.Tensor:
-        """The whole schedule for one batch (loss scaling is refused with pipelines)."""
+        """The whole schedule for one batch (loss scaling is refused with pipelines); the
+        schedule calls ``loss_fn`` on each of its micro-batches."""
         with self._collective_waits, self.policy.autocast():
-            return self.pipeline.forward_backward(inputs, target, 1 / accum).detach()
+            return self.pipeline.forward_backward(inputs, target, 1 / accum, loss_fn).detach()
 
     def finish_backward(self) -> None:
         self.pipeline.sync_tied_grads()

@@ -48,7 +48,7 @@ from gpuflow.train.preemption import Preemption
 from gpuflow.train.probe import step_flops
 from gpuflow.train.progress import ProgressDisplay
 from gpuflow.train.state import Position, RunState, seed_everything
-from gpuflow.train.units import StepCounter, weighted
+from gpuflow.train.units import StepCounter
 from gpuflow.workload import Batch, Workload, call_model, serving_state
 
 if TYPE_CHECKING:
@@ -287,7 +287,7 @@ class Trainer:
             targets.append(target)
             timer.compute.begin()
             losses.append(self.strategy.forward_backward(
-                inputs, target, weighted(self.workload.loss_fn, counts, micro), micro, accum,
+                inputs, target, counter.weighted(self.workload.loss_fn, counts), micro, accum,
                 self.scaler))
             timer.comm.end_if_begun()
             timer.compute.end()

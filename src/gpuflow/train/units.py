@@ -8,8 +8,11 @@ step that weighs its loss first counts the units of all its micro-batches on eve
 then weighs each micro-batch's mean loss by ``units * dp * accum / global_units``: the
 strategy's division by ``accum`` and the gradient average over ``dp`` replicas make that the
 gradient of the union's per-unit mean, and the logged loss (the mean over ranks and
-micro-batches) that mean itself. Nothing is synchronised inside the loss function, which
-probes and evaluation call where no peer exists.
+micro-batches) that mean itself. A pipeline splits each micro-batch into ``splits`` pieces
+again, calls the loss on its last stage once a piece and divides by ``splits``: each piece's
+weight is its own units times ``splits`` over the same total, so the weighted loss counts a
+piece's units from the targets it is called with. Nothing is synchronised inside the loss
+function, which probes and evaluation call where no peer exists.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gpuflow.errors import UserError
 from gpuflow.parallel.dims import ParallelDims
 from gpuflow.parallel.strategy import Loss
 from gpuflow.workload import Workload
@@ -29,10 +31,10 @@ from gpuflow.workload import Workload
 @dataclass(frozen=True)
 class StepCounts:
     """One step's ``[samples, units]`` over all replicas (on the device until read), and
-    each micro-batch's loss weight."""
+    what a loss over a batch (or a pipeline's piece of one) is weighed by per unit."""
 
     totals: torch.Tensor
-    weights: list[torch.Tensor]
+    per_unit: torch.Tensor | None
 
 
 class StepCounter:
@@ -41,9 +43,8 @@ class StepCounter:
     def __init__(self, workload: Workload, dims: ParallelDims, device: torch.device,
                  global_batch: int, accum: int) -> None:
         self.loss_units = workload.loss_units
-        if self.loss_units is not None and dims.pp > 1:
-            raise UserError(f"Workload {workload.name!r} weighs its loss by loss_units, which "
-                            "pipelines do not support yet: use --strategy ddp, fsdp or tp.")
+        # What a pipeline splits each micro-batch into before its loss; 1 without one.
+        self.splits = dims.pipeline_microbatches(global_batch // (accum * dims.dp))
         self.counts_samples = workload.batch_sampler is not None
         self.dims, self.device = dims, device
         self.global_batch, self.accum = global_batch, accum
@@ -65,8 +66,10 @@ class StepCounter:
             dist.all_reduce(totals)
             # Ranks within a replica (tensor or pipeline parallel) share its batch.
             totals = totals // (self.dims.world // self.dims.dp)
-        scale = self.dims.dp * self.accum / totals[1].clamp(min=1).float()
-        return StepCounts(totals, [u.float() * scale for u in units])
+        if self.loss_units is None:
+            return StepCounts(totals, None)
+        scale = self.dims.dp * self.accum * self.splits / totals[1].clamp(min=1).float()
+        return StepCounts(totals, scale)
 
     def samples(self, targets: list[torch.Tensor], counts: StepCounts | None) -> int:
         """Samples in the step over all replicas: the global batch, unless the workload
@@ -75,14 +78,15 @@ class StepCounter:
             return self.global_batch
         return int((counts or self.count(targets)).totals[0].item())
 
+    def weighted(self, loss_fn: Loss, counts: StepCounts | None) -> Loss:
+        """``loss_fn``, weighed by the units of the targets it is called with (a whole
+        micro-batch's, or a pipeline piece's) when the step counted its units."""
+        if counts is None or counts.per_unit is None or self.loss_units is None:
+            return loss_fn
+        units_of, per_unit = self.loss_units, counts.per_unit
 
-def weighted(loss_fn: Loss, counts: StepCounts | None, micro: int) -> Loss:
-    """``loss_fn``, weighted for micro-batch ``micro`` when the step counted its units."""
-    if counts is None or not counts.weights:
-        return loss_fn
-    weight = counts.weights[micro]
+        def weighted_loss(outputs: Any, target: torch.Tensor) -> torch.Tensor:
+            units = torch.as_tensor(units_of(target), device=per_unit.device).reshape(())
+            return loss_fn(outputs, target) * (units.float() * per_unit)
 
-    def weighted_loss(outputs: Any, target: torch.Tensor) -> torch.Tensor:
-        return loss_fn(outputs, target) * weight
-
-    return weighted_loss
+        return weighted_loss
