@@ -103,8 +103,8 @@ class Pipeline:
                         f"Pipeline parallelism traces the model with torch.export, and tracing "
                         f"failed ({reason}). Make the forward exportable (no data-dependent "
                         "Python control flow), use --pp-split manual, or use fsdp/tp.") from None
-                warnings.warn(f"torch.export cannot trace the model ({reason}); cutting it "
-                              "into pipeline stages at its repeated blocks instead "
+                warnings.warn(f"The model's traced pipeline split is unusable ({reason}); "
+                              "cutting it into pipeline stages at its repeated blocks instead "
                               "(--pp-split manual).", stacklevel=2)
                 self.manual = True
         if self.manual:
