@@ -165,6 +165,51 @@ def test_chunked_prefill_and_mixed_decode_equal_the_whole_sequence_forward(
     assert lm.written(pool) == [pool.keys, pool.values]
 
 
+@torch.inference_mode()
+def test_decode_rows_sharing_prefix_blocks_equal_the_whole_sequence_forward(
+        paged_lm: tuple[PagedLM, Reference], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three sequences continue one prompt prefix whose blocks they share, as the prefix
+    cache gives them: decoded together, they attend to those blocks once (for any shared
+    length here) and still give each whole sequence's logits (sliding-window layers, which
+    attend row by row, included)."""
+    monkeypatch.setattr(paged, "SHARED_MIN_SAVED", 1)
+    lm, reference = paged_lm
+    rng = random.Random(1)
+    prefix = [rng.randrange(lm.vocab_size) for _ in range(3 * BLOCK)]
+    tokens = {name: prefix + [rng.randrange(lm.vocab_size) for _ in range(own + 3)]
+              for name, own in (("A", 4), ("B", 9), ("C", 2))}
+    shared, pool = [7, 2, 11], lm.new_pool(20, BLOCK)
+    tables = {"A": shared + [5, 13], "B": shared + [1, 9, 4], "C": shared + [16]}
+    lm.forward(StepBatch.build([RowSpec(prefix, 0, shared, "none")], BLOCK), pool)
+    done = {name: len(t) - 3 for name, t in tokens.items()}  # prompts: prefix + own
+    lm.forward(StepBatch.build([RowSpec(tokens[n][len(prefix):done[n]], len(prefix),
+                                        tables[n], "none") for n in tokens], BLOCK), pool)
+    for _ in range(3):
+        batch = StepBatch.build([RowSpec([tokens[n][done[n]]], done[n], tables[n])
+                                 for n in tokens], BLOCK)
+        assert batch.shared_blocks == 3
+        logits = lm.forward(batch, pool)
+        for name, row in zip(tokens, logits, strict=True):
+            expected = reference(tokens[name][:done[name] + 1])[-1]
+            torch.testing.assert_close(row, expected, atol=1e-4, rtol=1e-4)
+            done[name] += 1
+
+
+def test_rows_share_leading_blocks_only_where_it_spares_gathers() -> None:
+    """The shared blocks: leading ones common to every decode row, each row's newest
+    position kept out of them, counted only when the other rows are spared
+    ``SHARED_MIN_SAVED`` positions; never for one row."""
+    size = 16
+    tables = [[4, 5, 6, 7, 8], [4, 5, 6, 9], [4, 5, 6, 7, 10]]
+    long = [size * 5, size * 3 + 1, size * 5]
+    assert paged.shared_prefix(tables, long, size) == 0  # 2 rows spared 3 blocks: 96 < 768
+    spared = [[*range(1, 20), 20 + row] for row in range(4)]  # 19 shared blocks, 3 rows spared
+    contexts = [size * 19 + 5] * 4
+    assert paged.shared_prefix(spared, contexts, size) == 19
+    assert paged.shared_prefix(spared, [size * 19] * 4, size) == 18  # the last position own
+    assert paged.shared_prefix(spared[:1], contexts[:1], size) == 0
+
+
 def test_the_pool_is_allocated_once_and_sized_by_the_model() -> None:
     lm, _ = gpt()
     pool = lm.new_pool(7, 16)

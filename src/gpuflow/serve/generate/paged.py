@@ -28,6 +28,9 @@ from torch.nn import functional as F
 from gpuflow.serve.generate.blocks import NULL_BLOCK, blocks_for
 
 GATHER_BYTES = 2 << 20  # the keys one decode SDPA gathers at most on the CPU (row_groups)
+# Decode rows attend once to the blocks they share when that spares the other rows this many
+# gathered positions or more (below it, the second SDPA and the merge cost more on the CPU).
+SHARED_MIN_SAVED = 768
 Wanted = Literal["last", "all", "none"]  # the tokens of a row whose logits a forward returns
 
 
@@ -58,6 +61,7 @@ class StepBatch:
     logits_at: torch.Tensor  # [K] flat indices into tokens whose logits the forward returns
     host_context_lens: tuple[int, ...]
     block_size: int
+    shared_blocks: int = 0  # leading blocks every decode row holds (``shared_prefix``)
 
     @property
     def num_rows(self) -> int:
@@ -107,7 +111,24 @@ class StepBatch:
 
         return cls(tensor(tokens), tensor(positions), tensor(slots), tuple(row_starts),
                    tensor(contexts), tensor(tables), decodes, tensor(logits_at), contexts,
-                   block_size)
+                   block_size, shared_prefix([row.blocks for row in rows[:decodes]],
+                                             contexts[:decodes], block_size))
+
+
+def shared_prefix(tables: Sequence[Sequence[int]], contexts: Sequence[int],
+                  block_size: int) -> int:
+    """How many leading blocks two or more decode rows all hold (a prompt prefix the prefix
+    cache gave them all), when attending to them once spares the other rows
+    ``SHARED_MIN_SAVED`` gathered positions or more; 0 otherwise. Each row keeps at least
+    its newest position out of them, so both halves of its attention see a key
+    (``_shared_prefix_rows``)."""
+    if len(tables) < 2:
+        return 0
+    limit = (min(contexts) - 1) // block_size
+    shared = 0
+    while shared < limit and len({table[shared] for table in tables}) == 1:
+        shared += 1
+    return shared if (len(tables) - 1) * shared * block_size >= SHARED_MIN_SAVED else 0
 
 
 def check_context(batch: StepBatch, context: int) -> None:
@@ -239,6 +260,46 @@ def _one_token_rows(q: torch.Tensor, pool: KVPool, layer: int, positions: torch.
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def _shared_prefix_rows(q: torch.Tensor, pool: KVPool, layer: int, positions: torch.Tensor,
+                        block_tables: torch.Tensor, widths: Sequence[int],
+                        scale: float | None, shared: int) -> torch.Tensor:
+    """``_one_token_rows`` for rows whose tables all begin with the same ``shared`` blocks
+    (cascade attention): every row's query against those blocks, gathered once, in one SDPA
+    whose query positions are the rows (grouped by key/value head, so grouped heads read
+    their keys once); each row against its own blocks after them, in row groups; the two
+    softmaxes merged by their log-sum-exps. A row gathered its own copy of the shared
+    blocks before; on the CPU those copies were most of a long shared prompt's decode step."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    rows, heads, dim = q.shape
+    kv_heads = pool.keys.shape[3]
+    group = heads // kv_heads
+    keys, values = gather(pool, layer, block_tables[:1, :shared], q.dtype)
+    by_kv_head = q.view(rows, kv_heads, group, dim)
+    out, lse = flash(by_kv_head.permute(1, 2, 0, 3).reshape(1, kv_heads, group * rows, dim),
+                     keys, values, scale=scale)
+    shared_out = out.view(kv_heads, group, rows, dim).permute(2, 0, 1, 3)
+    shared_lse = lse.view(kv_heads, group, rows).permute(2, 0, 1)
+    offset = shared * pool.block_size
+    own_out, own_lse = [], []
+    block_bytes = pool.keys[0, 0].numel() * q.element_size()
+    own = [width - shared for width in widths]
+    for first, end, width in row_groups(own, block_bytes, q.device):
+        keys, values = gather(pool, layer, block_tables[first:end, shared:shared + width],
+                              q.dtype)
+        seen = visible(positions[first:end, None] - offset, keys.shape[2], None)
+        mask = torch.zeros(seen.shape, dtype=q.dtype).masked_fill_(~seen, float("-inf"))
+        out, lse = flash(by_kv_head[first:end], keys, values, attn_mask=mask[:, None, None],
+                         scale=scale)
+        own_out.append(out)
+        own_lse.append(lse)
+    own_lse_all = torch.cat(own_lse)
+    top = torch.maximum(shared_lse, own_lse_all)
+    shared_weight, own_weight = (shared_lse - top).exp(), (own_lse_all - top).exp()
+    merged = ((shared_out * shared_weight[..., None] + torch.cat(own_out) * own_weight[..., None])
+              / (shared_weight + own_weight)[..., None])
+    return merged.reshape(rows, heads, dim).to(q.dtype)
+
+
 def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, batch: StepBatch,
                     scale: float | None = None,
                     sliding_window: int | None = None) -> torch.Tensor:
@@ -257,8 +318,12 @@ def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, batch: StepBatch,
     parts = []
     if decodes:
         widths = [blocks_for(context, size) for context in batch.host_context_lens[:decodes]]
-        parts.append(_one_token_rows(q[:decodes], pool, layer, batch.positions[:decodes],
-                                     batch.block_tables, widths, scale, sliding_window))
+        rows = (q[:decodes], pool, layer, batch.positions[:decodes],
+                batch.block_tables[:decodes], widths, scale)
+        cascade = (batch.shared_blocks and sliding_window is None and q.device.type == "cpu"
+                   and pool.keys.shape[-1] == pool.values.shape[-1])
+        parts.append(_shared_prefix_rows(*rows, batch.shared_blocks) if cascade
+                     else _one_token_rows(*rows, sliding_window))
     for row in range(decodes, batch.num_rows):
         first, end = batch.row_starts[row], batch.row_starts[row + 1]
         context = batch.host_context_lens[row]
