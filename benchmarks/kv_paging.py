@@ -20,13 +20,12 @@ core 0 (one torch thread) and the clients on the others:
   (the engine's design before paging: the budget over one sequence's full context).
   Target: >= 3x.
 
-Model: textlm ``layers=4,dim=256,heads=8,seq=4096``, untrained (the cost of generating
-does not depend on the weights; every request sets ``ignore_eos`` so it generates all it
-asks for), prompts of ASCII text, a byte a token. Its embedding rows of bytes 128-255 are
-zeroed (``ascii_only``): the head is tied to them, so greedy decoding picks ASCII bytes
-only, and every token streams as text at once. Random weights otherwise generate bytes
-that are no UTF-8 for stretches of tokens, which the server holds back until they decode:
-the clients, timing text chunks, would count those stretches as stalls of the scheduler.
+Models (``--model``, ``kv_models.py``): textlm ``layers=4,dim=256,heads=8,seq=4096`` (the
+default; a byte a token) or ``hub-llama``, a Llama-architecture directory with a 4,096-token
+context, grouped-query attention and a 4,096-id BPE tokenizer; both untrained (the cost of
+generating does not depend on the weights; every request sets ``ignore_eos`` so it
+generates all it asks for), their heads limited to tokens that stream as text at once;
+prompts of ASCII prose, sized in the model's tokens.
 
     .venv/bin/python benchmarks/kv_paging.py                 # ~10 minutes on 2 cores
     .venv/bin/python benchmarks/kv_paging.py --quick         # a minute
@@ -60,34 +59,13 @@ from _common import (  # noqa: E402
     write_json,
 )
 from _load import percentile, start, stop  # noqa: E402
-from serving import free_port, untrained_export  # noqa: E402
+from kv_models import MODELS, ServedModel  # noqa: E402
+from serving import free_port  # noqa: E402
 
 ARGS: argparse.Namespace  # the command line, parsed once in __main__
-MODEL_SIZE = "layers=4,dim=256,heads=8,seq=4096"
+SERVED: ServedModel  # the model the servers serve, made once in main
 QUIET_SHARE = 0.05
-TEXT = ("The Python interpreter reads a program text, splits it into tokens and builds a "
-        "tree of the statements it finds; then it compiles the tree to bytecode. ")
-
-
-def ascii_only(model_file: Path) -> None:
-    """Zero the embedding (and so the tied head) rows of bytes 128-255 in ``model_file``:
-    their logits are then 0, below the largest of the ASCII rows' random ones."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
-
-    with safe_open(str(model_file), "pt") as handle:
-        metadata = handle.metadata()
-    tensors = load_file(str(model_file))
-    for name in ("tok_emb.weight", "lm_head.weight"):
-        if name in tensors:
-            tensors[name][128:] = 0.0
-    save_file(tensors, str(model_file), metadata=metadata)
-
-
-def text_of(length: int, offset: int = 0) -> str:
-    """``length`` ASCII characters (tokens, for a byte model) of prose."""
-    repeated = TEXT * (2 + (length + offset) // len(TEXT))
-    return repeated[offset:offset + length]
+SLOTS = 8  # the default KV budget, in sequences of the whole context
 
 
 def serve_command(model: Path, port: int, *extra: str) -> list[str]:
@@ -169,7 +147,7 @@ def summary(streams: list[Stream]) -> dict[str, Any]:
 # --- the scenarios: each a pair of server settings and a load ------------------------------
 
 def prefix_load(url: str) -> dict[str, Any]:
-    system = text_of(ARGS.system_tokens)
+    system = SERVED.prompt(ARGS.system_tokens)
 
     def body(n: int) -> dict[str, Any]:
         return {"prompt": f"{system}\nQuestion {n}: why?", "max_tokens": 16,
@@ -180,7 +158,7 @@ def prefix_load(url: str) -> dict[str, Any]:
 
 async def _chunked(url: str) -> dict[str, Any]:
     """16 long streams, and one long prompt a second beside them."""
-    streams_body = {"prompt": text_of(32), "max_tokens": ARGS.stream_tokens,
+    streams_body = {"prompt": SERVED.prompt(32), "max_tokens": ARGS.stream_tokens,
                     "temperature": 0.0, "ignore_eos": True}
     long_prompts: list[Stream] = []
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
@@ -188,7 +166,7 @@ async def _chunked(url: str) -> dict[str, Any]:
         streams = [asyncio.create_task(stream(client, streams_body)) for _ in range(16)]
         await asyncio.sleep(ARGS.warmup_s)
         for n in range(ARGS.long_prompts):
-            body = {"prompt": text_of(ARGS.long_prompt_tokens, offset=n), "max_tokens": 1,
+            body = {"prompt": SERVED.prompt(ARGS.long_prompt_tokens, offset=n), "max_tokens": 1,
                     "temperature": 0.0, "ignore_eos": True}
             long_prompts.append(await stream(client, body))
             await asyncio.sleep(1.0)
@@ -202,7 +180,7 @@ def chunked_load(url: str) -> dict[str, Any]:
 
 async def _capacity(url: str) -> dict[str, Any]:
     """64 closed-loop clients; /metrics sampled every 50 ms until the last answer."""
-    body = {"prompt": text_of(64), "max_tokens": 64, "temperature": 0.0, "ignore_eos": True}
+    body = {"prompt": SERVED.prompt(64), "max_tokens": 64, "temperature": 0.0, "ignore_eos": True}
     peak = 0.0
     async with httpx.AsyncClient(base_url=url, timeout=600) as monitor:
         async def watch() -> None:
@@ -227,11 +205,7 @@ def capacity_load(url: str) -> dict[str, Any]:
 def slot_capacity() -> int:
     """Sequences a cache of whole-context slots holds in ``--kv-cache-gib``: what the engine
     admitted before paging (the budget over one sequence's keys and values at full length)."""
-    from gpuflow.workloads.textlm import parse_model_size
-
-    config = parse_model_size(MODEL_SIZE)
-    per_sequence = 2 * config.layers * config.seq_len * config.dim * 4  # fp32 keys + values
-    return int(ARGS.kv_cache_gib * 2**30) // per_sequence
+    return int(ARGS.kv_cache_gib * 2**30) // (SERVED.kv_bytes_per_token * SERVED.context)
 
 
 SCENARIOS: dict[str, tuple[dict[str, list[str]], Callable[[str], dict[str, Any]]]] = {
@@ -306,12 +280,14 @@ def verdicts(results: dict[str, Any], slots: int) -> dict[str, Any]:
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
+    add("--model", choices=sorted(MODELS), default="textlm")
     add("--scenarios", default="prefix,chunked,capacity")
     add("--rounds", type=int, default=3)
     add("--warmup-s", type=float, default=3.0)
     add("--window-s", type=float, default=15.0)
-    add("--kv-cache-gib", type=float, default=0.25,
-        help="every server's KV budget (default 0.25: 8 whole-context slots of the model)")
+    add("--kv-cache-gib", type=float,
+        help=f"every server's KV budget (default: {SLOTS} whole-context slots of the model, "
+             "0.25 for textlm)")
     add("--system-tokens", type=int, default=1000)
     add("--long-prompt-tokens", type=int, default=2000)
     add("--long-prompts", type=int, default=8, help="chunked: long prompts sent, one a second")
@@ -322,7 +298,8 @@ def parse() -> argparse.Namespace:
     add("--quick", action="store_true", help="1 round, short windows")
     add("--out", type=Path, help="default benchmarks/results/kv_paging-<machine>.json")
     args = parser.parse_args()
-    args.out = args.out or default_result_path("kv_paging")
+    args.out = args.out or default_result_path(
+        "kv_paging" if args.model == "textlm" else f"kv_paging-{args.model}")
     if args.quick:
         args.rounds, args.warmup_s, args.window_s, args.quiet_wait_s = 1, 1.0, 4.0, 0.0
         args.long_prompts, args.stream_tokens = 3, 128
@@ -337,18 +314,20 @@ def main() -> int:
     server_cores = {0} if cores >= 2 else None
     if server_cores:
         os.sched_setaffinity(0, set(range(1, cores)))
+    global SERVED
     with tempfile.TemporaryDirectory() as scratch:
-        model, _ = untrained_export(Path(scratch), "textlm", MODEL_SIZE)
-        ascii_only(model)
-        results = {name: run_scenario(name, model, env, server_cores)
+        SERVED = MODELS[ARGS.model](Path(scratch))
+        if ARGS.kv_cache_gib is None:
+            ARGS.kv_cache_gib = SLOTS * SERVED.kv_bytes_per_token * SERVED.context / 2**30
+        results = {name: run_scenario(name, SERVED.path, env, server_cores)
                    for name in ARGS.scenarios}
     slots = slot_capacity()
     judged = verdicts(results, slots)
     write_json(ARGS.out, {
         "benchmark": "kv_paging", **provenance(),
-        "model": f"textlm {MODEL_SIZE}, untrained, ASCII-only head",
+        "model": SERVED.about,
         "settings": {k: getattr(ARGS, k) for k in (
-            "scenarios", "rounds", "warmup_s", "window_s", "kv_cache_gib", "system_tokens",
+            "model", "scenarios", "rounds", "warmup_s", "window_s", "kv_cache_gib", "system_tokens",
             "long_prompt_tokens", "long_prompts", "stream_tokens", "chunk_tokens", "quiet_wait_s",
             "quick")}
         | {"server_cores": sorted(server_cores or [])},
