@@ -130,6 +130,12 @@ def test_serve_passes_the_generation_engine_flags_to_its_limits(
     settings = settings_from_json(seen[0])
     assert settings.engine_limits() == EngineLimits(8, 5, None, 8, False, 512, False)
     assert settings.ttft_timeout_ms == 250 and settings.timeout_ms == 2000
+    # CUDA graphs: by default for decode steps only (where the server is on CUDA), never
+    # for /v1/predict unless asked; --no-cuda-graphs turns both off.
+    assert settings.cuda_graphs is None and settings.decode_graphs
+    assert not settings.engine_options().cuda_graphs and not settings.compile
+    assert main(["serve", str(tmp_path), "--device", "cpu", "--no-cuda-graphs"]) in (0, None)
+    assert not settings_from_json(seen[1]).decode_graphs
     assert main(["serve", str(tmp_path), "--block-size", "0"]) == 2
 
 

@@ -80,9 +80,10 @@ def register(commands: argparse._SubParsersAction) -> None:
     add("--compile", action="store_true",
         help="torch.compile the model for each batch bucket, and for language models the "
              "decode step of /v1/completions for each bucket of active sequences")
-    add("--cuda-graphs", action="store_true",
+    add("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
         help="CUDA only: capture CUDA graphs for the fixed buckets, decode steps included "
-             "(implies --compile)")
+             "(implies --compile); default: on for the decode steps of language models "
+             "served on CUDA, off for /v1/predict; --no-cuda-graphs: off for both")
     add_engine_flags(parser)
     add("--workers", type=int, default=1,
         help="server processes, each with its own copy of the model (default 1)")
@@ -176,7 +177,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms,
         inline_below_ms=args.inline_below_ms, max_queue=args.max_queue, timeout_ms=args.timeout_ms,
         max_body_bytes=args.max_body_bytes, device=args.device, precision=args.precision,
-        compile=args.compile or args.cuda_graphs, cuda_graphs=args.cuda_graphs,
+        compile=args.compile or bool(args.cuda_graphs), cuda_graphs=args.cuda_graphs,
         quantize=args.quantize, token=token,
         threads=args.threads, workers=args.workers, kv_cache_gib=args.kv_cache_gib,
         block_size=args.block_size, prefix_cache=args.prefix_cache,

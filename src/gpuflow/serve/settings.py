@@ -32,7 +32,7 @@ class ServeSettings:
     device: str = "auto"
     precision: str = "fp32"
     compile: bool = False
-    cuda_graphs: bool = False
+    cuda_graphs: bool | None = None  # None: decode steps on CUDA only (decode_graphs)
     quantize: str | None = None  # "int8": linear weights through torchao (serve/quantize.py)
     token: str | None = None
     threads: int | None = None
@@ -70,8 +70,14 @@ class ServeSettings:
                             self.chunked_prefill, self.num_speculative_tokens,
                             self.prompt_lookup_max)
 
+    @property
+    def decode_graphs(self) -> bool:
+        """Whether the generation engine's decode steps replay CUDA graphs where it serves on
+        CUDA: unless --no-cuda-graphs, as the field's engines do (a CPU never has them)."""
+        return self.cuda_graphs is not False
+
     def engine_options(self) -> EngineOptions:
-        return EngineOptions(self.device, self.precision, self.compile, self.cuda_graphs,
+        return EngineOptions(self.device, self.precision, self.compile, bool(self.cuda_graphs),
                              self.max_batch_size, self.quantize)
 
 

@@ -189,7 +189,7 @@ class ServerState:
         if directory is None:
             return build_generator(loaded.model, engine.runner, settings.engine_limits(),
                                    self.metrics, eos_ids=(END_OF_DOCUMENT,),
-                                   draft_model=draft)
+                                   draft_model=draft, decode_graphs=settings.decode_graphs)
         tokenizer = load_tokenizer(directory.path)
         why = refusal(loaded.model, tokenized=True)
         if why is not None:
@@ -198,7 +198,7 @@ class ServerState:
         return build_generator(
             loaded.model, engine.runner, settings.engine_limits(), self.metrics, tokenizer,
             directory.generation.eos_ids or _eos_of(tokenizer),
-            directory.context_length(settings.max_model_len), draft)
+            directory.context_length(settings.max_model_len), draft, settings.decode_graphs)
 
     def _draft_model(self, engine: Engine) -> torch.nn.Module | None:
         """``--draft-model`` on the served model's device, with the same tokenizer (ids that

@@ -61,10 +61,12 @@ def build_engine(lm: PagedLM, num_blocks: int, limits: EngineLimits,
 def build_generator(model: torch.nn.Module, runner: Any, limits: EngineLimits,
                     observer: EngineObserver | None, tokenizer: Tokenizer | None = None,
                     eos_ids: Iterable[int] = (), context: int | None = None,
-                    draft_model: torch.nn.Module | None = None) -> GenerationEngine | None:
+                    draft_model: torch.nn.Module | None = None,
+                    decode_graphs: bool = False) -> GenerationEngine | None:
     """A generation engine for the served model on the runner's device and precision, its
     decode steps compiled (and on CUDA replayed as graphs) when the runner's model is, or
-    None for a model that does not generate text. ``tokenizer`` (default: bytes) and
+    on CUDA when ``decode_graphs`` asks for graphs, or None for a model that does not
+    generate text. ``tokenizer`` (default: bytes) and
     ``eos_ids`` are the model's; ``context`` caps its sequences' length; ``draft_model``
     (on the same device) drafts tokens for speculative decoding."""
     dtype = runner.policy.autocast_dtype or torch.float32
@@ -79,8 +81,9 @@ def build_generator(model: torch.nn.Module, runner: Any, limits: EngineLimits,
     per_block = lm.bytes_per_block(limits.block_size) + (
         0 if draft is None else draft.bytes_per_block(limits.block_size))
     blocks = pool_blocks(per_block, budget, limits.block_size, lm.context, limits.max_num_seqs)
-    return build_engine(lm, blocks, limits, runner.context, compile=runner.compiled,
-                        cuda_graphs=runner.cuda_graphs, draft=draft, tokenizer=tokenizer,
+    graphs = runner.cuda_graphs or (decode_graphs and runner.device.type == "cuda")
+    return build_engine(lm, blocks, limits, runner.context, compile=runner.compiled or graphs,
+                        cuda_graphs=graphs, draft=draft, tokenizer=tokenizer,
                         eos_ids=eos_ids, observer=observer)
 
 
