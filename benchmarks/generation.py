@@ -111,7 +111,8 @@ def gpuflow_command(source: Path, port: int) -> list[str]:
             str(4 * max(ARGS.levels)), "--threads", "1", "--timeout-ms", "60000",
             "--device", ARGS.device, "--precision", ARGS.precision,
             *(["--compile"] if ARGS.compile else []),
-            *(["--cuda-graphs"] if ARGS.cuda_graphs else []), "--log-level", "warning"]
+            # Graphs only when asked: on CUDA the server's default would capture them.
+            "--cuda-graphs" if ARGS.cuda_graphs else "--no-cuda-graphs", "--log-level", "warning"]
 
 
 def transformers_command(source: Path, port: int) -> list[str] | None:
@@ -305,7 +306,8 @@ def parse() -> argparse.Namespace:
     add("--device", default="auto", help="gpuflow serve --device (default auto)")
     add("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     add("--compile", action="store_true", help="gpuflow serve --compile")
-    add("--cuda-graphs", action="store_true", help="gpuflow serve --cuda-graphs (CUDA only)")
+    add("--cuda-graphs", action="store_true",
+        help="gpuflow serve --cuda-graphs (CUDA only); without it --no-cuda-graphs")
     add("--no-transformers", action="store_true", help="leave `transformers serve` out")
     add("--no-vllm", action="store_true", help="leave vLLM out")
     add("--no-hf", action="store_true", help="textlm: leave out gpuflow on the HF export")
