@@ -19,7 +19,8 @@ MIB = 2**20
 class PackProgress:
     """One split at a time: the bytes read and shards written by this run, and how far
     through the split it is in ``unit`` (bytes for text, whose size the files give; items
-    for records, whose count the dataset's length gives)."""
+    for records, whose count the dataset's length gives; a total of ``None`` when only
+    the stream's end tells it, e.g. windows packed as conversations arrive)."""
 
     def __init__(self, mode: Mode, stream: TextIO | None = None) -> None:
         self.mode = mode
@@ -29,7 +30,8 @@ class PackProgress:
                      if mode == "bar" else None)
         self._task: int | None = None
         self.split, self.unit = "", "bytes"
-        self.total = self.position = self._start = 0
+        self.total: int | None = 0
+        self.position = self._start = 0
         self.read = self.shards = 0
         self._started = time.perf_counter()
 
@@ -42,7 +44,8 @@ class PackProgress:
         if self._bar is not None:
             self._bar.stop()
 
-    def begin(self, split: str, total: int, unit: str, done: int, shards: int) -> None:
+    def begin(self, split: str, total: int | None, unit: str, done: int,
+              shards: int) -> None:
         """A split starts, ``done`` units and ``shards`` shards in (kept by a resumed pack)."""
         self.split, self.total, self.unit = split, total, unit
         self.position = self._start = done
@@ -70,10 +73,13 @@ class PackProgress:
         elapsed = time.perf_counter() - self._started
         rate = self.read / MIB / elapsed if elapsed > 0 else 0.0
         moved = self.position - self._start
+        done = (f"{self.read / MIB:,.1f} MiB read, {self.shards} shards written, "
+                f"{rate:,.1f} MiB/s")
+        if self.total is None:
+            return f"{done}, {self.position:,} {self.unit} so far"
         eta = (f"{(self.total - self.position) * elapsed / moved:.0f} s" if moved > 0
                else "unknown")
         share = self.position / self.total if self.total else 1.0
         whole = (f"{self.total / MIB:,.1f} MiB" if self.unit == "bytes"
                  else f"{self.total:,} items")
-        return (f"{self.read / MIB:,.1f} MiB read, {self.shards} shards written, "
-                f"{rate:,.1f} MiB/s, {share:.0%} of {whole}, ETA {eta}")
+        return f"{done}, {share:.0%} of {whole}, ETA {eta}"

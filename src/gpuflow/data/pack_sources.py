@@ -8,7 +8,7 @@ describes the set for the manifest.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -46,24 +46,35 @@ class RecordSource:
     def pack(self, out: Path, state: PackState, shard_bytes: int,
              progress: PackProgress) -> Manifest:
         for split, items in self.splits.items():
-            _write_records(out, split, items, state, shard_bytes, progress)
-        writer = RecordShardWriter(out / EXAMPLE_FILE)
-        writer.write(encode_record(self.example))
-        return Manifest(workload=self.workload, kind=TensorRecords.name, splits=state.splits,
-                        layout=layout_of(self.splits["train"][0]), example=writer.close(),
-                        example_layout=layout_of(self.example), meta=state.labels.meta())
+            done, shards = state.done(split)
+            progress.begin(split, len(items), "items", done, shards)
+            write_records(out, split, (items[i] for i in range(done, len(items))), state,
+                          shard_bytes, progress)
+        return record_manifest(out, self.workload, state, self.splits["train"][0],
+                               self.example)
 
 
-def _write_records(out: Path, split: str, items: Sequence[Any], state: PackState,
-                   shard_bytes: int, progress: PackProgress) -> None:
-    done, shards = state.done(split)
-    progress.begin(split, len(items), "items", done, shards)
+def record_manifest(out: Path, workload: str, state: PackState, item: Any,
+                    example: Any) -> Manifest:
+    """A record set's manifest once its splits are written: the layout of ``item`` (one
+    of them) and the ``example`` batch, written beside the shards."""
+    writer = RecordShardWriter(out / EXAMPLE_FILE)
+    writer.write(encode_record(example))
+    return Manifest(workload=workload, kind=TensorRecords.name, splits=state.splits,
+                    layout=layout_of(item), example=writer.close(),
+                    example_layout=layout_of(example), meta=state.labels.meta())
+
+
+def write_records(out: Path, split: str, items: Iterable[Any], state: PackState,
+                  shard_bytes: int, progress: PackProgress) -> None:
+    """The records of ``split`` after its finished shards (``items`` starts there), into
+    shards of about ``shard_bytes``, each recorded in ``state`` as it closes; ``progress``
+    has begun the split."""
     writer: RecordShardWriter | None = None
-    for index in range(done, len(items)):
+    for item in items:
         if writer is None:
             number = len(state.splits.get(split, []))
             writer = RecordShardWriter(out / TensorRecords.shard_name(split, number))
-        item = items[index]
         record = encode_record(item)
         state.labels.add(item)
         writer.write(record)

@@ -12,12 +12,10 @@ pieces it has consumed, which is where a rerun continues.
 
 from __future__ import annotations
 
-import multiprocessing
-from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from itertools import islice
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +27,7 @@ from gpuflow.data.pack_state import PackState
 from gpuflow.data.shard_files import TokenShardWriter
 from gpuflow.data.text_pieces import Piece
 from gpuflow.data.tokenize_worker import TokenizerSpec, encode_piece, start
+from gpuflow.data.worker_pool import in_order, worker_pool
 
 SPLITS = ("train", "val")
 IN_FLIGHT = 2  # pieces per worker submitted ahead
@@ -52,18 +51,12 @@ class TokenizedSource:
     def pack(self, out: Path, state: PackState, shard_bytes: int,
              progress: PackProgress) -> Manifest:
         itemsize = np.dtype(self.tokenizer.dtype).itemsize
-        pool = None if self.workers == 0 else ProcessPoolExecutor(
-            self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=start,
-            initargs=(self.tokenizer,))
-        try:
+        with worker_pool(self.workers, start, (self.tokenizer,)) as pool:
             for split in SPLITS:
                 pieces = [piece for piece in self.pieces if piece.in_split(split)]
                 if pieces:
                     self._write_split(out, split, pieces, state,
                                       max(2, shard_bytes // itemsize), progress, pool)
-        finally:
-            if pool is not None:
-                pool.shutdown(wait=True, cancel_futures=True)
         spec = self.tokenizer
         return Manifest(workload=self.workload, kind=TokenWindows.name, splits=state.splits,
                         token_dtype=spec.dtype,
@@ -101,16 +94,8 @@ class TokenizedSource:
             for piece in pieces:
                 yield encode_piece(piece, split, self.text_field)
             return
-        todo = iter(pieces)
-        pending: deque[Future[tuple[np.ndarray, int]]] = deque(
-            pool.submit(encode_piece, piece, split, self.text_field)
-            for piece in islice(todo, IN_FLIGHT * self.workers))
-        while pending:
-            result = pending.popleft().result()
-            piece = next(todo, None)
-            if piece is not None:
-                pending.append(pool.submit(encode_piece, piece, split, self.text_field))
-            yield result
+        yield from in_order(pool, partial(encode_piece, split=split, text_field=self.text_field),
+                            pieces, IN_FLIGHT * self.workers)
 
 
 def tokenize_split(pieces: list[Piece], tokenizer: TokenizerSpec, split: str,
