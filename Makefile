@@ -24,11 +24,13 @@ run: $(STAMP)
 test: lint
 	$(BIN)/python -m pytest -q
 
-# lint-imports keeps packages apart; tools/import_cycles.py, modules inside one package.
+# lint-imports keeps packages apart; tools/import_cycles.py, modules inside one package;
+# tools/module_sizes.py, modules within 400 lines and functions within 80.
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks tools
 	$(BIN)/lint-imports
 	$(BIN)/python tools/import_cycles.py
+	$(BIN)/python tools/module_sizes.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py

@@ -353,12 +353,11 @@ class Trainer:
         finally:
             self.close()
         last = self.state.last
+        data = all_ranks_report(self.workload.data_report, self.strategy.dp_rank,
+                                self.dist.world_size)
         summary = record.write_summary(self.description, final, self.position,
                                        medians(self.metrics.step_records()), self.eval_time_s,
-                                       last.path if last else None,
-                                       all_ranks_report(self.workload.data_report,
-                                                        self.strategy.dp_rank,
-                                                        self.dist.world_size))
+                                       last.path if last else None, data)
         return RunResult(self.run_dir, self.step, final, summary, self.model)
 
     def close(self) -> None:
