@@ -44,12 +44,26 @@ def chat_files(data_dir: str | Path) -> list[Path]:
     return []
 
 
-def read_chats(path: Path) -> Iterator[tuple[int, list[dict[str, str]]]]:
-    """(line number, messages) of each non-blank line; a UserError names a bad line."""
+def chat_lines(path: Path, split: str) -> Iterator[tuple[int, str]]:
+    """(line number, line) of each non-blank line of ``split``: "val" holds the lines
+    numbered a multiple of 10, "train" the others."""
     with open(path, encoding="utf-8") as handle:
         for number, line in enumerate(handle, 1):
-            if line.strip():
-                yield number, _messages(line, f"{path}:{number}")
+            if line.strip() and (number % VAL_EVERY == 0) == (split == "val"):
+                yield number, line
+
+
+def chat_conversation(tokenizer: Any, line: str, where: str, seq_len: int,
+                      truncate: bool) -> Conversation:
+    """The conversation of JSONL ``line`` as ids and assistant mask; one longer than
+    ``seq_len`` + 1 tokens is cut (``truncate``, by the packing) or refused, as is a bad
+    line, by a UserError naming ``where``."""
+    ids, mask = assistant_tokens(tokenizer, _messages(line, where), where)
+    if len(ids) > seq_len + 1 and not truncate:
+        raise UserError(f"{where}: the conversation is {len(ids)} tokens, longer than "
+                        f"--seq-len {seq_len} + 1. Raise --seq-len, or add --truncate-chats "
+                        "to cut long ones.")
+    return ids, mask
 
 
 def _messages(line: str, where: str) -> list[dict[str, str]]:
@@ -124,15 +138,10 @@ def tokenized_chats(files: list[Path], tokenizer: Any, seq_len: int,
     """The conversations of ``files`` as ids and assistant masks, by split ("train", and
     "val": lines numbered a multiple of 10); one longer than ``seq_len`` + 1 tokens is cut
     (``truncate``) or refused."""
-    splits: dict[str, list[Conversation]] = {"train": [], "val": []}
-    for path in files:
-        for number, messages in read_chats(path):
-            ids, mask = assistant_tokens(tokenizer, messages, f"{path}:{number}")
-            if len(ids) > seq_len + 1 and not truncate:
-                raise UserError(f"{path}:{number}: the conversation is {len(ids)} tokens, "
-                                f"longer than --seq-len {seq_len} + 1. Raise --seq-len, or "
-                                "add --truncate-chats to cut long ones.")
-            splits["val" if number % VAL_EVERY == 0 else "train"].append((ids, mask))
+    splits = {split: [chat_conversation(tokenizer, line, f"{path}:{number}", seq_len,
+                                        truncate)
+                      for path in files for number, line in chat_lines(path, split)]
+              for split in ("train", "val")}
     if not splits["train"]:
         raise UserError(f"{files[0].parent} holds no training conversations.")
     return splits

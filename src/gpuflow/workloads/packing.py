@@ -69,7 +69,8 @@ def pack(workload: str, src: str | Path | None, out: str | Path,
     per core; the set does not depend on it). ``hf:DIR`` packs text as textlm does under
     DIR's tokenizer, the set ``--workload hf:DIR`` trains on; a ``src`` of JSONL
     conversations becomes windows of ``seq_len`` tokens (default: the model's, as training
-    takes it), a longer conversation refused or cut (``truncate_chats``)."""
+    takes it), a longer conversation refused or cut (``truncate_chats``), rendered in
+    ``workers`` processes as text is tokenized."""
     if workload.startswith("hf:"):
         if tokenizer is not None:
             raise UserError("--workload hf:DIR packs text under DIR's own tokenizer: drop "
@@ -77,7 +78,7 @@ def pack(workload: str, src: str | Path | None, out: str | Path,
         workload, tokenizer = "textlm", workload.removeprefix("hf:")
         if src is not None and chat_files(src):
             return _pack_chats(tokenizer, src, out, seq_len, truncate_chats, shard_mb, force,
-                               progress)
+                               progress, workers)
     if seq_len is not None or truncate_chats:
         raise UserError("--seq-len and --truncate-chats apply to conversations packed with "
                         "--workload hf:DIR only.")
@@ -91,7 +92,7 @@ def pack(workload: str, src: str | Path | None, out: str | Path,
 
 def _pack_chats(directory: str, src: str | Path, out: str | Path, seq_len: int | None,
                 truncate: bool, shard_mb: float, force: bool,
-                progress: bool | Mode) -> Manifest:
+                progress: bool | Mode, workers: int | None) -> Manifest:
     model_dir = ModelDirectory.check(Path(directory).expanduser().resolve(), weights=False)
     return pack_chats(directory, src, out, window_length(model_dir, seq_len), truncate,
-                      shard_mb, force, progress)
+                      shard_mb, force, progress, workers)
