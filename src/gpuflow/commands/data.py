@@ -36,7 +36,8 @@ def register(commands: Any) -> None:
                       help="with --tokenizer: the field of each .jsonl line holding its text "
                            "(default: text)")
     pack.add_argument("--workers", type=int, metavar="N",
-                      help="with --tokenizer: tokenizer processes (default: one per core)")
+                      help="with --tokenizer, or hf:DIR with conversations: tokenizer "
+                           "processes (default: one per core; 0: in this process)")
     pack.add_argument("--seq-len", type=int, metavar="N",
                       help="hf:DIR with a JSONL of conversations: the window length they are "
                            "packed to, several to a window (default: the model's context, at "
