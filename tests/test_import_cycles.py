@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
-
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "import_cycles.py"
+from tool_scripts import TOOLS, load_tool
 
 
 @pytest.fixture(scope="module")
 def cycles():
-    spec = importlib.util.spec_from_file_location("import_cycles", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("import_cycles")
 
 
 def write(root: Path, files: dict[str, str]) -> Path:
@@ -61,4 +55,4 @@ def test_an_allowed_circle_that_is_gone_fails_the_check(cycles, tmp_path: Path,
 
 
 def test_the_package_has_no_circle(cycles) -> None:
-    assert cycles.main([str(TOOL.parents[1] / "src")]) == 0
+    assert cycles.main([str(TOOLS.parent / "src")]) == 0

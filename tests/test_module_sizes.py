@@ -3,24 +3,17 @@ and the project's own source passes."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-TOOL = ROOT / "tools" / "module_sizes.py"
+from tool_scripts import TOOLS, load_tool
 
 
 @pytest.fixture(scope="module")
 def sizes():
-    spec = importlib.util.spec_from_file_location("module_sizes", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("module_sizes")
 
 
 def test_a_long_module_and_a_long_function_are_named(sizes, tmp_path: Path) -> None:
@@ -34,6 +27,6 @@ def test_a_long_module_and_a_long_function_are_named(sizes, tmp_path: Path) -> N
 
 
 def test_the_source_tree_passes() -> None:
-    done = subprocess.run([sys.executable, str(TOOL), str(ROOT / "src")], capture_output=True,
-                          text=True)
+    done = subprocess.run([sys.executable, str(TOOLS / "module_sizes.py"),
+                           str(TOOLS.parent / "src")], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout
