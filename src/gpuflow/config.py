@@ -272,7 +272,8 @@ class TrainConfig:
         "auto", group=DISTRIBUTED,
         help="how the model is cut into stages: traced with torch.export, or manual: module "
              "copies cut at the repeated blocks; auto traces and falls back to manual "
-             "stages, saying so, when tracing fails",
+             "stages, saying so, when tracing fails or the traced first stage takes the "
+             "model's inputs in another order",
         details="in manual stages the other stages' blocks are stood in for; the layers "
                 "outside the blocks are held on every stage and their gradients summed")
     microbatches: int | None = option(
