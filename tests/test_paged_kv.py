@@ -169,9 +169,9 @@ def test_chunked_prefill_and_mixed_decode_equal_the_whole_sequence_forward(
 def test_decode_rows_sharing_prefix_blocks_equal_the_whole_sequence_forward(
         paged_lm: tuple[PagedLM, Reference], monkeypatch: pytest.MonkeyPatch) -> None:
     """Three sequences continue one prompt prefix whose blocks they share, as the prefix
-    cache gives them: decoded together, they attend to those blocks once (for any shared
-    length here) and still give each whole sequence's logits (sliding-window layers, which
-    attend row by row, included)."""
+    cache gives them: their prompts' chunks, then their decode tokens, each step together,
+    attend to those blocks once (for any shared length here) and still give each whole
+    sequence's logits (sliding-window layers, which attend row by row, included)."""
     monkeypatch.setattr(paged, "SHARED_MIN_SAVED", 1)
     lm, reference = paged_lm
     rng = random.Random(1)
@@ -182,8 +182,14 @@ def test_decode_rows_sharing_prefix_blocks_equal_the_whole_sequence_forward(
     tables = {"A": shared + [5, 13], "B": shared + [1, 9, 4], "C": shared + [16]}
     lm.forward(StepBatch.build([RowSpec(prefix, 0, shared, "none")], BLOCK), pool)
     done = {name: len(t) - 3 for name, t in tokens.items()}  # prompts: prefix + own
-    lm.forward(StepBatch.build([RowSpec(tokens[n][len(prefix):done[n]], len(prefix),
-                                        tables[n], "none") for n in tokens], BLOCK), pool)
+    chunks = StepBatch.build([RowSpec(tokens[n][len(prefix):done[n]], len(prefix), tables[n],
+                                      "all") for n in tokens], BLOCK)
+    assert chunks.shared_blocks == 3
+    logits = iter(lm.forward(chunks, pool))
+    for name in tokens:
+        expected = reference(tokens[name][:done[name]])
+        for position in range(len(prefix), done[name]):
+            torch.testing.assert_close(next(logits), expected[position], atol=1e-4, rtol=1e-4)
     for _ in range(3):
         batch = StepBatch.build([RowSpec([tokens[n][done[n]]], done[n], tables[n])
                                  for n in tokens], BLOCK)
@@ -196,18 +202,17 @@ def test_decode_rows_sharing_prefix_blocks_equal_the_whole_sequence_forward(
 
 
 def test_rows_share_leading_blocks_only_where_it_spares_gathers() -> None:
-    """The shared blocks: leading ones common to every decode row, each row's newest
-    position kept out of them, counted only when the other rows are spared
+    """The shared blocks: leading ones common to every row, each row's new tokens (from
+    its start on) kept out of them, counted only when the other rows are spared
     ``SHARED_MIN_SAVED`` positions; never for one row."""
     size = 16
     tables = [[4, 5, 6, 7, 8], [4, 5, 6, 9], [4, 5, 6, 7, 10]]
-    long = [size * 5, size * 3 + 1, size * 5]
-    assert paged.shared_prefix(tables, long, size) == 0  # 2 rows spared 3 blocks: 96 < 768
+    starts = [size * 5 - 1, size * 3, size * 5 - 1]
+    assert paged.shared_prefix(tables, starts, size) == 0  # 2 rows spared 3 blocks: 96 < 768
     spared = [[*range(1, 20), 20 + row] for row in range(4)]  # 19 shared blocks, 3 rows spared
-    contexts = [size * 19 + 5] * 4
-    assert paged.shared_prefix(spared, contexts, size) == 19
-    assert paged.shared_prefix(spared, [size * 19] * 4, size) == 18  # the last position own
-    assert paged.shared_prefix(spared[:1], contexts[:1], size) == 0
+    assert paged.shared_prefix(spared, [size * 19 + 4] * 4, size) == 19
+    assert paged.shared_prefix(spared, [size * 19 - 1] * 4, size) == 18  # a token in block 19
+    assert paged.shared_prefix(spared[:1], [size * 19 + 4], size) == 0
 
 
 def test_the_pool_is_allocated_once_and_sized_by_the_model() -> None:

@@ -61,7 +61,7 @@ class StepBatch:
     logits_at: torch.Tensor  # [K] flat indices into tokens whose logits the forward returns
     host_context_lens: tuple[int, ...]
     block_size: int
-    shared_blocks: int = 0  # leading blocks every decode row holds (``shared_prefix``)
+    shared_blocks: int = 0  # leading blocks every row holds (``shared_prefix``)
 
     @property
     def num_rows(self) -> int:
@@ -111,20 +111,18 @@ class StepBatch:
 
         return cls(tensor(tokens), tensor(positions), tensor(slots), tuple(row_starts),
                    tensor(contexts), tensor(tables), decodes, tensor(logits_at), contexts,
-                   block_size, shared_prefix([row.blocks for row in rows[:decodes]],
-                                             contexts[:decodes], block_size))
+                   block_size, shared_prefix([row.blocks for row in rows],
+                                             [row.start for row in rows], block_size))
 
 
-def shared_prefix(tables: Sequence[Sequence[int]], contexts: Sequence[int],
+def shared_prefix(tables: Sequence[Sequence[int]], starts: Sequence[int],
                   block_size: int) -> int:
-    """How many leading blocks two or more decode rows all hold (a prompt prefix the prefix
-    cache gave them all), when attending to them once spares the other rows
-    ``SHARED_MIN_SAVED`` gathered positions or more; 0 otherwise. Each row keeps at least
-    its newest position out of them, so both halves of its attention see a key
-    (``_shared_prefix_rows``)."""
+    """How many leading blocks two or more rows all hold, every row's new tokens after them
+    (a prompt prefix the prefix cache gave them all), when attending to them once spares
+    the other rows ``SHARED_MIN_SAVED`` gathered positions or more; 0 otherwise."""
     if len(tables) < 2:
         return 0
-    limit = (min(contexts) - 1) // block_size
+    limit = min(starts) // block_size
     shared = 0
     while shared < limit and len({table[shared] for table in tables}) == 1:
         shared += 1
@@ -260,44 +258,56 @@ def _one_token_rows(q: torch.Tensor, pool: KVPool, layer: int, positions: torch.
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _shared_prefix_rows(q: torch.Tensor, pool: KVPool, layer: int, positions: torch.Tensor,
-                        block_tables: torch.Tensor, widths: Sequence[int],
-                        scale: float | None, shared: int) -> torch.Tensor:
-    """``_one_token_rows`` for rows whose tables all begin with the same ``shared`` blocks
-    (cascade attention): every row's query against those blocks, gathered once, in one SDPA
-    whose query positions are the rows (grouped by key/value head, so grouped heads read
-    their keys once); each row against its own blocks after them, in row groups; the two
-    softmaxes merged by their log-sum-exps. A row gathered its own copy of the shared
-    blocks before; on the CPU those copies were most of a long shared prompt's decode step."""
+def _cascade(q: torch.Tensor, pool: KVPool, layer: int, batch: StepBatch,
+             scale: float | None) -> torch.Tensor:
+    """``paged_attention`` for rows whose tables all begin with the same
+    ``batch.shared_blocks`` blocks, their new tokens after them (cascade attention): every
+    token's query against those blocks, gathered once, in one SDPA (grouped by key/value
+    head, so grouped heads read their keys once); each row against its own blocks after
+    them (decode rows in row groups, each prompt chunk alone); the two softmaxes merged by
+    their log-sum-exps. Each row gathered its own copy of the shared blocks before; on the
+    CPU those copies were most of a step's time under a long shared prompt."""
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    rows, heads, dim = q.shape
-    kv_heads = pool.keys.shape[3]
-    group = heads // kv_heads
-    keys, values = gather(pool, layer, block_tables[:1, :shared], q.dtype)
-    by_kv_head = q.view(rows, kv_heads, group, dim)
-    out, lse = flash(by_kv_head.permute(1, 2, 0, 3).reshape(1, kv_heads, group * rows, dim),
-                     keys, values, scale=scale)
-    shared_out = out.view(kv_heads, group, rows, dim).permute(2, 0, 1, 3)
-    shared_lse = lse.view(kv_heads, group, rows).permute(2, 0, 1)
-    offset = shared * pool.block_size
-    own_out, own_lse = [], []
-    block_bytes = pool.keys[0, 0].numel() * q.element_size()
-    own = [width - shared for width in widths]
-    for first, end, width in row_groups(own, block_bytes, q.device):
-        keys, values = gather(pool, layer, block_tables[first:end, shared:shared + width],
-                              q.dtype)
-        seen = visible(positions[first:end, None] - offset, keys.shape[2], None)
+    tokens, heads, dim = q.shape
+    kv_heads, size, decodes = pool.keys.shape[3], batch.block_size, batch.num_decodes
+    group, offset = heads // kv_heads, batch.shared_blocks * size
+    by_kv_head = q.view(tokens, kv_heads, group, dim)
+
+    def grouped(part: torch.Tensor) -> torch.Tensor:  # [T, kvh, g, d] -> [1, kvh, g * T, d]
+        return part.permute(1, 2, 0, 3).reshape(1, kv_heads, -1, dim)
+
+    def ungrouped(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (out.view(kv_heads, group, -1, dim).permute(2, 0, 1, 3),
+                lse.view(kv_heads, group, -1).permute(2, 0, 1))
+
+    def own(first: int, end: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = gather(pool, layer, tables, q.dtype)
+        seen = visible(batch.positions[first:end, None] - offset, keys.shape[2], None)
         mask = torch.zeros(seen.shape, dtype=q.dtype).masked_fill_(~seen, float("-inf"))
-        out, lse = flash(by_kv_head[first:end], keys, values, attn_mask=mask[:, None, None],
-                         scale=scale)
-        own_out.append(out)
-        own_lse.append(lse)
-    own_lse_all = torch.cat(own_lse)
-    top = torch.maximum(shared_lse, own_lse_all)
-    shared_weight, own_weight = (shared_lse - top).exp(), (own_lse_all - top).exp()
-    merged = ((shared_out * shared_weight[..., None] + torch.cat(own_out) * own_weight[..., None])
+        if first >= decodes:  # a chunk: its tokens as one row's query positions
+            return ungrouped(*flash(grouped(by_kv_head[first:end]), keys, values,
+                                    attn_mask=mask.repeat(group, 1)[None, None], scale=scale))
+        return flash(by_kv_head[first:end], keys, values, attn_mask=mask[:, None, None],
+                     scale=scale)
+
+    keys, values = gather(pool, layer, batch.block_tables[:1, :batch.shared_blocks], q.dtype)
+    shared_out, shared_lse = ungrouped(*flash(grouped(by_kv_head), keys, values, scale=scale))
+    widths = [blocks_for(context, size) - batch.shared_blocks
+              for context in batch.host_context_lens]
+    start = batch.shared_blocks
+    groups = row_groups(widths[:decodes], pool.keys[0, 0].numel() * q.element_size(),
+                        q.device) if decodes else []
+    parts = [own(first, end, batch.block_tables[first:end, start:start + width])
+             for first, end, width in groups]
+    parts += [own(batch.row_starts[row], batch.row_starts[row + 1],
+                  batch.block_tables[row:row + 1, start:start + widths[row]])
+              for row in range(decodes, batch.num_rows)]
+    own_out, own_lse = torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
+    top = torch.maximum(shared_lse, own_lse)
+    shared_weight, own_weight = (shared_lse - top).exp(), (own_lse - top).exp()
+    merged = ((shared_out * shared_weight[..., None] + own_out * own_weight[..., None])
               / (shared_weight + own_weight)[..., None])
-    return merged.reshape(rows, heads, dim).to(q.dtype)
+    return merged.reshape(tokens, heads, dim).to(q.dtype)
 
 
 def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, batch: StepBatch,
@@ -313,17 +323,16 @@ def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, batch: StepBatch,
     the CPU (4 chunks of 256 tokens at 0 to 512: 27 ms against 13 per layer, 8 heads of
     32). A chunk from position 0 without a window goes as ``is_causal``, which skips the
     masked half (12.5 ms against 24 for 1,024 tokens)."""
+    if (batch.shared_blocks and sliding_window is None and q.device.type == "cpu"
+            and pool.keys.shape[-1] == pool.values.shape[-1]):
+        return _cascade(q, pool, layer, batch, scale)
     size, decodes = batch.block_size, batch.num_decodes
     gqa = q.shape[1] != pool.keys.shape[3]
     parts = []
     if decodes:
         widths = [blocks_for(context, size) for context in batch.host_context_lens[:decodes]]
-        rows = (q[:decodes], pool, layer, batch.positions[:decodes],
-                batch.block_tables[:decodes], widths, scale)
-        cascade = (batch.shared_blocks and sliding_window is None and q.device.type == "cpu"
-                   and pool.keys.shape[-1] == pool.values.shape[-1])
-        parts.append(_shared_prefix_rows(*rows, batch.shared_blocks) if cascade
-                     else _one_token_rows(*rows, sliding_window))
+        parts.append(_one_token_rows(q[:decodes], pool, layer, batch.positions[:decodes],
+                                     batch.block_tables, widths, scale, sliding_window))
     for row in range(decodes, batch.num_rows):
         first, end = batch.row_starts[row], batch.row_starts[row + 1]
         context = batch.host_context_lens[row]
