@@ -170,8 +170,9 @@ def test_decode_rows_sharing_prefix_blocks_equal_the_whole_sequence_forward(
         paged_lm: tuple[PagedLM, Reference], monkeypatch: pytest.MonkeyPatch) -> None:
     """Three sequences continue one prompt prefix whose blocks they share, as the prefix
     cache gives them: their prompts' chunks, then their decode tokens, each step together,
-    attend to those blocks once (for any shared length here) and still give each whole
-    sequence's logits (sliding-window layers, which attend row by row, included)."""
+    attend to those blocks once (for any shared length here), beside a new prompt's chunk
+    that shares nothing, and still give each whole sequence's logits (sliding-window
+    layers, which attend row by row, included)."""
     monkeypatch.setattr(paged, "SHARED_MIN_SAVED", 1)
     lm, reference = paged_lm
     rng = random.Random(1)
@@ -184,21 +185,26 @@ def test_decode_rows_sharing_prefix_blocks_equal_the_whole_sequence_forward(
     done = {name: len(t) - 3 for name, t in tokens.items()}  # prompts: prefix + own
     chunks = StepBatch.build([RowSpec(tokens[n][len(prefix):done[n]], len(prefix), tables[n],
                                       "all") for n in tokens], BLOCK)
-    assert chunks.shared_blocks == 3
+    assert chunks.shared == (3, 3)
     logits = iter(lm.forward(chunks, pool))
     for name in tokens:
         expected = reference(tokens[name][:done[name]])
         for position in range(len(prefix), done[name]):
             torch.testing.assert_close(next(logits), expected[position], atol=1e-4, rtol=1e-4)
-    for _ in range(3):
-        batch = StepBatch.build([RowSpec([tokens[n][done[n]]], done[n], tables[n])
-                                 for n in tokens], BLOCK)
-        assert batch.shared_blocks == 3
+    other = [rng.randrange(lm.vocab_size) for _ in range(2 * BLOCK)]
+    for step in range(3):
+        rows = [RowSpec([tokens[n][done[n]]], done[n], tables[n]) for n in tokens]
+        if step == 0:  # the decode rows share 3 blocks, the new prompt none: only they do
+            rows.append(RowSpec(other, 0, [3, 6]))
+        batch = StepBatch.build(rows, BLOCK)
+        assert batch.shared == (3, 3)
         logits = lm.forward(batch, pool)
-        for name, row in zip(tokens, logits, strict=True):
+        for name, row in zip(tokens, logits[:3], strict=True):
             expected = reference(tokens[name][:done[name] + 1])[-1]
             torch.testing.assert_close(row, expected, atol=1e-4, rtol=1e-4)
             done[name] += 1
+        if step == 0:
+            torch.testing.assert_close(logits[3], reference(other)[-1], atol=1e-4, rtol=1e-4)
 
 
 def test_rows_share_leading_blocks_only_where_it_spares_gathers() -> None:
@@ -213,6 +219,11 @@ def test_rows_share_leading_blocks_only_where_it_spares_gathers() -> None:
     assert paged.shared_prefix(spared, [size * 19 + 4] * 4, size) == 19
     assert paged.shared_prefix(spared, [size * 19 - 1] * 4, size) == 18  # a token in block 19
     assert paged.shared_prefix(spared[:1], [size * 19 + 4], size) == 0
+    decoding = [RowSpec([1], size * 19 + 4, table) for table in spared]
+    chunk = RowSpec([1] * 8, size * 2, spared[0][:2] + [30, 31])  # shares only 2 blocks
+    assert paged.cascade(decoding + [chunk], 4, size) == (4, 19)  # the decode rows alone
+    assert paged.cascade(decoding, 4, size) == (4, 19)
+    assert paged.cascade([chunk, chunk], 0, size) == (0, 0)  # 2 blocks: 32 < 768
 
 
 def test_the_pool_is_allocated_once_and_sized_by_the_model() -> None:

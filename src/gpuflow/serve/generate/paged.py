@@ -61,7 +61,7 @@ class StepBatch:
     logits_at: torch.Tensor  # [K] flat indices into tokens whose logits the forward returns
     host_context_lens: tuple[int, ...]
     block_size: int
-    shared_blocks: int = 0  # leading blocks every row holds (``shared_prefix``)
+    shared: tuple[int, int] = (0, 0)  # leading (rows, blocks) that share blocks (``cascade``)
 
     @property
     def num_rows(self) -> int:
@@ -111,8 +111,21 @@ class StepBatch:
 
         return cls(tensor(tokens), tensor(positions), tensor(slots), tuple(row_starts),
                    tensor(contexts), tensor(tables), decodes, tensor(logits_at), contexts,
-                   block_size, shared_prefix([row.blocks for row in rows],
-                                             [row.start for row in rows], block_size))
+                   block_size, cascade(rows, decodes, block_size))
+
+
+def cascade(rows: Sequence[RowSpec], decodes: int, block_size: int) -> tuple[int, int]:
+    """The leading rows that attend to their shared blocks once, and how many blocks: all
+    rows, or the decode rows alone where a prompt chunk shares fewer of their blocks
+    (decode rows continuing one prompt share more than a new prompt does), whichever
+    spares more gathered positions; (0, 0) for none."""
+    options = [(len(rows), shared_prefix([r.blocks for r in rows], [r.start for r in rows],
+                                         block_size))]
+    if 0 < decodes < len(rows):
+        options.append((decodes, shared_prefix([r.blocks for r in rows[:decodes]],
+                                               [r.start for r in rows[:decodes]], block_size)))
+    best = max(options, key=lambda option: (option[0] - 1) * option[1])
+    return best if best[1] else (0, 0)
 
 
 def shared_prefix(tables: Sequence[Sequence[int]], starts: Sequence[int],
@@ -261,17 +274,18 @@ def _one_token_rows(q: torch.Tensor, pool: KVPool, layer: int, positions: torch.
 def _cascade(q: torch.Tensor, pool: KVPool, layer: int, batch: StepBatch,
              scale: float | None) -> torch.Tensor:
     """``paged_attention`` for rows whose tables all begin with the same
-    ``batch.shared_blocks`` blocks, their new tokens after them (cascade attention): every
+    blocks, their new tokens after them (``batch.shared``; cascade attention): every
     token's query against those blocks, gathered once, in one SDPA (grouped by key/value
     head, so grouped heads read their keys once); each row against its own blocks after
     them (decode rows in row groups, each prompt chunk alone); the two softmaxes merged by
     their log-sum-exps. Each row gathered its own copy of the shared blocks before; on the
     CPU those copies were most of a step's time under a long shared prompt."""
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    tokens, heads, dim = q.shape
-    kv_heads, size, decodes = pool.keys.shape[3], batch.block_size, batch.num_decodes
-    group, offset = heads // kv_heads, batch.shared_blocks * size
-    by_kv_head = q.view(tokens, kv_heads, group, dim)
+    (rows, shared), (_, heads, dim) = batch.shared, q.shape
+    tokens = batch.row_starts[rows]
+    kv_heads, size, decodes = pool.keys.shape[3], batch.block_size, min(batch.num_decodes, rows)
+    group, offset = heads // kv_heads, shared * size
+    by_kv_head = q[:tokens].view(tokens, kv_heads, group, dim)
 
     def grouped(part: torch.Tensor) -> torch.Tensor:  # [T, kvh, g, d] -> [1, kvh, g * T, d]
         return part.permute(1, 2, 0, 3).reshape(1, kv_heads, -1, dim)
@@ -290,18 +304,17 @@ def _cascade(q: torch.Tensor, pool: KVPool, layer: int, batch: StepBatch,
         return flash(by_kv_head[first:end], keys, values, attn_mask=mask[:, None, None],
                      scale=scale)
 
-    keys, values = gather(pool, layer, batch.block_tables[:1, :batch.shared_blocks], q.dtype)
+    keys, values = gather(pool, layer, batch.block_tables[:1, :shared], q.dtype)
     shared_out, shared_lse = ungrouped(*flash(grouped(by_kv_head), keys, values, scale=scale))
-    widths = [blocks_for(context, size) - batch.shared_blocks
-              for context in batch.host_context_lens]
-    start = batch.shared_blocks
+    widths = [blocks_for(context, size) - shared for context in batch.host_context_lens]
+    start = shared
     groups = row_groups(widths[:decodes], pool.keys[0, 0].numel() * q.element_size(),
                         q.device) if decodes else []
     parts = [own(first, end, batch.block_tables[first:end, start:start + width])
              for first, end, width in groups]
     parts += [own(batch.row_starts[row], batch.row_starts[row + 1],
                   batch.block_tables[row:row + 1, start:start + widths[row]])
-              for row in range(decodes, batch.num_rows)]
+              for row in range(decodes, rows)]
     own_out, own_lse = torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
     top = torch.maximum(shared_lse, own_lse)
     shared_weight, own_weight = (shared_lse - top).exp(), (own_lse - top).exp()
@@ -323,17 +336,18 @@ def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, batch: StepBatch,
     the CPU (4 chunks of 256 tokens at 0 to 512: 27 ms against 13 per layer, 8 heads of
     32). A chunk from position 0 without a window goes as ``is_causal``, which skips the
     masked half (12.5 ms against 24 for 1,024 tokens)."""
-    if (batch.shared_blocks and sliding_window is None and q.device.type == "cpu"
-            and pool.keys.shape[-1] == pool.values.shape[-1]):
-        return _cascade(q, pool, layer, batch, scale)
     size, decodes = batch.block_size, batch.num_decodes
     gqa = q.shape[1] != pool.keys.shape[3]
-    parts = []
-    if decodes:
+    parts, done = [], 0  # rows attended so far
+    if (batch.shared[0] and sliding_window is None and q.device.type == "cpu"
+            and pool.keys.shape[-1] == pool.values.shape[-1]):
+        parts.append(_cascade(q, pool, layer, batch, scale))
+        done = batch.shared[0]
+    if decodes and not done:
         widths = [blocks_for(context, size) for context in batch.host_context_lens[:decodes]]
         parts.append(_one_token_rows(q[:decodes], pool, layer, batch.positions[:decodes],
                                      batch.block_tables, widths, scale, sliding_window))
-    for row in range(decodes, batch.num_rows):
+    for row in range(max(decodes, done), batch.num_rows):
         first, end = batch.row_starts[row], batch.row_starts[row + 1]
         context = batch.host_context_lens[row]
         tables = batch.block_tables[row:row + 1, :blocks_for(context, size)]
