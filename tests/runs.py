@@ -14,8 +14,10 @@ if TYPE_CHECKING:
 
 
 def records(run_dir: Path) -> list[dict[str, Any]]:
-    """Every line of metrics.jsonl: step windows and events."""
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """Every whole line of metrics.jsonl: step windows and events. A run still writing may
+    have its last line half written; that line is left for the next read."""
+    text = (run_dir / "metrics.jsonl").read_text()
+    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines()]
 
 
 def step_records(run_dir: Path) -> list[dict[str, Any]]:
