@@ -28,8 +28,8 @@ from torch.nn import functional as F
 from gpuflow.serve.generate.blocks import NULL_BLOCK, blocks_for
 
 GATHER_BYTES = 2 << 20  # the keys one decode SDPA gathers at most on the CPU (row_groups)
-# Decode rows attend once to the blocks they share when that spares the other rows this many
-# gathered positions or more (below it, the second SDPA and the merge cost more on the CPU).
+# Rows of a step attend once to the blocks they share when that spares the other rows this
+# many gathered positions or more (below it, the second SDPA and the merge cost more).
 SHARED_MIN_SAVED = 768
 Wanted = Literal["last", "all", "none"]  # the tokens of a row whose logits a forward returns
 
@@ -307,13 +307,12 @@ def _cascade(q: torch.Tensor, pool: KVPool, layer: int, batch: StepBatch,
     keys, values = gather(pool, layer, batch.block_tables[:1, :shared], q.dtype)
     shared_out, shared_lse = ungrouped(*flash(grouped(by_kv_head), keys, values, scale=scale))
     widths = [blocks_for(context, size) - shared for context in batch.host_context_lens]
-    start = shared
     groups = row_groups(widths[:decodes], pool.keys[0, 0].numel() * q.element_size(),
                         q.device) if decodes else []
-    parts = [own(first, end, batch.block_tables[first:end, start:start + width])
+    parts = [own(first, end, batch.block_tables[first:end, shared:shared + width])
              for first, end, width in groups]
     parts += [own(batch.row_starts[row], batch.row_starts[row + 1],
-                  batch.block_tables[row:row + 1, start:start + widths[row]])
+                  batch.block_tables[row:row + 1, shared:shared + widths[row]])
               for row in range(decodes, rows)]
     own_out, own_lse = torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
     top = torch.maximum(shared_lse, own_lse)
