@@ -100,12 +100,12 @@ def test_an_interrupted_pack_resumes_after_its_finished_shards(
     whole = run(tmp_path / "whole")
     encode, calls, interrupted = tokenize_pack.encode_piece, [], []
 
-    def failing(*args: object) -> object:
+    def failing(*args: object, **kwargs: object) -> object:
         calls.append(args)
         if len(calls) == 3 and not interrupted:
             interrupted.append(True)
             raise KeyboardInterrupt
-        return encode(*args)
+        return encode(*args, **kwargs)
 
     monkeypatch.setattr(tokenize_pack, "encode_piece", failing)
     with pytest.raises(KeyboardInterrupt):

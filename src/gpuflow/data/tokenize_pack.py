@@ -12,8 +12,6 @@ pieces it has consumed, which is where a rerun continues.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -27,7 +25,7 @@ from gpuflow.data.pack_state import PackState
 from gpuflow.data.shard_files import TokenShardWriter
 from gpuflow.data.text_pieces import Piece
 from gpuflow.data.tokenize_worker import TokenizerSpec, encode_piece, start
-from gpuflow.data.worker_pool import in_order, worker_pool
+from gpuflow.data.worker_pool import OrderedMap, ordered_map
 
 SPLITS = ("train", "val")
 IN_FLIGHT = 2  # pieces per worker submitted ahead
@@ -51,12 +49,12 @@ class TokenizedSource:
     def pack(self, out: Path, state: PackState, shard_bytes: int,
              progress: PackProgress) -> Manifest:
         itemsize = np.dtype(self.tokenizer.dtype).itemsize
-        with worker_pool(self.workers, start, (self.tokenizer,)) as pool:
+        with ordered_map(self.workers, start, (self.tokenizer,), IN_FLIGHT) as mapped:
             for split in SPLITS:
                 pieces = [piece for piece in self.pieces if piece.in_split(split)]
                 if pieces:
                     self._write_split(out, split, pieces, state,
-                                      max(2, shard_bytes // itemsize), progress, pool)
+                                      max(2, shard_bytes // itemsize), progress, mapped)
         spec = self.tokenizer
         return Manifest(workload=self.workload, kind=TokenWindows.name, splits=state.splits,
                         token_dtype=spec.dtype,
@@ -64,15 +62,15 @@ class TokenizedSource:
                               "eos_id": spec.eos_id, "text_field": self.text_field})
 
     def _write_split(self, out: Path, split: str, pieces: list[Piece], state: PackState,
-                     shard_tokens: int, progress: PackProgress,
-                     pool: ProcessPoolExecutor | None) -> None:
+                     shard_tokens: int, progress: PackProgress, mapped: OrderedMap) -> None:
         cursor = state.cursor(split)
         _, shards = state.done(split)
         progress.begin(split, sum(_size(p) for p in pieces), "bytes",
                        sum(_size(p) for p in pieces[:cursor]), shards)
         buffered: list[np.ndarray] = []
         count = 0
-        encoded = self._encoded(pieces[cursor:], split, pool)
+        encoded = mapped(partial(encode_piece, split=split, text_field=self.text_field),
+                         pieces[cursor:])
         for index, (ids, _) in enumerate(encoded, cursor + 1):
             buffered.append(ids)
             count += len(ids)
@@ -85,17 +83,6 @@ class TokenizedSource:
                 state.record(split, writer.close(), cursor=index)
                 progress.shard_written()
                 buffered, count = [], 0
-
-    def _encoded(self, pieces: list[Piece], split: str, pool: ProcessPoolExecutor | None
-                 ) -> Iterator[tuple[np.ndarray, int]]:
-        """Each piece's ids, in order, from the pool's processes (or this one)."""
-        if pool is None:
-            start(self.tokenizer)
-            for piece in pieces:
-                yield encode_piece(piece, split, self.text_field)
-            return
-        yield from in_order(pool, partial(encode_piece, split=split, text_field=self.text_field),
-                            pieces, IN_FLIGHT * self.workers)
 
 
 def tokenize_split(pieces: list[Piece], tokenizer: TokenizerSpec, split: str,

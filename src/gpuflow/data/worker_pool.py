@@ -48,3 +48,20 @@ def in_order(pool: ProcessPoolExecutor, work: Callable[[In], Out], inputs: Itera
         result = pending.popleft().result()
         pending.extend(pool.submit(work, item) for item in islice(todo, 1))
         yield result
+
+
+OrderedMap = Callable[[Callable[[Any], Any], Iterable[Any]], Iterator[Any]]
+
+
+@contextmanager
+def ordered_map(workers: int, initializer: Callable[..., None], initargs: tuple[Any, ...],
+                in_flight: int) -> Iterator[OrderedMap]:
+    """A ``map(work, inputs)`` in input order over ``workers`` processes set up by
+    ``initializer(*initargs)``, ``in_flight`` inputs a worker submitted ahead; with 0
+    workers, in this process, set up here once."""
+    with worker_pool(workers, initializer, initargs) as pool:
+        if pool is None:
+            initializer(*initargs)
+            yield map
+        else:
+            yield lambda work, inputs: in_order(pool, work, inputs, in_flight * workers)

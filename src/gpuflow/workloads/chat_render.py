@@ -17,7 +17,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from gpuflow.data.worker_pool import in_order, worker_pool
+from gpuflow.data.worker_pool import ordered_map
 from gpuflow.model_dir import load_hf_tokenizer
 from gpuflow.workloads.chat_windows import Conversation
 from gpuflow.workloads.chats import chat_conversation, chat_lines
@@ -50,16 +50,12 @@ def chat_renderer(directory: Path, seq_len: int, truncate: bool,
     """Renders the conversations of a split of files, in order, by ``workers`` processes
     (0: in this one) kept for every split; the processes end on leaving, error or not."""
     render = partial(render_chunk, seq_len=seq_len, truncate=truncate)
-    with worker_pool(workers, start, (str(directory),)) as pool:
-        if pool is None:
-            start(str(directory))
+    with ordered_map(workers, start, (str(directory),), IN_FLIGHT) as mapped:
 
         def rendered(files: list[Path], split: str) -> Iterator[Conversation]:
             chunks = _chunks((str(path), number, line) for path in files
                              for number, line in chat_lines(path, split))
-            results = (map(render, chunks) if pool is None
-                       else in_order(pool, render, chunks, IN_FLIGHT * workers))
-            for conversations in results:
+            for conversations in mapped(render, chunks):
                 yield from conversations
 
         yield rendered
