@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -121,7 +122,24 @@ def train(suite: Suite, name: str, limit_s: float, run_dir: Path,
         limit_s)
     if code == 0 and (run_dir / "summary.json").is_file():
         return figures(run_dir)
-    return {"ok": False, **failure(code, log)}
+    return {"ok": False, **failure(code, log), "logged_steps": logged_steps(run_dir)}
+
+
+def logged_steps(run_dir: Path) -> dict[str, Any] | None:
+    """Medians over the steps a cut-off run did log, so a stage stopped by its limit still
+    says how fast it went (None where it logged no step)."""
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    if lines and not lines[-1].endswith("}"):
+        lines.pop()  # the line the run was writing when it was stopped
+    records = [record for record in map(json.loads, filter(None, lines)) if "loss" in record]
+    if not records:
+        return None
+    medians = {key: statistics.median(values) for key in
+               ("step_time_s", "tokens_per_s", "samples_per_s", "mfu")
+               if (values := [r[key] for r in records if r.get(key) is not None])}
+    return {"steps": records[-1].get("step"), "first_loss": records[0]["loss"],
+            "last_loss": records[-1]["loss"], **medians}
 
 
 def finetune_stage(suite: Suite, settings: dict[str, Any]) -> dict[str, Any]:
@@ -183,12 +201,17 @@ def main() -> None:
     parser.add_argument("--recordings", type=Path, default=RECORDINGS,
                         help=f"the FSDD recordings folder (default {RECORDINGS})")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--limit-s", type=float, default=None,
+                        help="cap each stage's time limit (seconds), to fit a device lease")
     args = parser.parse_args()
     stages = args.stages.split(",")
     if set(stages) - set(STAGES):
         parser.error(f"unknown stage(s) {sorted(set(stages) - set(STAGES))}; choose from "
                      f"{STAGES}")
     settings = DRY if args.dry_run else FULL
+    if args.limit_s:
+        settings = {stage: {**values, "limit_s": min(values["limit_s"], args.limit_s)}
+                    for stage, values in settings.items()}
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])
     with tempfile.TemporaryDirectory(prefix="gpuflow-workloads-") as tmp:

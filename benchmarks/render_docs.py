@@ -68,10 +68,18 @@ def _error(pair: dict[str, Any]) -> str:
     return "not measured" if pair.get("error") is None else f"{100 * pair['error']:+.0f}%"
 
 
+def _last_line(value: Any) -> Any:
+    """A stage's error tail as its last line (the line that says why it stopped)."""
+    if not isinstance(value, str) or "\n" not in value.strip():
+        return value
+    return value.strip().splitlines()[-1]
+
+
 def _gpu_suite_lines(result: dict[str, Any]) -> list[str]:
+    runs = [*result.get("train", []), *result.get("cuda_graphs", [])]
     lines = ["| run | tokens/s | MFU | step | peak memory | planner: step, memory (error) "
-             "| target |", "|---|---|---|---|---|---|---|"]
-    for run in [*result.get("train", []), *result.get("cuda_graphs", [])]:
+             "| target |", "|---|---|---|---|---|---|---|"] if runs else []
+    for run in runs:
         label = run.get("label", run["model_size"])
         if not run.get("step_time_s"):
             why = run.get("refused") or f"failed (exit {run.get('exit_code')})"
@@ -96,7 +104,8 @@ def _gpu_suite_lines(result: dict[str, Any]) -> list[str]:
         if source:
             lines += ["", f"MFU against: {source}."]
     for name, verdict in result.get("verdicts", {}).items():
-        shown = {k: f"{v:.3f}" if isinstance(v, float) else v for k, v in verdict.items()}
+        shown = {k: f"{v:.3f}" if isinstance(v, float) else _last_line(v)
+                 for k, v in verdict.items()}
         lines.append(f"- {name}: " + ", ".join(f"{k} {v}" for k, v in shown.items()))
     matmul = result.get("matmul", {})
     if matmul:
@@ -117,6 +126,15 @@ def _gpu_suite_lines(result: dict[str, Any]) -> list[str]:
                 f"p99 {r['p99_ms']:.0f} ms, mean batch {r['mean_batch_rows']:.1f}"
                 for config, r in runs.items())
             lines += ["", f"{name} ({result[name].get('model', '?')}): {figures}."]
+    for name in ("generation", "generation_cuda_graphs"):
+        for contender, by_clients in ((result.get(name) or {}).get("tokens_per_s") or {}).items():
+            figures = ", ".join(f"{clients} clients {value:,.0f}"
+                                for clients, value in by_clients.items() if value)
+            lines += ["", f"{name}, {contender}: output tokens/s {figures}."]
+    stopped = {name: _last_line(entry["error"]) for name, entry in result.items()
+               if isinstance(entry, dict) and entry.get("error") and name != "verdicts"}
+    if stopped:
+        lines += ["", *(f"- {name} not measured: {why}" for name, why in stopped.items())]
     return lines
 
 
