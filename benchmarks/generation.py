@@ -21,7 +21,9 @@ Closed-loop clients ask for the same greedy completion at each concurrency, the 
 taking turns round by round so that a change in machine load hits all of them, each window
 waiting (up to a minute) for the CPUs to go idle first. Per contender and concurrency:
 output tokens per second, time to first token and inter-token latency, p50 and p99, the
-median of the rounds; and the issue's targets judged from them.
+median of the rounds; and the issue's targets judged from them. Each round of a gpuflow
+engine also records its steps from the server's /metrics (``engine``: how many, their mean
+time and their forward's, their mean rows), which tells a slow step from a slow client path.
 
     .venv/bin/python benchmarks/generation.py                 # ~30 minutes on 2 cores
     .venv/bin/python benchmarks/generation.py --quick         # seconds
@@ -266,6 +268,37 @@ def judge(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return verdicts
 
 
+ENGINE_TOTALS = ("gpuflow_engine_step_seconds_count", "gpuflow_engine_step_seconds_sum",
+                 "gpuflow_engine_forward_seconds_sum", "gpuflow_engine_step_rows_total")
+
+
+def engine_totals(contender: Contender) -> dict[str, float] | None:
+    """The step counters of a gpuflow generation engine's /metrics (None for others)."""
+    if not contender.name.startswith("gpuflow") or contender.path == "/v1/predict":
+        return None
+    lines = httpx.get(contender.url + "/metrics", timeout=10).text.splitlines()
+    found = {line.split()[0]: float(line.split()[-1]) for line in lines
+             if line.split(" ")[0] in ENGINE_TOTALS}
+    return found if len(found) == len(ENGINE_TOTALS) else None
+
+
+def engine_steps(before: dict[str, float] | None, after: dict[str, float] | None
+                 ) -> dict[str, float] | None:
+    """The engine's steps over a warm-up and window: how many, their mean time and their
+    forward's (so that a step's device and host parts can be told apart from the clients'
+    inter-token gaps), and their mean rows."""
+    if before is None or after is None:
+        return None
+    delta = {key: after[key] - before[key] for key in ENGINE_TOTALS}
+    steps = delta["gpuflow_engine_step_seconds_count"]
+    if not steps:
+        return None
+    return {"steps": steps,
+            "step_ms": 1000 * delta["gpuflow_engine_step_seconds_sum"] / steps,
+            "forward_ms": 1000 * delta["gpuflow_engine_forward_seconds_sum"] / steps,
+            "rows_per_step": delta["gpuflow_engine_step_rows_total"] / steps}
+
+
 def measure(contenders: list[Contender], servers: Servers) -> dict[str, dict[str, Any]]:
     results: dict[str, dict[str, list[dict[str, Any]]]] = {
         c.name: {str(level): [] for level in ARGS.levels} for c in contenders}
@@ -278,14 +311,18 @@ def measure(contenders: list[Contender], servers: Servers) -> dict[str, dict[str
                 # contender does) would slow the next one measured.
                 quiet = (wait_for_idle(ARGS.quiet_wait_s, threshold=QUIET_SHARE, log=print)
                          if ARGS.quiet_wait_s else None)
+                before = engine_totals(contender)
                 figures = asyncio.run(drive(contender, level, ARGS.warmup_s, ARGS.window_s))
                 figures["foreign_cpu_share_before"] = quiet
+                figures["engine"] = engine_steps(before, engine_totals(contender))
                 results[contender.name][str(level)].append(figures)
                 print(f"round {number + 1} c{level:<3} {contender.name:>30}: "
                       f"{figures['tokens_per_s']:8.1f} tok/s  ttft p50 "
                       f"{figures['ttft_p50_ms'] or 0:8.1f} ms  itl p50 "
-                      f"{figures['itl_p50_ms'] or 0:6.2f} ms  errors {figures['errors']}",
-                      flush=True)
+                      f"{figures['itl_p50_ms'] or 0:6.2f} ms  errors {figures['errors']}"
+                      + ("" if not (steps := figures["engine"]) else
+                         f"  step {steps['step_ms']:.2f} ms (forward {steps['forward_ms']:.2f})"
+                         f" x {steps['rows_per_step']:.1f} rows"), flush=True)
     return {name: {level: median_of_rounds(rounds) for level, rounds in by_level.items()}
             for name, by_level in results.items()}
 

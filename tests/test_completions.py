@@ -92,6 +92,15 @@ def test_the_openai_client_completes_and_streams_through_the_server(
     generated = next(float(line.split()[-1]) for line in found["metrics"].splitlines()
                      if line.startswith("gpuflow_generated_tokens_total"))
     assert generated == 3 * 12 + 2  # the three completions, and one token of each repeat
+    steps, forwards, step_s, forward_s, rows, tokens = (
+        next(float(line.split()[-1]) for line in found["metrics"].splitlines()
+             if line.startswith(name + " "))
+        for name in ("gpuflow_engine_step_seconds_count", "gpuflow_engine_forward_seconds_count",
+                     "gpuflow_engine_step_seconds_sum", "gpuflow_engine_forward_seconds_sum",
+                     "gpuflow_engine_step_rows_total", "gpuflow_engine_step_tokens_total"))
+    assert steps == forwards >= 12 and 0 < forward_s <= step_s
+    assert rows >= generated  # every token came from a row of some step
+    assert tokens >= rows + 11 - 1  # and the first prompt's 11 tokens went in whole
 
 
 def test_a_model_that_does_not_generate_answers_404_on_completions(tmp_path: Path) -> None:

@@ -7,17 +7,20 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
-    from gpuflow.serve.generate.requests import Occupancy
+    from gpuflow.serve.generate.requests import Occupancy, StepTiming
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# Engine steps: from a CUDA graph's replay (well under a millisecond) to a long prefill.
+STEP_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 
 
 class ServeMetrics:
     """Requests by status, end-to-end / queue / compute time, batch sizes, queue and
     in-flight; for generation, time to first token, inter-token latency, generated tokens,
     running and waiting sequences, KV cache blocks in use, preemptions, the prefix
-    cache's lookups, hits and hit rate, and speculative decoding's drafted and accepted
-    tokens and acceptance rate."""
+    cache's lookups, hits and hit rate, speculative decoding's drafted and accepted
+    tokens and acceptance rate, and the engine's step and forward times with the rows and
+    tokens its steps computed."""
 
     def __init__(self, max_batch_size: int) -> None:
         self.registry = CollectorRegistry()
@@ -78,6 +81,17 @@ class ServeMetrics:
                                 "Drafted tokens the model accepted", registry=reg)
         self.acceptance_rate = Gauge("gpuflow_spec_decode_acceptance_rate",
                                      "Share of drafted tokens accepted (0-1)", registry=reg)
+        self.step_time = Histogram("gpuflow_engine_step_seconds",
+                                   "One generation engine step: forward, sampling and events",
+                                   buckets=STEP_BUCKETS, registry=reg)
+        self.forward_time = Histogram("gpuflow_engine_forward_seconds",
+                                      "The forward of one generation engine step, logits "
+                                      "on the host", buckets=STEP_BUCKETS, registry=reg)
+        self.step_rows = Counter("gpuflow_engine_step_rows",
+                                 "Sequences computed, summed over engine steps", registry=reg)
+        self.step_tokens = Counter("gpuflow_engine_step_tokens",
+                                   "Tokens computed (prompt and generated, drafts not "
+                                   "counted), summed over engine steps", registry=reg)
         # Preemptions, prefix queries and hits, drafted and accepted tokens counted so far.
         self._totals = (0, 0, 0, 0, 0)
 
@@ -107,6 +121,13 @@ class ServeMetrics:
             self.prefix_hit_rate.set(now.prefix_hits / now.prefix_queries)
         if now.drafted:
             self.acceptance_rate.set(now.accepted / now.drafted)
+
+    def step(self, timing: StepTiming) -> None:
+        """One generation engine step: its time, its forward's, its rows and tokens."""
+        self.step_time.observe(timing.step_s)
+        self.forward_time.observe(timing.forward_s)
+        self.step_rows.inc(timing.rows)
+        self.step_tokens.inc(timing.tokens)
 
     def batch_formed(self, rows: int) -> None:
         self.batch_size.observe(rows)

@@ -32,6 +32,7 @@ from gpuflow.serve.generate.requests import (
     Failed,
     Generation,
     Occupancy,
+    StepTiming,
     WaitingFull,
 )
 from gpuflow.serve.generate.runner import ModelRunner
@@ -151,7 +152,9 @@ class GenerationEngine:
                     self._drop_cancelled()
                     plan = self.scheduler.schedule()
                     if plan.chunks:
-                        self._step(plan)
+                        started = time.perf_counter()
+                        forward_s = self._step(plan)
+                        self._observe_step(plan, forward_s, time.perf_counter() - started)
                     else:
                         self._wake.wait(0.5)
                         self._wake.clear()
@@ -173,9 +176,10 @@ class GenerationEngine:
         for generation in [g for g in self._live.values() if g.cancelled]:
             self._retire(generation, "cancelled")
 
-    def _step(self, plan: Plan) -> None:
+    def _step(self, plan: Plan) -> float:
         """Run the plan's chunks (a decoding sequence's with its drafted tokens, if any),
-        then take the next tokens of each that reached its end."""
+        then take the next tokens of each that reached its end; seconds the forward took
+        (the model runner's call, its logits on the host)."""
         drafts = self._drafts(plan)
         steps = []
         for chunk in plan.chunks:
@@ -184,7 +188,9 @@ class GenerationEngine:
             wanted = self._live[chunk.seq].wanted(chunk) if draft is None else "all"
             steps.append((RowSpec(tokens, chunk.start, chunk.seq.table.blocks, wanted), chunk))
         steps.sort(key=lambda step: len(step[0].tokens) > 1)  # one-token rows first
+        started = time.perf_counter()
         logits = self.runner.run([row for row, _ in steps])
+        forward_s = time.perf_counter() - started
         self.scheduler.advance(plan)
         finished: list[tuple[Generation, torch.Tensor]] = []
         for (row, chunk), chunk_logits in zip(steps, logits, strict=True):
@@ -198,12 +204,12 @@ class GenerationEngine:
                 finished.append((generation, chunk_logits[-1:]))
         if self.proposer is not None:
             self.proposer.settle(plan.chunks)
-        if not finished:
-            return
-        tokens = choose_tokens([g.sampler for g, _ in finished],
-                               torch.cat([row for _, row in finished]))
-        for (generation, row), token in zip(finished, tokens, strict=True):
-            self._advance(generation, token, row)
+        if finished:
+            tokens = choose_tokens([g.sampler for g, _ in finished],
+                                   torch.cat([row for _, row in finished]))
+            for (generation, row), token in zip(finished, tokens, strict=True):
+                self._advance(generation, token, row)
+        return forward_s
 
     def _drafts(self, plan: Plan) -> dict[Sequence, Draft]:
         """The proposer's drafts for the step's decoding sequences, each within the room
@@ -282,6 +288,11 @@ class GenerationEngine:
         for loop, events in by_loop.items():
             with contextlib.suppress(RuntimeError):  # the event loop has closed
                 loop.call_soon_threadsafe(_deliver, events)
+
+    def _observe_step(self, plan: Plan, forward_s: float, step_s: float) -> None:
+        if self.observer is not None:
+            self.observer.step(StepTiming(len(plan.chunks), sum(c.length for c in plan.chunks),
+                                          forward_s, step_s))
 
     def _observe(self) -> None:
         if self.observer is not None:

@@ -159,7 +159,20 @@ class Occupancy:
     accepted: int = 0
 
 
+@dataclass(frozen=True)
+class StepTiming:
+    """One engine step: its rows (sequences) and new tokens, the seconds its forward took
+    (logits on the host) and the whole step's (scheduling excluded: sampling, stop checks
+    and events included)."""
+
+    rows: int
+    tokens: int
+    forward_s: float
+    step_s: float
+
+
 class EngineObserver(Protocol):
     def first_token(self, seconds: float) -> None: ...
     def next_token(self, seconds: float) -> None: ...
     def occupancy(self, now: Occupancy) -> None: ...
+    def step(self, timing: StepTiming) -> None: ...
