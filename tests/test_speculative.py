@@ -5,6 +5,7 @@ model's distribution (rejection sampling, checked statistically)."""
 from __future__ import annotations
 
 import asyncio
+import random
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from gpuflow.serve.generate.limits import EngineLimits
 from gpuflow.serve.generate.models import GPTDecoder
 from gpuflow.serve.generate.requests import Done
 from gpuflow.serve.generate.sampling import Sampler, SamplingParams
-from gpuflow.serve.generate.speculate import Draft, lookup, verified
+from gpuflow.serve.generate.speculate import Draft, NgramIndex, lookup, verified
 
 PROMPTS = [b"def f(x):\n    return x + 1\ndef g(x):\n    return", b"abcabcabcabc",
            b"import torch", b"The quick brown fox", b"xy"]
@@ -38,6 +39,38 @@ def test_prompt_lookup_drafts_what_followed_the_latest_longest_match() -> None:
     assert lookup([4, 5, 6], 3, 3, 1) == []  # nothing repeats
     assert lookup(tokens, 0, 3, 1) == []
     assert lookup([1, 2, 1], 5, 3, 2) == []  # a one-token match is below min_ngram
+
+
+def scanned(tokens: list[int], count: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """Prompt lookup by a scan of every earlier window: the reference for the index."""
+    for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
+        starts = [s for s in range(len(tokens) - n) if tokens[s:s + n] == tokens[-n:]]
+        if starts and count > 0:
+            follow = starts[-1] + n
+            draft = tokens[follow:follow + count]
+            while len(draft) < count:
+                draft.append(draft[len(draft) - (len(tokens) - follow)])
+            return draft
+    return []
+
+
+def test_the_ngram_index_kept_up_to_date_drafts_what_a_scan_drafts() -> None:
+    """One index per sequence, brought up to date as one to three tokens arrive at a time
+    (accepted drafts), drafts at every length what a scan of the whole list drafts."""
+    rng = random.Random(0)
+    for trial in range(40):
+        vocab, max_ngram = rng.choice([2, 3, 5, 50]), rng.randint(1, 4)
+        min_ngram = rng.randint(1, max_ngram)
+        tokens = [rng.randrange(vocab) for _ in range(rng.randint(0, 4))]
+        index = NgramIndex(max_ngram, min_ngram)
+        while len(tokens) < 60:
+            count = rng.randint(0, 6)
+            assert index.draft(tokens, count) == scanned(tokens, count, max_ngram, min_ngram), (
+                trial, tokens, count)
+            tokens.extend(rng.randrange(vocab) for _ in range(rng.randint(1, 3)))
+    index = NgramIndex(3, 1)
+    index.draft([1, 2, 3, 1, 2], 2)
+    assert index.draft([4, 5, 4], 2) == [5, 4]  # a shorter list: indexed afresh
 
 
 def draft_gpt(seed: int) -> GPT:

@@ -15,11 +15,11 @@ quoting, extraction); ``DraftModel`` (``draft.py``) asks a smaller model.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
 import torch
 
 from gpuflow.serve.generate.sampling import Sampler
@@ -51,18 +51,24 @@ class Proposer(Protocol):
 
 class PromptLookup:
     """Drafts what followed the latest earlier occurrence of a sequence's last ``n`` tokens,
-    ``n`` from ``max_ngram`` down to ``min_ngram`` (the longest match first)."""
+    ``n`` from ``max_ngram`` down to ``min_ngram`` (the longest match first), from an
+    ``NgramIndex`` of each sequence kept while the sequence lives."""
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("prompt lookup needs 1 <= min_ngram <= max_ngram")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self._indexes: weakref.WeakKeyDictionary[Sequence, NgramIndex] = (
+            weakref.WeakKeyDictionary())
 
     def propose(self, chunks: list[Chunk], rooms: Mapping[Sequence, int],
                 samplers: Mapping[Sequence, Sampler]) -> dict[Sequence, Draft]:
         drafts = {}
         for seq, room in rooms.items():
-            tokens = lookup(seq.tokens, room, self.max_ngram, self.min_ngram)
+            index = self._indexes.get(seq)
+            if index is None:
+                index = self._indexes[seq] = NgramIndex(self.max_ngram, self.min_ngram)
+            tokens = index.draft(seq.tokens, room)
             if tokens:
                 drafts[seq] = Draft(tokens)
         return drafts
@@ -71,27 +77,49 @@ class PromptLookup:
         pass
 
 
-def lookup(tokens: list[int], count: int, max_ngram: int, min_ngram: int) -> list[int]:
-    """``count`` tokens that followed the latest earlier occurrence of the last ``n`` of
-    ``tokens`` (``n`` from ``max_ngram`` down to ``min_ngram``), or none. A match ``d``
-    tokens back is followed by a copy ``d`` tokens back, the draft included where it runs
-    past the end (as an LZ77 copy overlaps itself): a loop of period ``d`` is drafted in
-    full, not ``d`` tokens at a time."""
-    if count < 1 or len(tokens) < min_ngram + 1:
+class NgramIndex:
+    """Where each n-gram of one growing token list last began, for ``n`` from ``min_ngram``
+    to ``max_ngram``: brought up to date with the tokens appended since the last call, so a
+    draft costs ``O(max_ngram)`` per new token rather than a scan of the whole context."""
+
+    def __init__(self, max_ngram: int, min_ngram: int) -> None:
+        self.sizes = range(max_ngram, min_ngram - 1, -1)  # the longest match first
+        self.latest: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
+        self.length = 0  # len(tokens) when last brought up to date
+
+    def update(self, tokens: list[int]) -> None:
+        """Index the n-grams that end before the last token (those a match may be), up to
+        ``tokens``; a list shorter than the one indexed is indexed afresh."""
+        if len(tokens) < self.length:
+            self.latest, self.length = {n: {} for n in self.sizes}, 0
+        for n, latest in self.latest.items():
+            for start in range(max(self.length - n, 0), len(tokens) - n):
+                latest[tuple(tokens[start:start + n])] = start
+        self.length = len(tokens)
+
+    def draft(self, tokens: list[int], count: int) -> list[int]:
+        """``count`` tokens that followed the latest earlier occurrence of the last ``n`` of
+        ``tokens``, or none. A match ``d`` tokens back is followed by a copy ``d`` tokens
+        back, the draft included where it runs past the end (as an LZ77 copy overlaps
+        itself): a loop of period ``d`` is drafted in full, not ``d`` tokens at a time."""
+        self.update(tokens)
+        if count < 1:
+            return []
+        for n in self.sizes:
+            start = self.latest[n].get(tuple(tokens[-n:])) if n < len(tokens) else None
+            if start is not None:
+                follow = start + n
+                draft = tokens[follow:follow + count]
+                back = len(tokens) - follow
+                while len(draft) < count:
+                    draft.append(draft[len(draft) - back])
+                return draft
         return []
-    array = np.asarray(tokens, dtype=np.int64)
-    for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
-        # Windows starting before the last n-gram's own start: every earlier occurrence.
-        windows = np.lib.stride_tricks.sliding_window_view(array[:-1], n)
-        starts = np.flatnonzero((windows == array[-n:]).all(axis=1))
-        if starts.size:
-            follow = int(starts[-1]) + n
-            draft = array[follow:follow + count].tolist()
-            back = len(tokens) - follow
-            while len(draft) < count:
-                draft.append(draft[len(draft) - back])
-            return draft
-    return []
+
+
+def lookup(tokens: list[int], count: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """``NgramIndex.draft`` of ``tokens`` indexed afresh."""
+    return NgramIndex(max_ngram, min_ngram).draft(tokens, count)
 
 
 def verified(sampler: Sampler, logits: torch.Tensor, draft: Draft) -> Iterator[int]:
