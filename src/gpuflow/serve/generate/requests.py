@@ -161,9 +161,9 @@ class Occupancy:
 
 @dataclass(frozen=True)
 class StepTiming:
-    """One engine step: its rows (sequences) and new tokens, the seconds its forward took
-    (logits on the host) and the whole step's (scheduling excluded: sampling, stop checks
-    and events included)."""
+    """One engine step: its rows (sequences) and scheduled tokens (drafts not counted), the
+    seconds its forward took (logits on the host) and the whole step's (scheduling
+    excluded: sampling, stop checks and events included)."""
 
     rows: int
     tokens: int
