@@ -26,6 +26,7 @@ from gpuflow.data.image_decode import (
     decode_crop,
     draft_request,
     random_resized_crop,
+    resize_crop,
 )
 from gpuflow.data.image_decoder import choose_decoder, gpu_decode_missing
 from gpuflow.data.image_sources import scan, shard_tree
@@ -44,6 +45,24 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
 
 def fixed(box: tuple[float, float, float, float]):  # noqa: ANN201
     return lambda width, height: box
+
+
+@pytest.mark.parametrize("mode", ["RGB", "L"])
+def test_whole_pixel_crops_resize_as_pillow_resizes_the_cut_crop(mode: str) -> None:
+    """Training crops of a full-size decode go through torch's uint8 kernel: the tutorial's
+    crop-then-resize by Pillow to the stated bound; a fractional box through Pillow."""
+    with Image.open(io.BytesIO(encode(photo("flower"), "JPEG", mode))) as image:
+        image.load()
+        rng = np.random.default_rng(1)
+        for _ in range(8):
+            box = random_resized_crop(*image.size, rng)
+            ours = resize_crop(image, box, 64)
+            tutorial = np.array(image.crop(box).resize((64, 64), Image.Resampling.BILINEAR))
+            assert ours.shape == (64, 64, 3 if mode == "RGB" else 1) and ours.flags.writeable
+            assert psnr(ours, tutorial.reshape(ours.shape)) >= PSNR_FLOOR_DB, box
+        box = centre_crop(*image.size)
+        whole = np.array(image.resize((64, 64), Image.Resampling.BILINEAR, box=box))
+        assert np.array_equal(resize_crop(image, box, 64), whole.reshape(64, 64, -1))
 
 
 def test_draft_decode_matches_full_decode_and_keeps_the_crop_resolution() -> None:

@@ -4,7 +4,7 @@ A JPEG is decoded at 1/2, 1/4 or 1/8 of its size in the DCT domain (Pillow's ``d
 when the reduced image still holds the crop at the output resolution: most of a large
 photo's decode time buys pixels the crop throws away. EXIF orientation is applied, any
 mode (greyscale, palette, CMYK, alpha) is converted to the model's channels, and the crop
-is resized in the same call that cuts it. Pixels stay uint8 (HWC) until the device.
+is cut and resized (``resize_crop``). Pixels stay uint8 (HWC) until the device.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import warnings
 from collections.abc import Callable
 
 import numpy as np
+import torch
+import torch.nn.functional as F
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 # Larger images are refused before decoding: a decompression bomb costs memory and time.
@@ -129,8 +131,23 @@ def decode_crop(data: bytes, box_fn: BoxFn, out: int, mode: str = "RGB",
         scaled = (box[0] * factor + shift_x, box[1] * factor + shift_y,
                   min(box[2] * factor + shift_x, image.width),
                   min(box[3] * factor + shift_y, image.height))
-        resized = image.resize((out, out), Image.Resampling.BILINEAR, box=scaled)
+        return resize_crop(image, scaled, out)
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
         raise ImageDecodeError(f"cannot decode the image ({exc})") from None
-    pixels = np.array(resized, dtype=np.uint8)  # writable, as torch.from_numpy wants
+
+
+def resize_crop(image: Image.Image, box: Box, out: int) -> np.ndarray:
+    """The crop ``box`` of ``image`` resized to ``out`` x ``out`` (bilinear, antialiased),
+    as writable uint8 HWC. A crop of whole pixels (every training crop of a full-size
+    decode) is cut, then resized by torch's uint8 channels-last kernel, two to three times
+    faster than Pillow's; a fractional box (a reduced decode, the centre crop) goes through
+    Pillow's resize, which takes it as it is."""
+    if all(float(edge).is_integer() for edge in box):
+        pixels = torch.from_numpy(np.array(image.crop(tuple(map(int, box)))))
+        nhwc = (pixels[..., None] if pixels.ndim == 2 else pixels)[None]
+        resized = F.interpolate(nhwc.permute(0, 3, 1, 2), size=(out, out), mode="bilinear",
+                                antialias=True)
+        return resized[0].permute(1, 2, 0).contiguous().numpy()
+    pixels = np.array(image.resize((out, out), Image.Resampling.BILINEAR, box=box),
+                      dtype=np.uint8)
     return pixels[..., None] if pixels.ndim == 2 else pixels
