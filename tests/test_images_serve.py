@@ -141,6 +141,11 @@ def test_a_run_serves_without_its_data_dir_as_it_did_with_it(tmp_path: Path) -> 
             reply = await client.post("/v1/predict?top_k=2", content=jpeg,
                                       headers={"Content-Type": "image/jpeg"})
             check_prediction(reply)
-            assert reply.json()["predictions"] == with_data["a.jpg"]
+            # predict batched a.jpg with b.png on two threads, the server runs it alone on
+            # one: CPU kernels round differently by batch and thread count (seen: 6e-8).
+            (served,), (local,) = reply.json()["predictions"], with_data["a.jpg"]
+            assert [t["label"] for t in served["top"]] == [t["label"] for t in local["top"]]
+            assert ([t["probability"] for t in served["top"]]
+                    == pytest.approx([t["probability"] for t in local["top"]], abs=1e-6))
 
     asyncio.run(scenario())
