@@ -7,8 +7,9 @@ so its longer side is 512 pixels, as a ``--max-side 512`` pack stores it.
 
 Contenders, each drawing 224x224 training crops of the same files with one core:
 - ``gpuflow``: the images workload's pipeline (``EncodedImages`` + ``TrainCrops`` +
-  ``collate_images``): reduced-size JPEG decode when the crop allows it, crop and resize in
-  one call, uint8 NHWC batches (the conversion to float and the normalisation run on the
+  ``collate_images``): reduced-size JPEG decode when the crop allows it, a whole-pixel crop
+  resized by torch's uint8 kernel (Pillow's box resize after a reduced decode), uint8 NHWC
+  batches (the conversion to float and the normalisation run on the
   device, in the model's input layer, and are not counted here).
 - ``tutorial``: written the way tutorials write it: PIL open, convert RGB, full decode,
   RandomResizedCrop, flip, ToTensor-style float conversion and normalisation per image,
