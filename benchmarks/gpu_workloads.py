@@ -12,9 +12,9 @@ each a ``gpuflow train`` run under its own time limit:
   and states its MFU (no target is set).
 - ``asr``: the connected-digit set (``scripts/connected_digits.py`` from the FSDD recordings
   in ``../shared/data/fsdd/recordings`` beside the repository, or ``--recordings``),
-  ``--workload asr`` in bf16 with its duration buckets, eager: ``--compile`` recompiles the
-  blocks for every new batch shape (a 2-core CPU took 10-30 s each) until dynamo's
-  recompile limit (8), after which they run eagerly anyway. Recorded: samples/s, audio
+  ``--workload asr`` in bf16 with its duration buckets, eager (``--compile`` now compiles
+  each block three times, for the first frame count, then dynamic frames, then a dynamic
+  batch, but has not run on a GPU yet). Recorded: samples/s, audio
   seconds/s (samples/s times the set's mean utterance length), padding fraction, MFU, peak
   memory and the final validation WER/CER.
 

@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 import soundfile
 import torch
+import torch.nn.functional as F
 from speech_clips import write_wav
 
 from gpuflow.data.audio_file import read_audio, resample
 from gpuflow.data.duration_buckets import DurationBuckets, bucket_batches, padding_fraction
 from gpuflow.errors import UserError
 from gpuflow.input_schema import InputError
-from gpuflow.models.asr import ConformerCTC
+from gpuflow.models.asr import ConformerCTC, ConvModule
 from gpuflow.workload import IGNORE_INDEX
 from gpuflow.workloads.asr import alignable, collate_utterances, ctc_frames_needed, ctc_loss
 from gpuflow.workloads.asr_codec import (
@@ -271,3 +272,19 @@ def test_utterances_ctc_cannot_align_or_too_long_are_dropped_with_a_count() -> N
         alignable(utterances[1:], vocabulary, model, 30.0, "validation")
     with pytest.raises(UserError, match="lower --batch-seconds"):
         DurationBuckets([1.0, 1.0], 10.0, seed=0, world_size=2)
+
+
+def test_the_conv_module_is_its_convolutions_with_pointwise_ones_as_products() -> None:
+    """The conformer's convolution module computes kernel-1 convs as matrix products and
+    runs its depthwise conv outside compiled graphs; the same function of its weights as
+    the three Conv1d modules applied in turn, padded frames zeroed before the depthwise."""
+    torch.manual_seed(0)
+    module = ConvModule(16, 7, dropout=0.0).eval()
+    x = torch.randn(3, 20, 16)
+    mask = torch.arange(20)[None, :] < torch.tensor([20, 13, 5])[:, None]
+    y = F.glu(module.expand(module.norm(x).transpose(1, 2)), dim=1) * mask[:, None, :]
+    y = module.project(F.silu(module.batch_norm(module.depthwise(y))))
+    torch.testing.assert_close(module(x, mask), y.transpose(1, 2), rtol=1e-5, atol=1e-5)
+    explained = torch._dynamo.explain(module)(x, mask)  # traced, not compiled
+    assert explained.graph_break_count == 1
+    assert "depthwise" in str(explained.break_reasons[0].reason)

@@ -59,10 +59,22 @@ class ConvModule(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        y = F.glu(self.expand(self.norm(x).transpose(1, 2)), dim=1)
-        y = self.depthwise(y * mask[:, None, :].to(y.dtype))
-        y = self.project(F.silu(self.batch_norm(y)))
-        return self.dropout(y.transpose(1, 2))
+        y = F.glu(pointwise(self.expand, self.norm(x)), dim=-1) * mask[..., None].to(x.dtype)
+        y = F.silu(self.batch_norm(depthwise(self.depthwise, y.transpose(1, 2))))
+        return self.dropout(pointwise(self.project, y.transpose(1, 2)))
+
+
+def pointwise(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
+    """A kernel-1 ``conv`` over ``x`` ``(B, frames, channels)`` as the matrix product it is."""
+    return F.linear(x, conv.weight.squeeze(-1), conv.bias)
+
+
+@torch.compiler.disable
+def depthwise(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
+    """``conv(x)``, run eagerly inside a compiled block: inductor's convolution backward
+    fixes its input's strides, so each new frame count would compile the block again (one
+    graph per batch length until dynamo's recompile limit, then eager with no word said)."""
+    return conv(x)
 
 
 class ConformerBlock(nn.Module):
