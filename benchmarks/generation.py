@@ -276,7 +276,10 @@ def engine_totals(contender: Contender) -> dict[str, float] | None:
     """The step counters of a gpuflow generation engine's /metrics (None for others)."""
     if not contender.name.startswith("gpuflow") or contender.path == "/v1/predict":
         return None
-    lines = httpx.get(contender.url + "/metrics", timeout=10).text.splitlines()
+    try:
+        lines = httpx.get(contender.url + "/metrics", timeout=10).text.splitlines()
+    except httpx.HTTPError:  # a server that stopped answering is the round's own finding
+        return None
     found = {line.split()[0]: float(line.split()[-1]) for line in lines
              if line.split(" ")[0] in ENGINE_TOTALS}
     return found if len(found) == len(ENGINE_TOTALS) else None

@@ -71,6 +71,10 @@ def test_the_ngram_index_kept_up_to_date_drafts_what_a_scan_drafts() -> None:
     index = NgramIndex(3, 1)
     index.draft([1, 2, 3, 1, 2], 2)
     assert index.draft([4, 5, 4], 2) == [5, 4]  # a shorter list: indexed afresh
+    prompt = [rng.randrange(3) for _ in range(50)]
+    index = NgramIndex(3, 1, budget=16)  # a long prompt: indexed 16 tokens a call
+    assert [index.draft(prompt, 2) for _ in range(3)] == [[], [], []]
+    assert index.draft(prompt, 2) == scanned(prompt, 2, 3, 1)  # caught up at 64 >= 50
 
 
 def draft_gpt(seed: int) -> GPT:

@@ -140,9 +140,11 @@ def resize_crop(image: Image.Image, box: Box, out: int) -> np.ndarray:
     """The crop ``box`` of ``image`` resized to ``out`` x ``out`` (bilinear, antialiased),
     as writable uint8 HWC. A crop of whole pixels (every training crop of a full-size
     decode) is cut, then resized by torch's uint8 channels-last kernel, two to three times
-    faster than Pillow's; a fractional box (a reduced decode, the centre crop) goes through
-    Pillow's resize, which takes it as it is."""
-    if all(float(edge).is_integer() for edge in box):
+    faster than Pillow's; a fractional box (a reduced decode, the centre crop), or one not
+    inside the image, goes through Pillow's resize, which takes it as it is."""
+    left, top, right, bottom = box
+    inside = 0 <= left < right <= image.width and 0 <= top < bottom <= image.height
+    if inside and all(float(edge).is_integer() for edge in box):
         pixels = torch.from_numpy(np.array(image.crop(tuple(map(int, box)))))
         nhwc = (pixels[..., None] if pixels.ndim == 2 else pixels)[None]
         resized = F.interpolate(nhwc.permute(0, 3, 1, 2), size=(out, out), mode="bilinear",

@@ -59,7 +59,8 @@ class ConvModule(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        y = F.glu(pointwise(self.expand, self.norm(x)), dim=-1) * mask[..., None].to(x.dtype)
+        y = F.glu(pointwise(self.expand, self.norm(x)), dim=-1)
+        y = y * mask[..., None].to(y.dtype)
         y = F.silu(self.batch_norm(depthwise(self.depthwise, y.transpose(1, 2))))
         return self.dropout(pointwise(self.project, y.transpose(1, 2)))
 

@@ -36,7 +36,7 @@ from gpuflow.serve.generate.requests import (
     WaitingFull,
 )
 from gpuflow.serve.generate.runner import ModelRunner
-from gpuflow.serve.generate.sampling import SamplingParams, choose_tokens
+from gpuflow.serve.generate.sampling import SamplingParams, choose_tokens, on_host
 from gpuflow.serve.generate.scheduler import Plan, Scheduler, Sequence
 from gpuflow.serve.generate.speculate import Draft, Proposer, verified
 from gpuflow.serve.generate.tokenizer import ByteTokenizer, Tokenizer
@@ -147,6 +147,7 @@ class GenerationEngine:
                 self._warm.set()
             while not self._stopped:
                 plan: Plan | None = None
+                timing: StepTiming | None = None
                 try:
                     self._take_arrivals()
                     self._drop_cancelled()
@@ -154,7 +155,9 @@ class GenerationEngine:
                     if plan.chunks:
                         started = time.perf_counter()
                         forward_s = self._step(plan)
-                        self._observe_step(plan, forward_s, time.perf_counter() - started)
+                        timing = StepTiming(len(plan.chunks),
+                                            sum(chunk.length for chunk in plan.chunks),
+                                            forward_s, time.perf_counter() - started)
                     else:
                         self._wake.wait(0.5)
                         self._wake.clear()
@@ -163,7 +166,7 @@ class GenerationEngine:
                               else list(self.scheduler.running))
                     self._fail(failed, f"{type(exc).__name__}: {exc}")
                 self._hand_over()
-                self._observe()
+                self._observe(timing)
 
     def _take_arrivals(self) -> None:
         with self._lock:  # moved whole, so that ``waiting`` never undercounts
@@ -196,7 +199,7 @@ class GenerationEngine:
         for (row, chunk), chunk_logits in zip(steps, logits, strict=True):
             generation, draft = self._live[chunk.seq], drafts.get(chunk.seq)
             if draft is not None:
-                self._take_verified(generation, draft, chunk_logits)
+                self._take_verified(generation, draft, on_host(chunk_logits))
                 continue
             if row.logits == "all":
                 generation.score_prompt(chunk, chunk_logits)
@@ -289,18 +292,21 @@ class GenerationEngine:
             with contextlib.suppress(RuntimeError):  # the event loop has closed
                 loop.call_soon_threadsafe(_deliver, events)
 
-    def _observe_step(self, plan: Plan, forward_s: float, step_s: float) -> None:
-        if self.observer is not None:
-            self.observer.step(StepTiming(len(plan.chunks), sum(c.length for c in plan.chunks),
-                                          forward_s, step_s))
-
-    def _observe(self) -> None:
-        if self.observer is not None:
-            blocks = self.scheduler.blocks
+    def _observe(self, timing: StepTiming | None) -> None:
+        """The observer's view of the engine after a step (and of the step, if one ran), once
+        its events are handed over: a failing observer is logged, and fails no sequence."""
+        if self.observer is None:
+            return
+        blocks = self.scheduler.blocks
+        try:
+            if timing is not None:
+                self.observer.step(timing)
             self.observer.occupancy(Occupancy(
                 self.active, self.waiting, blocks.used, blocks.total,
                 self.scheduler.preemptions, blocks.prefix_queries, blocks.prefix_hits,
                 self.drafted, self.accepted))
+        except Exception:
+            log.exception("gpuflow serve: the generation engine's observer failed")
 
 
 def _deliver(events: list[tuple[Generation, Event]]) -> None:

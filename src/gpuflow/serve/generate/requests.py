@@ -106,9 +106,9 @@ class Generation:
 
     def take(self, token: int, logits: torch.Tensor, eos_ids: frozenset[int],
              context: int) -> tuple[list[Event], str | None]:
-        """Take ``token`` as the sequence's next (``logits``, ``[1, V]`` on the CPU, the
-        model's at its position): the events to send, and why the request is finished
-        (``finish`` gives its last events), or None."""
+        """Take ``token`` as the sequence's next (``logits``, ``[1, V]``, the model's at its
+        position, read only for log-probabilities): the events to send, and why the request
+        is finished (``finish`` gives its last events), or None."""
         params = self.params
         if token in eos_ids and not params.ignore_eos:
             return [], "stop"

@@ -122,20 +122,22 @@ class ModelRunner:
     def run(self, rows: Sequence[RowSpec]) -> list[torch.Tensor]:
         """One step over ``rows`` (one-token rows first): each row's logits as it asked
         (``[1, V]`` for its last token, ``[T, V]`` for all, ``[0, V]`` for none), on the
-        CPU, in fp32."""
+        model's device in its dtype, to be read before the next step (a CUDA graph's
+        output); what must be read on the host goes there by ``sampling.on_host``, so a
+        greedy batch moves its argmaxes, not ``B x V`` logits."""
         if self.buckets is not None and all(len(r.tokens) == 1 and r.logits == "last"
                                             for r in rows):
             size = next(b for b in self.buckets if b >= len(rows))
             return list(self._decode_padded(rows, size)[:, None])
         batch = StepBatch.build(rows, self.block_size, self.device)
-        logits = self.lm.forward(batch, self.pool).float().cpu()
+        logits = self.lm.forward(batch, self.pool)
         counts = [len(r.tokens) if r.logits == "all" else int(r.logits == "last")
                   for r in rows]
         return list(logits.split(counts))
 
     def _decode_padded(self, rows: Sequence[RowSpec], bucket: int) -> torch.Tensor:
         """One decode step padded to ``bucket`` rows, the padding rows (token 0 at position
-        0) writing into the null block; the real rows' logits ``[B, V]``, on the CPU."""
+        0) writing into the null block; the real rows' logits ``[B, V]``, on the device."""
         width, size = self.max_blocks, self.block_size
         table = []
         for row in rows:
@@ -148,9 +150,9 @@ class ModelRunner:
         on_device = host.to(self.device)  # one copy to the device
         tokens, positions, slots = on_device[:, :3].unbind(1)
         if self.cuda_graphs:
-            # A new step of cudagraph trees: the previous replay's outputs (copied to the
-            # CPU below, before this replay overwrites them) may be reused. The inputs
+            # A new step of cudagraph trees: the previous replay's outputs (read by the
+            # engine within its step, before this replay overwrites them) may be reused. The inputs
             # are fresh tensors, which the trees copy into the graph's own.
             torch.compiler.cudagraph_mark_step_begin()
         logits = self.model_step(tokens, positions, slots, on_device[:, 3:], self.pool)
-        return logits[:len(rows)].float().cpu()
+        return logits[:len(rows)]

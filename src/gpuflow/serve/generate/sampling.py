@@ -51,10 +51,16 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+def on_host(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` on the CPU in fp32, where samplers (CPU generators) and log-probabilities
+    read them; a no-op for fp32 logits already there."""
+    return logits.float().cpu()
+
+
 def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[TokenLogprob]:
-    """The log-probability of ``tokens[i]`` under ``logits[i]`` (``[N, V]``, fp32) and the
-    ``top`` most likely tokens at each row."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    """The log-probability of ``tokens[i]`` under ``logits[i]`` (``[N, V]``, any device and
+    dtype; computed on the host in fp32) and the ``top`` most likely tokens at each row."""
+    logprobs = torch.log_softmax(on_host(logits), dim=-1)
     chosen = logprobs.gather(1, torch.tensor(tokens, dtype=torch.long)[:, None])[:, 0].tolist()
     if top > 0:
         values, indices = logprobs.topk(min(top, logprobs.shape[-1]), dim=-1)
@@ -162,10 +168,11 @@ class Sampler:
 
 
 def choose_tokens(samplers: list[Sampler], logits: torch.Tensor) -> list[int]:
-    """The next token of each row of ``logits[B, V]`` (on the CPU, in fp32): plain greedy
-    rows by one argmax over the batch, every other row by its own sampler and generator,
-    so that a row's choice does not depend on what it is batched with."""
+    """The next token of each row of ``logits[B, V]`` (on the model's device): plain greedy
+    rows by one argmax over the batch there, every other row by its own sampler and
+    generator on the host, so that a row's choice does not depend on what it is batched
+    with."""
     simple = [sampler.simple_greedy for sampler in samplers]
     best = logits.argmax(dim=-1).tolist() if any(simple) else []
-    return [best[row] if is_simple else sampler.choose(logits[row])
+    return [best[row] if is_simple else sampler.choose(on_host(logits[row]))
             for row, (sampler, is_simple) in enumerate(zip(samplers, simple, strict=True))]

@@ -80,30 +80,39 @@ class PromptLookup:
 class NgramIndex:
     """Where each n-gram of one growing token list last began, for ``n`` from ``min_ngram``
     to ``max_ngram``: brought up to date with the tokens appended since the last call, so a
-    draft costs ``O(max_ngram)`` per new token rather than a scan of the whole context."""
+    draft costs ``O(max_ngram)`` per new token rather than a scan of the whole context. A
+    long prompt is indexed ``budget`` tokens a call (1-3 µs a token for three sizes),
+    drafting nothing until caught up, so that no step stalls on it."""
 
-    def __init__(self, max_ngram: int, min_ngram: int) -> None:
+    def __init__(self, max_ngram: int, min_ngram: int, budget: int = 1024) -> None:
         self.sizes = range(max_ngram, min_ngram - 1, -1)  # the longest match first
+        self.budget = budget
         self.latest: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
-        self.length = 0  # len(tokens) when last brought up to date
+        self.length = 0  # how many of the tokens are indexed
 
-    def update(self, tokens: list[int]) -> None:
-        """Index the n-grams that end before the last token (those a match may be), up to
-        ``tokens``; a list shorter than the one indexed is indexed afresh."""
+    def update(self, tokens: list[int]) -> bool:
+        """Index up to ``budget`` more of ``tokens`` (the n-grams that end before the last
+        indexed token: those a match may be); whether the index has caught up. A list
+        shorter than the one indexed is indexed afresh."""
         if len(tokens) < self.length:
             self.latest, self.length = {n: {} for n in self.sizes}, 0
+        length = min(len(tokens), self.length + self.budget)
         for n, latest in self.latest.items():
-            for start in range(max(self.length - n, 0), len(tokens) - n):
-                latest[tuple(tokens[start:start + n])] = start
-        self.length = len(tokens)
+            first, end = max(self.length - n, 0), length - n  # new starts: [first, end)
+            if end > first:
+                grams = zip(*(tokens[first + offset:end + offset] for offset in range(n)),
+                            strict=True)
+                latest.update(zip(grams, range(first, end), strict=True))  # later starts win
+        self.length = length
+        return length == len(tokens)
 
     def draft(self, tokens: list[int], count: int) -> list[int]:
         """``count`` tokens that followed the latest earlier occurrence of the last ``n`` of
-        ``tokens``, or none. A match ``d`` tokens back is followed by a copy ``d`` tokens
-        back, the draft included where it runs past the end (as an LZ77 copy overlaps
-        itself): a loop of period ``d`` is drafted in full, not ``d`` tokens at a time."""
-        self.update(tokens)
-        if count < 1:
+        ``tokens``, or none (also while the index catches up). A match ``d`` tokens back is
+        followed by a copy ``d`` tokens back, the draft included where it runs past the end
+        (as an LZ77 copy overlaps itself): a loop of period ``d`` is drafted in full, not
+        ``d`` tokens at a time."""
+        if not self.update(tokens) or count < 1:
             return []
         for n in self.sizes:
             start = self.latest[n].get(tuple(tokens[-n:])) if n < len(tokens) else None
@@ -118,8 +127,8 @@ class NgramIndex:
 
 
 def lookup(tokens: list[int], count: int, max_ngram: int, min_ngram: int) -> list[int]:
-    """``NgramIndex.draft`` of ``tokens`` indexed afresh."""
-    return NgramIndex(max_ngram, min_ngram).draft(tokens, count)
+    """``NgramIndex.draft`` of ``tokens`` indexed afresh, whole."""
+    return NgramIndex(max_ngram, min_ngram, budget=len(tokens)).draft(tokens, count)
 
 
 def verified(sampler: Sampler, logits: torch.Tensor, draft: Draft) -> Iterator[int]:
