@@ -287,9 +287,10 @@ def engine_totals(contender: Contender) -> dict[str, float] | None:
 
 def engine_steps(before: dict[str, float] | None, after: dict[str, float] | None
                  ) -> dict[str, float] | None:
-    """The engine's steps over a warm-up and window: how many, their mean time and their
-    forward's (so that a step's device and host parts can be told apart from the clients'
-    inter-token gaps), and their mean rows."""
+    """The engine's steps over a warm-up and window: how many, their mean time (against the
+    clients' inter-token gaps: a slow step or a slow path to the clients), their model
+    runner's call (on a GPU its launches: near the step's time when launch-bound), and
+    their mean rows."""
     if before is None or after is None:
         return None
     delta = {key: after[key] - before[key] for key in ENGINE_TOTALS}

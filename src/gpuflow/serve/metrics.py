@@ -85,8 +85,9 @@ class ServeMetrics:
                                    "One generation engine step: forward, sampling and events",
                                    buckets=STEP_BUCKETS, registry=reg)
         self.forward_time = Histogram("gpuflow_engine_forward_seconds",
-                                      "The forward of one generation engine step, logits "
-                                      "on the host", buckets=STEP_BUCKETS, registry=reg)
+                                      "The model runner's call in one generation engine "
+                                      "step (on a GPU, launching its work)",
+                                      buckets=STEP_BUCKETS, registry=reg)
         self.step_rows = Counter("gpuflow_engine_step_rows",
                                  "Sequences computed, summed over engine steps", registry=reg)
         self.step_tokens = Counter("gpuflow_engine_step_tokens",

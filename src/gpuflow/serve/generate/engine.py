@@ -182,7 +182,7 @@ class GenerationEngine:
     def _step(self, plan: Plan) -> float:
         """Run the plan's chunks (a decoding sequence's with its drafted tokens, if any),
         then take the next tokens of each that reached its end; seconds the forward took
-        (the model runner's call, its logits on the host)."""
+        (the model runner's call; on a GPU, the launch of its work)."""
         drafts = self._drafts(plan)
         steps = []
         for chunk in plan.chunks:

@@ -162,7 +162,8 @@ class Occupancy:
 @dataclass(frozen=True)
 class StepTiming:
     """One engine step: its rows (sequences) and scheduled tokens (drafts not counted), the
-    seconds its forward took (logits on the host) and the whole step's (scheduling
+    seconds the model runner's call took (on a GPU, launching its work: the device
+    finishes while the tokens are chosen) and the whole step's (scheduling
     excluded: sampling, stop checks and events included)."""
 
     rows: int
