@@ -200,6 +200,15 @@ def matmul_probe(device: torch.device, sizes: list[int]) -> dict[str, Any]:
             "bf16_tflops": max(best.values())}
 
 
+def chosen_stages(parser: argparse.ArgumentParser, listed: str,
+                  known: tuple[str, ...]) -> list[str]:
+    """The comma-separated stages asked for; an unknown one is refused (exit 2)."""
+    stages = listed.split(",")
+    if set(stages) - set(known):
+        parser.error(f"unknown stage(s) {sorted(set(stages) - set(known))}; choose from {known}")
+    return stages
+
+
 def gpuflow(*args: str) -> list[str]:
     return [sys.executable, "-m", "gpuflow.cli", *args]
 
@@ -586,10 +595,7 @@ def main() -> int:
     parser.add_argument("--runs", default=None,
                         help="comma-separated training run labels, e.g. 124m-bf16 (default all)")
     args = parser.parse_args()
-    stages = args.stages.split(",")
-    if set(stages) - set(STAGES):
-        parser.error(f"unknown stage(s) {sorted(set(stages) - set(STAGES))}; "
-                     f"choose from {STAGES}")
+    stages = chosen_stages(parser, args.stages, STAGES)
     partial = stages != list(DEFAULT_STAGES) or args.runs is not None
     work = args.workdir or Path(tempfile.mkdtemp(prefix="gpuflow-suite-"))
     work.mkdir(parents=True, exist_ok=True)

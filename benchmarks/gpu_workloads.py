@@ -45,7 +45,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(ROOT / "tests"))  # hub_models: the Llama-3-style tokenizer
 import _common  # noqa: E402
-from gpu_suite import Suite, failure, gpu_machine, gpuflow  # noqa: E402
+from gpu_suite import Suite, chosen_stages, failure, gpu_machine, gpuflow  # noqa: E402
 
 STAGES = ("finetune", "asr")
 RECORDINGS = ROOT.parent / "shared" / "data" / "fsdd" / "recordings"
@@ -204,10 +204,7 @@ def main() -> None:
     parser.add_argument("--limit-s", type=float, default=None,
                         help="cap each stage's time limit (seconds), to fit a device lease")
     args = parser.parse_args()
-    stages = args.stages.split(",")
-    if set(stages) - set(STAGES):
-        parser.error(f"unknown stage(s) {sorted(set(stages) - set(STAGES))}; choose from "
-                     f"{STAGES}")
+    stages = chosen_stages(parser, args.stages, STAGES)
     settings = DRY if args.dry_run else FULL
     if args.limit_s:
         settings = {stage: {**values, "limit_s": min(values["limit_s"], args.limit_s)}
