@@ -14,6 +14,7 @@ from conftest import serving
 from generation import completion as completion_of
 from generation import greedy, greedy_reference, greedy_text, through_engine
 from test_generate import engine_for, tiny_gpt
+from torch.overrides import TorchFunctionMode
 
 from gpuflow.cli import main
 from gpuflow.models.gpt import GPT, GPTConfig
@@ -22,7 +23,7 @@ from gpuflow.serve.generate.build import build_engine
 from gpuflow.serve.generate.limits import EngineLimits
 from gpuflow.serve.generate.models import GPTDecoder
 from gpuflow.serve.generate.requests import Done
-from gpuflow.serve.generate.sampling import Sampler, SamplingParams
+from gpuflow.serve.generate.sampling import Sampler, SamplingParams, choose_tokens
 from gpuflow.serve.generate.speculate import Draft, NgramIndex, lookup, verified
 
 PROMPTS = [b"def f(x):\n    return x + 1\ndef g(x):\n    return", b"abcabcabcabc",
@@ -264,3 +265,25 @@ def test_speculation_flags_are_checked_before_the_server_starts(tmp_path: Path) 
                  "--draft-model", str(tmp_path / "missing")]) == 2
     assert main(["serve", str(tmp_path), "--num-speculative-tokens", "4",
                  "--prompt-lookup-max", "0"]) == 2
+
+
+def test_greedy_rows_are_chosen_where_the_logits_are_and_only_sampled_rows_move() -> None:
+    """A batch's plain greedy rows take one argmax on the logits' device; only a sampled row
+    (a CPU generator draws it) is moved to the host, whole, alone."""
+    moved: list[tuple[int, ...]] = []
+
+    class Moves(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            if func is torch.Tensor.cpu:
+                moved.append(tuple(args[0].shape))
+            return func(*args, **(kwargs or {}))
+
+    logits = torch.randn(4, 50)
+    greedy_rows = [Sampler(SamplingParams(temperature=0.0)) for _ in range(4)]
+    with Moves():
+        assert choose_tokens(greedy_rows, logits) == logits.argmax(dim=-1).tolist()
+    assert moved == []
+    sampled = Sampler(SamplingParams(temperature=0.8, seed=3))
+    with Moves():
+        tokens = choose_tokens([*greedy_rows[:2], sampled, greedy_rows[3]], logits)
+    assert moved == [(50,)] and tokens[:2] == logits[:2].argmax(dim=-1).tolist()
