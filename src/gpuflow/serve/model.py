@@ -30,6 +30,7 @@ from gpuflow import checkpoint as ckpt
 from gpuflow.config import TrainConfig
 from gpuflow.devices import resolve_device
 from gpuflow.errors import UserError
+from gpuflow.graph_threads import prepare_thread_for_cuda_graphs
 from gpuflow.hf import is_hf_model
 from gpuflow.model_dir import TOKENIZER_FILES, ModelDirectory, is_model_directory
 from gpuflow.precision import PrecisionPolicy, make_policy
@@ -334,6 +335,8 @@ class Runner:
     def call(self, inputs: Any) -> Any:
         """The model's outputs for a batch's inputs (a tensor, a tuple or a dict of
         tensors), floating-point tensors in fp32."""
+        if self.cuda_graphs:  # the batcher's thread, or the event loop's for a lone request
+            prepare_thread_for_cuda_graphs()
         moved = tree_map_only(torch.Tensor, lambda t: t.to(self.device, non_blocking=True),
                               inputs)
         with self.context():

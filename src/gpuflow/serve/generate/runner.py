@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import logging
 import time
+import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
+from gpuflow.graph_threads import prepare_thread_for_cuda_graphs
 from gpuflow.serve.generate.blocks import blocks_for
 from gpuflow.serve.generate.paged import NULL_BLOCK, KVPool, PagedLM, RowSpec, StepBatch
 from gpuflow.serve.model import batch_buckets
@@ -89,6 +92,8 @@ class ModelRunner:
         second call). In the thread that serves them: cudagraph trees keep their graphs per
         thread. A compile that fails falls back to the eager step, saying so."""
         start = time.perf_counter()
+        if self.cuda_graphs:
+            prepare_thread_for_cuda_graphs()
         skips = self._graph_skips()
         for size in self.buckets or []:
             for _ in range(3 if self.cuda_graphs else 1):
@@ -97,10 +102,10 @@ class ModelRunner:
                 except Exception as exc:
                     if not self.compiled or self.compile_failure is not None:
                         raise
-                    self.compile_failure = f"{type(exc).__name__}: {exc}"
+                    self.compile_failure = failure_text(exc)
                     log.warning("gpuflow serve: torch.compile of the decode step failed "
                                 "(%s); decoding eagerly over the same buckets",
-                                self.compile_failure)
+                                self.compile_failure, exc_info=True)
                     self.model_step, self.cuda_graphs = self.lm.decode_step, False
                     self._decode_padded([], size)
                     break
@@ -156,3 +161,13 @@ class ModelRunner:
             torch.compiler.cudagraph_mark_step_begin()
         logits = self.model_step(tokens, positions, slots, on_device[:, 3:], self.pool)
         return logits[:len(rows)]
+
+
+def failure_text(exc: BaseException) -> str:
+    """``Type: message`` of an exception, and where it was raised when the message is
+    empty (a bare ``assert`` deep in torch says nothing else)."""
+    text = f"{type(exc).__name__}: {exc}"
+    frames = traceback.extract_tb(exc.__traceback__)
+    if str(exc) or not frames:
+        return text
+    return f"{text}at {Path(frames[-1].filename).name}:{frames[-1].lineno} ({frames[-1].name})"
