@@ -8,7 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpuflow.serve.model import LoadedModel, Runner, batch_buckets, load_model
+from gpuflow.serve.model import (
+    LoadedModel,
+    Runner,
+    allow_compiled_shapes,
+    batch_buckets,
+    load_model,
+)
 from gpuflow.serving import Codec, key_kind
 from gpuflow.workload import make_codec
 
@@ -79,6 +85,9 @@ class Engine:
     def warm_up(self) -> float:
         """Run the warm-up batches (``warmup_batches``); seconds taken."""
         start = time.perf_counter()
-        for key, batch in self.warmup_batches():
+        batches = self.warmup_batches()
+        if self.runner.compiled:  # a graph per warmed shape, none left to run eagerly
+            allow_compiled_shapes(len(batches))
+        for key, batch in batches:
             self.codec.run(self.runner, key, batch)
         return time.perf_counter() - start

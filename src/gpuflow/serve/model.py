@@ -282,6 +282,16 @@ def batch_buckets(max_batch_size: int) -> list[int]:
     return [*sizes, max_batch_size]
 
 
+def allow_compiled_shapes(count: int) -> None:
+    """Let torch.compile keep ``count`` graphs of one function, one per warmed-up shape:
+    past dynamo's recompile limit (8 by default) it runs the function eagerly for every
+    shape not yet compiled, saying so once in a warning."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    if getattr(config, name) < count:
+        setattr(config, name, count)
+
+
 class Runner:
     """Calls the model on a device, in a precision, under ``torch.inference_mode``.
 

@@ -25,7 +25,7 @@ import torch
 from gpuflow.graph_threads import prepare_thread_for_cuda_graphs
 from gpuflow.serve.generate.blocks import blocks_for
 from gpuflow.serve.generate.paged import NULL_BLOCK, KVPool, PagedLM, RowSpec, StepBatch
-from gpuflow.serve.model import batch_buckets
+from gpuflow.serve.model import allow_compiled_shapes, batch_buckets
 
 log = logging.getLogger("gpuflow.serve")
 
@@ -77,11 +77,8 @@ class ModelRunner:
         # cudagraph trees otherwise refuse (they would skip the graph).
         for tensor in self.lm.written(self.pool):
             torch._dynamo.mark_static_address(tensor)
-        config = torch._dynamo.config
-        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
         assert self.buckets is not None
-        if getattr(config, name) < len(self.buckets):  # one graph per bucket, none eager
-            setattr(config, name, len(self.buckets))
+        allow_compiled_shapes(len(self.buckets))  # one graph per bucket, none eager
         mode = "reduce-overhead" if self.cuda_graphs else None
         return torch.compile(self.lm.decode_step, mode=mode,  # type: ignore[return-value]
                              dynamic=False)
