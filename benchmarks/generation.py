@@ -113,6 +113,7 @@ def gpuflow_command(source: Path, port: int) -> list[str]:
             str(4 * max(ARGS.levels)), "--threads", "1", "--timeout-ms", "60000",
             "--device", ARGS.device, "--precision", ARGS.precision,
             *(["--compile"] if ARGS.compile else []),
+            *(["--max-autotune"] if ARGS.max_autotune else []),
             # Graphs only when asked: on CUDA the server's default would capture them.
             "--cuda-graphs" if ARGS.cuda_graphs else "--no-cuda-graphs", "--log-level", "warning"]
 
@@ -207,7 +208,7 @@ def textlm_contenders(servers: Servers, folder: Path) -> tuple[list[Contender], 
                     serving)
     prompt = PROMPT_TEXT[: ARGS.prompt_tokens]  # ASCII: one byte, one token
     greedy = {"prompt": prompt, "max_tokens": ARGS.tokens, "temperature": 0.0, "stream": True}
-    timeout = 600 if ARGS.compile or ARGS.cuda_graphs else 180
+    timeout = 600 if ARGS.compile or ARGS.max_autotune or ARGS.cuda_graphs else 180
     url = servers.start("gpuflow", gpuflow_command(model_file, free_port()), "/readyz", timeout)
     if url is None:
         raise RuntimeError("; ".join(servers.notes))
@@ -347,6 +348,7 @@ def parse() -> argparse.Namespace:
     add("--device", default="auto", help="gpuflow serve --device (default auto)")
     add("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     add("--compile", action="store_true", help="gpuflow serve --compile")
+    add("--max-autotune", action="store_true", help="gpuflow serve --max-autotune")
     add("--cuda-graphs", action="store_true",
         help="gpuflow serve --cuda-graphs (CUDA only); without it --no-cuda-graphs")
     add("--no-transformers", action="store_true", help="leave `transformers serve` out")
@@ -410,7 +412,8 @@ def main() -> int:
         "settings": {k: getattr(ARGS, k) for k in (
             "model", "routes", "concurrency", "tokens", "prompt_tokens", "max_batch_size",
             "rounds", "warmup_s", "window_s", "quiet_wait_s", "quick", "device", "precision",
-            "compile", "cuda_graphs")} | {"server_cores": sorted(server_cores or [])},
+            "compile", "max_autotune", "cuda_graphs")}
+        | {"server_cores": sorted(server_cores or [])},
         "runs": runs,
         "targets": judge(runs) if ARGS.model == "hub-llama" else llama_cpp.judge(runs),
         "table": table(runs),

@@ -80,6 +80,10 @@ def register(commands: argparse._SubParsersAction) -> None:
     add("--compile", action="store_true",
         help="torch.compile the model for each batch bucket, and for language models the "
              "decode step of /v1/completions for each bucket of active sequences")
+    add("--max-autotune", action="store_true",
+        help="compile the decode steps of /v1/completions with inductor's kernel tuning: "
+             "each matrix product's fastest kernel is measured at start-up (on the CPU, C++ "
+             "kernels over frozen weights); faster steps, a longer warm-up (docs/serving.md)")
     add("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
         help="CUDA only: capture CUDA graphs for the fixed buckets, decode steps included "
              "(implies --compile); default: on for the decode steps of language models "
@@ -177,7 +181,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms,
         inline_below_ms=args.inline_below_ms, max_queue=args.max_queue, timeout_ms=args.timeout_ms,
         max_body_bytes=args.max_body_bytes, device=args.device, precision=args.precision,
-        compile=args.compile or bool(args.cuda_graphs), cuda_graphs=args.cuda_graphs,
+        compile=args.compile or bool(args.cuda_graphs),
+        max_autotune=args.max_autotune, cuda_graphs=args.cuda_graphs,
         quantize=args.quantize, token=token,
         threads=args.threads, workers=args.workers, kv_cache_gib=args.kv_cache_gib,
         block_size=args.block_size, prefix_cache=args.prefix_cache,

@@ -32,6 +32,7 @@ class ServeSettings:
     device: str = "auto"
     precision: str = "fp32"
     compile: bool = False
+    max_autotune: bool = False  # decode steps compiled with inductor's kernel tuning
     cuda_graphs: bool | None = None  # None: decode steps on CUDA only (decode_graphs)
     quantize: str | None = None  # "int8": linear weights through torchao (serve/quantize.py)
     token: str | None = None

@@ -189,7 +189,8 @@ class ServerState:
         if directory is None:
             return build_generator(loaded.model, engine.runner, settings.engine_limits(),
                                    self.metrics, eos_ids=(END_OF_DOCUMENT,),
-                                   draft_model=draft, decode_graphs=settings.decode_graphs)
+                                   draft_model=draft, decode_graphs=settings.decode_graphs,
+                                   max_autotune=settings.max_autotune)
         tokenizer = load_tokenizer(directory.path)
         why = refusal(loaded.model, tokenized=True)
         if why is not None:
@@ -198,7 +199,8 @@ class ServerState:
         return build_generator(
             loaded.model, engine.runner, settings.engine_limits(), self.metrics, tokenizer,
             directory.generation.eos_ids or _eos_of(tokenizer),
-            directory.context_length(settings.max_model_len), draft, settings.decode_graphs)
+            directory.context_length(settings.max_model_len), draft, settings.decode_graphs,
+            settings.max_autotune)
 
     def _draft_model(self, engine: Engine) -> torch.nn.Module | None:
         """``--draft-model`` on the served model's device, with the same tokenizer (ids that

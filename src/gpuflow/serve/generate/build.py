@@ -31,7 +31,8 @@ log = logging.getLogger("gpuflow.serve")
 def build_engine(lm: PagedLM, num_blocks: int, limits: EngineLimits,
                  context: Callable[[], contextlib.AbstractContextManager[Any]],
                  bucketed: bool = False, compile: bool = False, cuda_graphs: bool = False,
-                 draft: PagedLM | None = None, **options: Any) -> GenerationEngine:
+                 draft: PagedLM | None = None, max_autotune: bool = False,
+                 **options: Any) -> GenerationEngine:
     """An engine over a pool of ``num_blocks`` blocks (the null block among them);
     ``options`` are the engine's own (tokenizer, eos_ids, observer). A step's token
     budget is ``limits.step_tokens``, logged when it raises the operator's. With
@@ -48,7 +49,7 @@ def build_engine(lm: PagedLM, num_blocks: int, limits: EngineLimits,
     scheduler = Scheduler(blocks, limits.max_num_seqs, tokens, limits.chunked_prefill,
                           limits.num_speculative_tokens, lm.context)
     runner = ModelRunner(lm, num_blocks, limits.block_size, limits.max_num_seqs, bucketed,
-                         compile, cuda_graphs)
+                         compile, cuda_graphs, max_autotune)
     proposer: Proposer | None = None
     if limits.num_speculative_tokens:
         proposer = (PromptLookup(limits.prompt_lookup_max) if draft is None else
@@ -62,13 +63,15 @@ def build_generator(model: torch.nn.Module, runner: Any, limits: EngineLimits,
                     observer: EngineObserver | None, tokenizer: Tokenizer | None = None,
                     eos_ids: Iterable[int] = (), context: int | None = None,
                     draft_model: torch.nn.Module | None = None,
-                    decode_graphs: bool = False) -> GenerationEngine | None:
+                    decode_graphs: bool = False,
+                    max_autotune: bool = False) -> GenerationEngine | None:
     """A generation engine for the served model on the runner's device and precision, its
     decode steps compiled (and on CUDA replayed as graphs) when the runner's model is, or
-    on CUDA when ``decode_graphs`` asks for graphs, or None for a model that does not
-    generate text. ``tokenizer`` (default: bytes) and
-    ``eos_ids`` are the model's; ``context`` caps its sequences' length; ``draft_model``
-    (on the same device) drafts tokens for speculative decoding."""
+    on CUDA when ``decode_graphs`` asks for graphs, compiled with kernel tuning when
+    ``max_autotune`` asks, or None for a model that does not generate text.
+    ``tokenizer`` (default: bytes) and ``eos_ids`` are the model's; ``context`` caps its
+    sequences' length; ``draft_model`` (on the same device) drafts tokens for speculative
+    decoding."""
     dtype = runner.policy.autocast_dtype or torch.float32
     lm = paged_lm(model, dtype, tokenizer is not None, context)
     if lm is None:
@@ -82,8 +85,10 @@ def build_generator(model: torch.nn.Module, runner: Any, limits: EngineLimits,
         0 if draft is None else draft.bytes_per_block(limits.block_size))
     blocks = pool_blocks(per_block, budget, limits.block_size, lm.context, limits.max_num_seqs)
     graphs = runner.cuda_graphs or (decode_graphs and runner.device.type == "cuda")
-    return build_engine(lm, blocks, limits, runner.context, compile=runner.compiled or graphs,
-                        cuda_graphs=graphs, draft=draft, tokenizer=tokenizer,
+    return build_engine(lm, blocks, limits, runner.context,
+                        compile=runner.compiled or graphs or max_autotune,
+                        cuda_graphs=graphs, draft=draft, max_autotune=max_autotune,
+                        tokenizer=tokenizer,
                         eos_ids=eos_ids, observer=observer)
 
 

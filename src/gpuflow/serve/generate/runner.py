@@ -30,16 +30,26 @@ from gpuflow.serve.model import allow_compiled_shapes, batch_buckets
 log = logging.getLogger("gpuflow.serve")
 
 
+def compile_mode(cuda_graphs: bool, max_autotune: bool) -> str | None:
+    """``torch.compile``'s mode for the decode step: ``reduce-overhead`` replays CUDA
+    graphs; ``max-autotune`` measures kernel choices for each matrix product at compile
+    time (on the CPU over weights frozen while compiling: ``ModelRunner.warm_up``)."""
+    if max_autotune:
+        return "max-autotune" if cuda_graphs else "max-autotune-no-cudagraphs"
+    return "reduce-overhead" if cuda_graphs else None
+
+
 class ModelRunner:
     """The model's KV pool and forwards, as the engine's thread calls them."""
 
     def __init__(self, lm: PagedLM, num_blocks: int, block_size: int, max_num_seqs: int,
                  bucketed: bool = False, compile: bool = False,
-                 cuda_graphs: bool = False) -> None:
+                 cuda_graphs: bool = False, max_autotune: bool = False) -> None:
         self.lm, self.block_size = lm, block_size
         self.pool: KVPool = lm.new_pool(num_blocks, block_size)
         self.max_blocks = blocks_for(lm.context, block_size)  # a whole context's block table
-        self.compiled = compile or cuda_graphs
+        self.compiled = compile or cuda_graphs or max_autotune
+        self.max_autotune = max_autotune
         self.buckets = batch_buckets(max_num_seqs) if bucketed or self.compiled else None
         # As the predict path's Runner: no CUDA graphs off CUDA (describe() says so).
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
@@ -66,7 +76,8 @@ class ModelRunner:
         if self.cuda_graphs:
             graphs = (" with CUDA graphs" if not self.graphs_skipped else
                       " with CUDA graphs, some skipped by torch.compile (see the log)")
-        return f"decode compiled for batch buckets {sizes}{graphs}"
+        tuned = ", max-autotune" if self.max_autotune else ""
+        return f"decode compiled for batch buckets {sizes}{graphs}{tuned}"
 
     def _compiled_step(self) -> Callable[..., torch.Tensor]:
         """The decode step over buckets: the model's static-shape step, compiled or not."""
@@ -79,8 +90,8 @@ class ModelRunner:
             torch._dynamo.mark_static_address(tensor)
         assert self.buckets is not None
         allow_compiled_shapes(len(self.buckets))  # one graph per bucket, none eager
-        mode = "reduce-overhead" if self.cuda_graphs else None
-        return torch.compile(self.lm.decode_step, mode=mode,  # type: ignore[return-value]
+        return torch.compile(self.lm.decode_step,  # type: ignore[return-value]
+                             mode=compile_mode(self.cuda_graphs, self.max_autotune),
                              dynamic=False)
 
     def warm_up(self) -> None:
@@ -92,6 +103,22 @@ class ModelRunner:
         if self.cuda_graphs:
             prepare_thread_for_cuda_graphs()
         skips = self._graph_skips()
+        # Inductor's tuned C++ matrix products on the CPU take constant weights: frozen
+        # into the graphs compiled here (the served model's weights never change).
+        freeze = self.max_autotune and self.device.type == "cpu"
+        with torch._inductor.config.patch(freezing=freeze):
+            self._warm_buckets()
+        if self.cuda_graphs and self._graph_skips() > skips:
+            # Inductor runs a graph it cannot capture (an op on the CPU, a mutated input
+            # that is not static) without CUDA graphs, saying so only in its log.
+            self.graphs_skipped = True
+            log.warning("gpuflow serve: torch.compile did not capture every decode step as "
+                        "a CUDA graph (torch's log says why); those steps run without")
+        self.warmup_s = time.perf_counter() - start
+
+    def _warm_buckets(self) -> None:
+        """Each bucket's step, run as cudagraph trees record it (on its second call); a
+        compile that fails falls back to the eager step for every bucket."""
         for size in self.buckets or []:
             for _ in range(3 if self.cuda_graphs else 1):
                 try:
@@ -106,13 +133,6 @@ class ModelRunner:
                     self.model_step, self.cuda_graphs = self.lm.decode_step, False
                     self._decode_padded([], size)
                     break
-        if self.cuda_graphs and self._graph_skips() > skips:
-            # Inductor runs a graph it cannot capture (an op on the CPU, a mutated input
-            # that is not static) without CUDA graphs, saying so only in its log.
-            self.graphs_skipped = True
-            log.warning("gpuflow serve: torch.compile did not capture every decode step as "
-                        "a CUDA graph (torch's log says why); those steps run without")
-        self.warmup_s = time.perf_counter() - start
 
     @staticmethod
     def _graph_skips() -> int:
