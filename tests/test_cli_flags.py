@@ -136,6 +136,10 @@ def test_serve_passes_the_generation_engine_flags_to_its_limits(
     assert not settings.engine_options().cuda_graphs and not settings.compile
     assert main(["serve", str(tmp_path), "--device", "cpu", "--no-cuda-graphs"]) in (0, None)
     assert not settings_from_json(seen[1]).decode_graphs
+    # --max-autotune tunes the decode steps' compile; /v1/predict stays as it was.
+    assert not settings.max_autotune
+    assert main(["serve", str(tmp_path), "--device", "cpu", "--max-autotune"]) in (0, None)
+    assert settings_from_json(seen[2]).max_autotune and not settings_from_json(seen[2]).compile
     assert main(["serve", str(tmp_path), "--block-size", "0"]) == 2
 
 

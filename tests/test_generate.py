@@ -19,6 +19,7 @@ from gpuflow.serve.generate.engine import GenerationEngine
 from gpuflow.serve.generate.limits import EngineLimits
 from gpuflow.serve.generate.models import GPTDecoder
 from gpuflow.serve.generate.requests import Done, Event, Failed, Generation, WaitingFull
+from gpuflow.serve.generate.runner import ModelRunner, compile_mode
 from gpuflow.serve.generate.sampling import SamplingParams, filter_logits
 from gpuflow.serve.generate.text import TextStream
 
@@ -166,6 +167,26 @@ def test_a_decode_compile_that_fails_falls_back_to_eager_saying_so(
     assert "torch.compile of the decode step failed (RuntimeError: no backend" in caplog.text
     assert engine.describe() == ("decode eager over batch buckets 1,2: torch.compile failed "
                                  "(RuntimeError: no backend for this model)")
+
+
+def test_max_autotune_tunes_the_decode_step_over_weights_frozen_while_it_compiles(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plumbing (an autotuned compile takes tens of seconds: benchmarks/generation.py
+    --max-autotune measures it, and its logits against eager's)."""
+    assert compile_mode(cuda_graphs=False, max_autotune=False) is None
+    assert compile_mode(cuda_graphs=True, max_autotune=False) == "reduce-overhead"
+    assert compile_mode(cuda_graphs=True, max_autotune=True) == "max-autotune"
+    compiled: list[dict] = []
+    monkeypatch.setattr(torch, "compile", lambda step, **options: compiled.append(options)
+                        or step)
+    runner = ModelRunner(GPTDecoder(tiny_gpt(), torch.float32), 16, 16, 2, max_autotune=True)
+    assert compiled == [{"mode": "max-autotune-no-cudagraphs", "dynamic": False}]
+    assert runner.describe() == "decode compiled for batch buckets 1,2, max-autotune"
+    freezing: list[bool] = []
+    monkeypatch.setattr(runner, "_warm_buckets",
+                        lambda: freezing.append(torch._inductor.config.freezing))
+    runner.warm_up()
+    assert freezing == [True] and not torch._inductor.config.freezing
 
 
 def test_the_pool_holds_what_the_budget_allows_between_one_context_and_all_sequences(

@@ -202,8 +202,7 @@ def test_an_old_fixed_shape_schema_is_served_as_before(llama: nn.Module) -> None
                                atol=1e-5, rtol=0)
 
 
-def test_warm_up_runs_every_shape_only_for_a_static_shape_runner(
-        llama: nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_warm_up_runs_every_shape_only_for_a_static_shape_runner(llama: nn.Module) -> None:
     loaded = LoadedModel(llama_workload(llama), {}, 0, Path("llama"))
     engine = Engine(loaded, EngineOptions(device="cpu", max_batch_size=4))
     assert [(key, len(rows)) for key, rows in engine.warmup_batches()] == [(("tensor", 16), 1)]
@@ -212,9 +211,9 @@ def test_warm_up_runs_every_shape_only_for_a_static_shape_runner(
     assert [(key, len(rows)) for key, rows in engine.warmup_batches()] == [
         (("tensor", length), size) for length in (16, 32, 64) for size in (1, 2, 4)]
     # Nine shapes: past dynamo's default limit of 8 graphs the ninth would run eagerly.
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
-    engine.warm_up()
-    assert torch._dynamo.config.recompile_limit == 9
+    with torch._dynamo.config.patch(recompile_limit=8):
+        engine.warm_up()
+        assert torch._dynamo.config.recompile_limit == 9
     # Compiled, a batch is padded to its batch bucket, and only its own rows come back.
     decoded = engine.codec.decode(PredictRequest(inputs=tokens(3, 20).tolist()))
     assert len(engine.run(decoded.key, decoded.rows)) == 3
