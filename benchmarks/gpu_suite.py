@@ -31,8 +31,9 @@ The compiled runs share textlm 124m's block graph where they can, so that induct
 saves the later ones most of their compile.
 
 On the H200 (2026-12-04, torch 2.11) the stages took about: matmul 1 s, train 223 s,
-generation 132 s eager, cuda-graphs 82 s, serving 118 s, plan 43 s, fsdp-comm 34 s, compare
-over 67 s: more than one 450 s call. The budget runs them in the order above; what it skips
+generation 97-132 s eager and 184 s with CUDA graphs (a run whose compile fell back to
+eager), cuda-graphs 82 s, serving 118 s, plan 43 s, fsdp-comm 34 s, compare over 67 s: more
+than one 450 s call. The budget runs them in the order above; what it skips
 is listed in the results file, and a second call runs it:
 ``--stages serving,plan,fsdp-comm,compare`` (written beside the full run's file).
 Not in the default set: ``batch-auto`` (``--batch-size auto`` running out of memory and
