@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Literal, NamedTuple, Protocol
 
 import torch
@@ -106,12 +107,15 @@ class StepBatch:
         contexts = tuple(row.start + len(row.tokens) for row in rows)
         decodes = next((i for i, row in enumerate(rows) if len(row.tokens) != 1), len(rows))
 
-        def tensor(values: Sequence[int] | list[list[int]]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
-
-        return cls(tensor(tokens), tensor(positions), tensor(slots), tuple(row_starts),
-                   tensor(contexts), tensor(tables), decodes, tensor(logits_at), contexts,
-                   block_size, cascade(rows, decodes, block_size))
+        # One host tensor and one copy to the device (a copy from pageable memory waits for
+        # the device), cut into the batch's tensors as views.
+        parts = [tokens, positions, slots, contexts, list(chain.from_iterable(tables)), logits_at]
+        flat = torch.tensor(list(chain.from_iterable(parts)), dtype=torch.long).to(device)
+        token_ids, token_positions, slot_ids, context_lens, table_ids, at = flat.split(
+            [len(part) for part in parts])
+        return cls(token_ids, token_positions, slot_ids, tuple(row_starts), context_lens,
+                   table_ids.view(len(rows), width), decodes, at, contexts, block_size,
+                   cascade(rows, decodes, block_size))
 
 
 def cascade(rows: Sequence[RowSpec], decodes: int, block_size: int) -> tuple[int, int]:
