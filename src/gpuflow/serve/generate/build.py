@@ -85,11 +85,9 @@ def build_generator(model: torch.nn.Module, runner: Any, limits: EngineLimits,
         0 if draft is None else draft.bytes_per_block(limits.block_size))
     blocks = pool_blocks(per_block, budget, limits.block_size, lm.context, limits.max_num_seqs)
     graphs = runner.cuda_graphs or (decode_graphs and runner.device.type == "cuda")
-    return build_engine(lm, blocks, limits, runner.context,
-                        compile=runner.compiled or graphs or max_autotune,
+    return build_engine(lm, blocks, limits, runner.context, compile=runner.compiled or graphs,
                         cuda_graphs=graphs, draft=draft, max_autotune=max_autotune,
-                        tokenizer=tokenizer,
-                        eos_ids=eos_ids, observer=observer)
+                        tokenizer=tokenizer, eos_ids=eos_ids, observer=observer)
 
 
 def _draft_lm(model: torch.nn.Module, lm: PagedLM, dtype: torch.dtype,
