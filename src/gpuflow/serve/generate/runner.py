@@ -14,6 +14,7 @@ in the engine's thread.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import traceback
@@ -102,11 +103,14 @@ class ModelRunner:
         start = time.perf_counter()
         if self.cuda_graphs:
             prepare_thread_for_cuda_graphs()
-        skips = self._graph_skips()
+        skips = self._graph_skips() if self.cuda_graphs else 0
         # Inductor's tuned C++ matrix products on the CPU take constant weights: frozen
-        # into the graphs compiled here (the served model's weights never change).
-        freeze = self.max_autotune and self.device.type == "cpu"
-        with torch._inductor.config.patch(freezing=freeze):
+        # into the graphs compiled here (the served model's weights never change). Only
+        # then is inductor's config imported (1.2 s): an eager engine never needs it.
+        freezing = (torch._inductor.config.patch(freezing=True)
+                    if self.max_autotune and self.device.type == "cpu"
+                    else contextlib.nullcontext())
+        with freezing:
             self._warm_buckets()
         if self.cuda_graphs and self._graph_skips() > skips:
             # Inductor runs a graph it cannot capture (an op on the CPU, a mutated input
