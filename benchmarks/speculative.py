@@ -109,7 +109,7 @@ def complete(setup: GenerationEngine, prompt: str, max_tokens: int) -> dict[str,
 
     tokens, seconds = asyncio.run(scenario())
     return {"tokens": tokens, "tokens_per_s": len(tokens) / seconds,
-            "drafted": setup.drafted, "accepted": setup.accepted}
+            "drafted": setup.core.drafted, "accepted": setup.core.accepted}
 
 
 def measure(models: dict[str, GPT | None], settings: dict[str, tuple[str | None, int]],

@@ -65,17 +65,17 @@ def test_decode_steps_padded_to_batch_buckets_equal_recomputing_every_prefix() -
                b"class Engine:\n    ", b"0123456789", b"xy"]
     budgets = [12, 5, 20, 9, 14, 3, 17]
     engine = engine_for(model, 5, bucketed=True)
-    assert engine.runner.buckets == [1, 2, 4, 5]
+    assert engine.core.runner.buckets == [1, 2, 4, 5]
     assert engine.describe() == "decode eager over batch buckets 1,2,4,5"
     steps: list[list[int]] = []
-    step = engine.runner.model_step
+    step = engine.core.runner.model_step
 
     def recorded(tokens, positions, slot_mapping, block_tables, pool):
         assert block_tables.shape[1] == 4  # a whole context: 64 tokens in blocks of 16
         steps.append(slot_mapping.tolist())
         return step(tokens, positions, slot_mapping, block_tables, pool)
 
-    engine.runner.model_step = recorded
+    engine.core.runner.model_step = recorded
     results = through_engine(engine, greedy(prompts, budgets), first=5)
     for prompt, budget, (text, _, done) in zip(prompts, budgets, results, strict=True):
         assert text == greedy_text(model, prompt, budget)
@@ -109,14 +109,14 @@ def test_paged_generation_equals_recomputing_every_prefix(limits: dict) -> None:
     for prompt, budget, (text, _, done) in zip(prompts, budgets, results, strict=True):
         assert text == greedy_text(model, prompt, budget), prompt
         assert done.completion_tokens == budget
-    blocks = engine.scheduler.blocks
+    blocks = engine.core.scheduler.blocks
     assert blocks.used == 0  # every sequence gave its blocks back
     cached = [done.cached_tokens for _, _, done in results]
     if blocks.prefix_caching:  # the later arrivals found the system prompt's blocks
         assert cached[2] >= 32 and cached[4] == 0 and blocks.prefix_hits > 0
     else:
         assert cached == [0] * 5
-    assert (engine.scheduler.preemptions > 0) == ("num_blocks" in limits)
+    assert (engine.core.scheduler.preemptions > 0) == ("num_blocks" in limits)
 
 
 def test_prompt_logprobs_are_exact_when_the_prompt_is_cached() -> None:
@@ -143,7 +143,7 @@ def test_prompt_logprobs_are_exact_when_the_prompt_is_cached() -> None:
             engine.stop()
 
     first, scored, reused = asyncio.run(scenario())
-    assert scored.seq.cached_tokens == 0 and reused.seq.cached_tokens == 40
+    assert scored.cached_tokens == 0 and reused.cached_tokens == 40
     assert first.generated == scored.generated == reused.generated
     assert scored.prompt_logprobs is not None and scored.prompt_logprobs[0] is None
     got = [entry.logprob for entry in scored.prompt_logprobs[1:]]
@@ -249,11 +249,11 @@ def test_a_full_waiting_queue_refuses_and_a_cancelled_request_frees_its_blocks()
         engine.start()
         try:
             await asyncio.wait_for(leaving.events.get(), 10)  # the one sequence running
-            assert engine.scheduler.blocks.used == 1
+            assert engine.core.scheduler.blocks.used == 1
             leaving.cancel()
             done = await completion(leaving)
             assert done[1].finish_reason == "cancelled"
-            assert engine.scheduler.blocks.used == 0
+            assert engine.core.scheduler.blocks.used == 0
             after = engine.submit(list(b"abc"), SamplingParams(max_tokens=4, temperature=0.0))
             return await asyncio.wait_for(completion(after), 10)
         finally:
@@ -268,7 +268,7 @@ def test_a_failing_step_fails_its_sequences_and_the_engine_serves_on() -> None:
     their blocks; the next request is served."""
     model = tiny_gpt()
     engine = engine_for(model, 1, block_size=4)
-    run = engine.runner.run
+    run = engine.core.runner.run
     calls = {"n": 0}
 
     def flaky(rows):
@@ -277,7 +277,7 @@ def test_a_failing_step_fails_its_sequences_and_the_engine_serves_on() -> None:
             raise RuntimeError("device lost")
         return run(rows)
 
-    engine.runner.run = flaky
+    engine.core.runner.run = flaky
 
     async def scenario() -> tuple[list[Event], tuple[str, Done]]:
         engine.start()
@@ -295,7 +295,7 @@ def test_a_failing_step_fails_its_sequences_and_the_engine_serves_on() -> None:
     events, (text, done) = asyncio.run(scenario())
     assert isinstance(events[-1], Failed) and "RuntimeError: device lost" in events[-1].message
     assert text == greedy_text(model, b"xyz", 4) and done.finish_reason == "length"
-    assert engine.scheduler.blocks.used == 0
+    assert engine.core.scheduler.blocks.used == 0
 
 
 def test_text_stream_holds_back_what_may_start_a_stop() -> None:

@@ -111,11 +111,11 @@ def test_speculative_greedy_text_is_the_text_without_it(setup: dict) -> None:
     for prompt, budget, (text, _, done) in zip(PROMPTS, BUDGETS, results, strict=True):
         assert text == greedy_text(model, prompt, budget), prompt
         assert done.completion_tokens == budget
-    assert engine.scheduler.blocks.used == 0
-    assert engine.accepted > 0 and engine.drafted >= engine.accepted
+    assert engine.core.scheduler.blocks.used == 0
+    assert engine.core.accepted > 0 and engine.core.drafted >= engine.core.accepted
     if draft == "same":  # every draft is the served model's own argmax, even after a
-        assert engine.accepted == engine.drafted  # preemption recomputed its keys
-    assert (engine.scheduler.preemptions > 0) == ("num_blocks" in setup)
+        assert engine.core.accepted == engine.core.drafted  # preemption recomputed its keys
+    assert (engine.core.scheduler.preemptions > 0) == ("num_blocks" in setup)
 
 
 def test_a_prompt_reusing_blocks_written_with_drafts_and_an_end_inside_a_draft() -> None:
@@ -152,7 +152,7 @@ def test_a_prompt_reusing_blocks_written_with_drafts_and_an_end_inside_a_draft()
     assert second == greedy_reference(model, follow_up, 8)
     # Every full block of the follow-up's prompt but the last token's: generated tokens.
     assert second_done.cached_tokens == 12
-    assert engine.accepted > 0 and engine.scheduler.blocks.used == 0
+    assert engine.core.accepted > 0 and engine.core.scheduler.blocks.used == 0
 
 
 def test_a_failing_draft_model_leaves_decoding_undrafted_and_exact() -> None:
@@ -163,7 +163,7 @@ def test_a_failing_draft_model_leaves_decoding_undrafted_and_exact() -> None:
     engine = build_engine(GPTDecoder(model, torch.float32), 64,
                           EngineLimits(3, 64, num_speculative_tokens=3), torch.inference_mode,
                           draft=GPTDecoder(model, torch.float32))
-    runner = engine.proposer.runner  # type: ignore[union-attr]
+    runner = engine.core.proposer.runner  # type: ignore[union-attr]
     run, calls = runner.run, [0]
 
     def flaky(rows):
@@ -176,7 +176,7 @@ def test_a_failing_draft_model_leaves_decoding_undrafted_and_exact() -> None:
     results = through_engine(engine, greedy(PROMPTS[:3], BUDGETS[:3]), first=3)
     for prompt, budget, (text, _, _) in zip(PROMPTS, BUDGETS, results, strict=False):
         assert text == greedy_text(model, prompt, budget)
-    assert calls[0] > 6 and engine.accepted == engine.drafted > 0
+    assert calls[0] > 6 and engine.core.accepted == engine.core.drafted > 0
 
 
 def test_a_seeded_sampled_request_is_not_drafted_for() -> None:
@@ -187,7 +187,7 @@ def test_a_seeded_sampled_request_is_not_drafted_for() -> None:
     plain = through_engine(engine_for(model, 2), requests, first=1)
     engine = engine_for(model, 2, num_speculative_tokens=4)
     assert through_engine(engine, requests, first=1)[0].tokens == plain[0].tokens
-    assert engine.drafted == 0
+    assert engine.core.drafted == 0
 
 
 def test_penalties_hold_over_accepted_drafts() -> None:
@@ -203,7 +203,7 @@ def test_penalties_hold_over_accepted_drafts() -> None:
     drafted = through_engine(engine, requests, first=3)
     assert all(a.tokens != b.tokens for a, b in zip(plain, unpenalized, strict=True))
     assert [r.tokens for r in drafted] == [r.tokens for r in plain]
-    assert engine.accepted > 0
+    assert engine.core.accepted > 0
 
 
 @pytest.mark.parametrize("draft_kind", ["prompt-lookup", "draft-model"])

@@ -262,3 +262,46 @@ def test_the_byte_tokenizer_a_gpuflow_export_carries_maps_ids_to_bytes(tmp_path:
     assert [loaded.token_bytes(i) for i in range(255)] == [bytes([i]) for i in range(255)]
     assert loaded.token_bytes(255) == b"<|endoftext|>"
     assert loaded.decode([0xE6, 0x9D]) == ByteTokenizer().decode([0xE6, 0x9D]) == "\ufffd"
+
+
+def _typed_by_users(specials: list[str]) -> list[str]:
+    """Text a client may send: whitespace runs, byte-fallback characters, text past the
+    256-token model_max_length, and the family's special tokens written out as text, whole,
+    cut short and run together."""
+    marked = [f"user says {s} then{s}more" for s in specials]
+    return [*TEXTS, *lessons()[:6], *marked, "".join(specials), *(s[:-1] for s in specials),
+            "", "   ", "\n\n\n", "\t \t x  \n", "京据К🔥 数据", "e\u0301 ﬁ \u2581x \x00\x01",
+            "<|im_start|>user\nhi<|im_end|>", "<s>[INST] hi [/INST]", " ".join(lessons()[:8])]
+
+
+def test_encoding_through_the_rust_backend_gives_transformers_ids(tokenizer: Tokenizer) -> None:
+    """The fast path (``backend_tokenizer.encode``) against transformers' own ``encode``,
+    with and without the special tokens the family adds (BOS): special tokens a user writes
+    in their text are read as those tokens, as transformers reads them."""
+    if not isinstance(tokenizer, HFTokenizer):
+        return
+    assert tokenizer._backend_encode is not None
+    specials = sorted({str(t) for t in tokenizer.hf.added_tokens_decoder.values()})
+    for text in _typed_by_users(specials):
+        for add in (True, False):
+            assert tokenizer.encode(text, add_special_tokens=add) == list(
+                tokenizer.hf.encode(text, add_special_tokens=add, verbose=False)), (text, add)
+    assert len(tokenizer.encode(" ".join(lessons()[:8]))) > tokenizer.hf.model_max_length
+
+
+def test_a_tokenizer_json_that_truncates_or_pads_does_not_on_the_backend_path(
+        tmp_path: Path) -> None:
+    """transformers' encode turns off the truncation and padding a tokenizer.json sets;
+    so does the backend path."""
+    save_tokenizer("llama3", tmp_path)
+    path = tmp_path / "tokenizer.json"
+    saved = json.loads(path.read_text())
+    saved["truncation"] = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst",
+                           "stride": 0}
+    saved["padding"] = {"strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": None,
+                        "pad_id": 0, "pad_type_id": 0, "pad_token": "<|end_of_text|>"}
+    path.write_text(json.dumps(saved))
+    loaded = load_tokenizer(tmp_path)
+    text = "Größe 東京 🚀 and some more words"
+    assert loaded.encode(text) == list(loaded.hf.encode(text, verbose=False))
+    assert 4 < len(loaded.encode(text)) < 64

@@ -88,6 +88,11 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="CUDA only: capture CUDA graphs for the fixed buckets, decode steps included "
              "(implies --compile); default: on for the decode steps of language models "
              "served on CUDA, off for /v1/predict; --no-cuda-graphs: off for both")
+    add("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+        help="language models: run the generation engine's core (scheduler, KV cache, model "
+             "runner, sampling) in a process of its own, the HTTP server, tokenizing, "
+             "detokenizing and streaming in this one (default); --no-engine-process: a "
+             "thread of this process")
     add_engine_flags(parser)
     add("--workers", type=int, default=1,
         help="server processes, each with its own copy of the model (default 1)")
@@ -193,7 +198,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         chat_template=str(args.chat_template) if args.chat_template else None,
         max_model_len=args.max_model_len,
         num_speculative_tokens=args.num_speculative_tokens,
-        draft_model=args.draft_model, prompt_lookup_max=args.prompt_lookup_max)
+        draft_model=args.draft_model, prompt_lookup_max=args.prompt_lookup_max,
+        engine_process=args.engine_process)
     settings.check_device()
     with tempfile.TemporaryDirectory(prefix="gpuflow-serve-") as scratch:
         failure = Path(scratch) / "failure.json"

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
-    from gpuflow.serve.generate.requests import Occupancy, StepTiming
+    from gpuflow.serve.generate.messages import Occupancy, StepTiming
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # Engine steps: from a CUDA graph's replay (well under a millisecond) to a long prefill.

@@ -52,6 +52,7 @@ class ServeSettings:
     num_speculative_tokens: int = 0  # drafted per decoding sequence a step (0: none)
     draft_model: str | None = None  # drafts them; None: prompt lookup
     prompt_lookup_max: int = 3
+    engine_process: bool = True  # the generation engine's core in a process of its own
 
     def check_device(self) -> None:
         """Refuse --cuda-graphs where the model will not run on a CUDA device, rather than

@@ -12,6 +12,7 @@ and the engines through accessors that raise the error a request gets meanwhile.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import logging
@@ -64,6 +65,7 @@ class ServerState:
         self.problem: str | None = None
         self.warmup_s: float | None = None
         self.chat_template: str | None = None  # --chat-template's, read once
+        self._loop: asyncio.AbstractEventLoop | None = None  # the server's, once it runs
 
     @staticmethod
     def of(connection: HTTPConnection) -> ServerState:
@@ -75,6 +77,7 @@ class ServerState:
     @asynccontextmanager
     async def lifespan(self, app: Any) -> AsyncIterator[None]:
         """The app's lifespan: loading starts with the server; stopping ends both engines."""
+        self._loop = asyncio.get_running_loop()
         self.batcher.start()
         preparing = asyncio.create_task(self._prepare())
         yield
@@ -172,10 +175,22 @@ class ServerState:
         # ~100 ms every few thousand.
         gc.collect()
         gc.freeze()
-        self.generator = self._build_generator(engine)
-        if self.generator is not None:  # its thread runs every decode bucket first
-            self.generator.start()
-            await asyncio.to_thread(self.generator.wait_warm)
+        self.generator = generator = self._build_generator(engine)
+        if generator is not None:  # its core runs every decode bucket first
+            generator.on_death = self._core_died
+            generator.start()
+            await asyncio.to_thread(generator.wait_warm)
+
+    def _core_died(self, message: str) -> None:
+        """The generation engine's core process is gone (from its reader thread): /readyz
+        turns 503 and the server stops, failing, rather than stay up unable to generate."""
+        self.problem = f"the generation engine failed: {message}"
+        loop, ready = self._loop, self.ready
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the event loop has closed
+                loop.call_soon_threadsafe(ready.clear)
+        if self.settings.failure_file:
+            _stop_serving(self.settings, self.problem, False)
 
     def _build_generator(self, engine: Engine) -> GenerationEngine | None:
         """The one place the generation engine is made from the loaded model: with the
@@ -190,7 +205,9 @@ class ServerState:
             return build_generator(loaded.model, engine.runner, settings.engine_limits(),
                                    self.metrics, eos_ids=(END_OF_DOCUMENT,),
                                    draft_model=draft, decode_graphs=settings.decode_graphs,
-                                   max_autotune=settings.max_autotune)
+                                   max_autotune=settings.max_autotune,
+                                   engine_process=settings.engine_process,
+                                   threads=settings.threads)
         tokenizer = load_tokenizer(directory.path)
         why = refusal(loaded.model, tokenized=True)
         if why is not None:
@@ -200,7 +217,7 @@ class ServerState:
             loaded.model, engine.runner, settings.engine_limits(), self.metrics, tokenizer,
             directory.generation.eos_ids or _eos_of(tokenizer),
             directory.context_length(settings.max_model_len), draft, settings.decode_graphs,
-            settings.max_autotune)
+            settings.max_autotune, settings.engine_process, settings.threads)
 
     def _draft_model(self, engine: Engine) -> torch.nn.Module | None:
         """``--draft-model`` on the served model's device, with the same tokenizer (ids that

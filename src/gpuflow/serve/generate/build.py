@@ -1,22 +1,27 @@
 """The generation engine assembled: the served model's paged view, a KV pool sized from the
 memory budget, the block manager, the scheduler and the model runner, under the operator's
-``EngineLimits``."""
+``EngineLimits``; the core in the server's thread (``build_engine``) or, from an
+``EngineSpec``, in a process of its own (``build_generator``, as ``gpuflow serve`` runs)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from gpuflow.errors import UserError
+from gpuflow.precision import PrecisionPolicy, make_policy
 from gpuflow.serve.generate.blocks import BlockManager
 from gpuflow.serve.generate.budget import default_cache_budget, pool_blocks
+from gpuflow.serve.generate.core import EngineCore
 from gpuflow.serve.generate.draft import DraftModel
-from gpuflow.serve.generate.engine import GenerationEngine
+from gpuflow.serve.generate.engine import GenerationEngine, Link
 from gpuflow.serve.generate.limits import EngineLimits
+from gpuflow.serve.generate.link import Context, ProcessLink, ThreadLink
 from gpuflow.serve.generate.models import paged_lm, refusal
 from gpuflow.serve.generate.paged import PagedLM
 from gpuflow.serve.generate.requests import EngineObserver
@@ -28,14 +33,11 @@ from gpuflow.serve.generate.tokenizer import Tokenizer
 log = logging.getLogger("gpuflow.serve")
 
 
-def build_engine(lm: PagedLM, num_blocks: int, limits: EngineLimits,
-                 context: Callable[[], contextlib.AbstractContextManager[Any]],
-                 bucketed: bool = False, compile: bool = False, cuda_graphs: bool = False,
-                 draft: PagedLM | None = None, max_autotune: bool = False,
-                 **options: Any) -> GenerationEngine:
-    """An engine over a pool of ``num_blocks`` blocks (the null block among them);
-    ``options`` are the engine's own (tokenizer, eos_ids, observer). A step's token
-    budget is ``limits.step_tokens``, logged when it raises the operator's. With
+def build_core(lm: PagedLM, num_blocks: int, limits: EngineLimits, bucketed: bool = False,
+               compile: bool = False, cuda_graphs: bool = False, draft: PagedLM | None = None,
+               max_autotune: bool = False, eos_ids: Iterable[int] = ()) -> EngineCore:
+    """A core over a pool of ``num_blocks`` blocks (the null block among them). A step's
+    token budget is ``limits.step_tokens``, logged when it raises the operator's. With
     ``limits.num_speculative_tokens``, tokens are drafted by ``draft`` (a pool of its own
     as large) or, without one, by prompt lookup."""
     tokens = limits.step_tokens(lm.context)
@@ -55,39 +57,109 @@ def build_engine(lm: PagedLM, num_blocks: int, limits: EngineLimits,
         proposer = (PromptLookup(limits.prompt_lookup_max) if draft is None else
                     DraftModel(ModelRunner(draft, num_blocks, limits.block_size,
                                            limits.max_num_seqs)))
-    return GenerationEngine(lm, scheduler, runner, limits.max_queue, context,
-                            proposer=proposer, **options)
+    return EngineCore(scheduler, runner, lm.context, eos_ids, proposer)
+
+
+def build_engine(lm: PagedLM, num_blocks: int, limits: EngineLimits, context: Context,
+                 bucketed: bool = False, compile: bool = False, cuda_graphs: bool = False,
+                 draft: PagedLM | None = None, max_autotune: bool = False,
+                 eos_ids: Iterable[int] = (), tokenizer: Tokenizer | None = None,
+                 observer: EngineObserver | None = None) -> GenerationEngine:
+    """An engine whose core runs in a thread of this process, under ``context``."""
+    core = build_core(lm, num_blocks, limits, bucketed, compile, cuda_graphs, draft,
+                      max_autotune, eos_ids)
+    return GenerationEngine(ThreadLink(core, context), lm.context, lm.vocab_size,
+                            limits.max_queue, tokenizer, observer)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What the engine core is built from, in the server's process or in one of its own
+    (it pickles: the models' weights cross as shared memory or CUDA IPC handles). The
+    models are on ``device``; ``precision`` is the served model's autocast policy."""
+
+    model: torch.nn.Module
+    device: str
+    precision: str
+    limits: EngineLimits
+    tokenized: bool
+    context: int | None
+    eos_ids: tuple[int, ...]
+    draft_model: torch.nn.Module | None = None
+    compile: bool = False
+    cuda_graphs: bool = False
+    max_autotune: bool = False
+    threads: int | None = None
+
+    def views(self) -> tuple[PagedLM | None, PagedLM | None]:
+        """The engine's views of the model and the draft model (the model's None when the
+        engine cannot drive it; a draft that cannot draft for it is refused)."""
+        dtype = self.policy().autocast_dtype or torch.float32
+        lm = paged_lm(self.model, dtype, self.tokenized, self.context)
+        if lm is None or self.draft_model is None:
+            return lm, None
+        return lm, _draft_lm(self.draft_model, lm, dtype, self.tokenized)
+
+    def policy(self) -> PrecisionPolicy:
+        return make_policy(self.precision, torch.device(self.device))
+
+    def build(self) -> tuple[EngineCore, Context]:
+        """The core, and the context its steps run under (inference mode, autocast)."""
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        lm, draft = self.views()
+        assert lm is not None, "the server refuses a model the engine cannot drive"
+        limits, device = self.limits, torch.device(self.device)
+        budget = (int(limits.kv_cache_gib * 2**30) if limits.kv_cache_gib is not None
+                  else default_cache_budget(device))
+        per_block = lm.bytes_per_block(limits.block_size) + (
+            0 if draft is None else draft.bytes_per_block(limits.block_size))
+        blocks = pool_blocks(per_block, budget, limits.block_size, lm.context,
+                             limits.max_num_seqs)
+        core = build_core(lm, blocks, limits, compile=self.compile,
+                          cuda_graphs=self.cuda_graphs, draft=draft,
+                          max_autotune=self.max_autotune, eos_ids=self.eos_ids)
+        policy = self.policy()
+        return core, lambda: _inference(policy)
+
+
+@contextlib.contextmanager
+def _inference(policy: PrecisionPolicy) -> Iterator[None]:
+    with torch.inference_mode(), policy.autocast():
+        yield
 
 
 def build_generator(model: torch.nn.Module, runner: Any, limits: EngineLimits,
                     observer: EngineObserver | None, tokenizer: Tokenizer | None = None,
                     eos_ids: Iterable[int] = (), context: int | None = None,
                     draft_model: torch.nn.Module | None = None,
-                    decode_graphs: bool = False,
-                    max_autotune: bool = False) -> GenerationEngine | None:
+                    decode_graphs: bool = False, max_autotune: bool = False,
+                    engine_process: bool = False,
+                    threads: int | None = None) -> GenerationEngine | None:
     """A generation engine for the served model on the runner's device and precision, its
     decode steps compiled (and on CUDA replayed as graphs) when the runner's model is, or
     on CUDA when ``decode_graphs`` asks for graphs, compiled with kernel tuning when
     ``max_autotune`` asks, or None for a model that does not generate text.
     ``tokenizer`` (default: bytes) and ``eos_ids`` are the model's; ``context`` caps its
     sequences' length; ``draft_model`` (on the same device) drafts tokens for speculative
-    decoding."""
-    dtype = runner.policy.autocast_dtype or torch.float32
-    lm = paged_lm(model, dtype, tokenizer is not None, context)
+    decoding. ``engine_process``: the core in a process of its own (``threads`` torch
+    threads there), else in a thread of this one."""
+    graphs = runner.cuda_graphs or (decode_graphs and runner.device.type == "cuda")
+    spec = EngineSpec(model, str(runner.device), runner.policy.name, limits,
+                      tokenizer is not None, context, tuple(eos_ids), draft_model,
+                      runner.compiled or graphs, graphs, max_autotune, threads)
+    lm, _ = spec.views()
     if lm is None:
         log.info("gpuflow serve: no /v1/completions: %s", refusal(model, tokenizer is not None))
         return None
-    draft = None if draft_model is None else _draft_lm(draft_model, lm, dtype,
-                                                      tokenizer is not None)
-    budget = (int(limits.kv_cache_gib * 2**30) if limits.kv_cache_gib is not None
-              else default_cache_budget(runner.device))
-    per_block = lm.bytes_per_block(limits.block_size) + (
-        0 if draft is None else draft.bytes_per_block(limits.block_size))
-    blocks = pool_blocks(per_block, budget, limits.block_size, lm.context, limits.max_num_seqs)
-    graphs = runner.cuda_graphs or (decode_graphs and runner.device.type == "cuda")
-    return build_engine(lm, blocks, limits, runner.context, compile=runner.compiled or graphs,
-                        cuda_graphs=graphs, draft=draft, max_autotune=max_autotune,
-                        tokenizer=tokenizer, eos_ids=eos_ids, observer=observer)
+    link: Link
+    if engine_process:
+        link = ProcessLink(spec)
+    else:
+        core, core_context = spec.build()
+        link = ThreadLink(core, core_context)
+    return GenerationEngine(link, lm.context, lm.vocab_size, limits.max_queue, tokenizer,
+                            observer)
 
 
 def _draft_lm(model: torch.nn.Module, lm: PagedLM, dtype: torch.dtype,

@@ -177,8 +177,11 @@ class HFTokenizer(Tokenizer):
         self._added = added
         self._pieces = _piece_reader(tokenizer)
         self._backend_decode = _plain_backend_decode(tokenizer)
+        self._backend_encode = _plain_backend_encode(tokenizer)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self._backend_encode is not None:
+            return self._backend_encode(text, add_special_tokens=add_special_tokens).ids
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens, verbose=False))
 
     def decode(self, tokens: Sequence[int]) -> str:
@@ -214,6 +217,34 @@ def _plain_backend_decode(tokenizer: Any) -> Callable[..., str] | None:
              and kind._decode is TokenizersBackend._decode
              and kind.decode is PreTrainedTokenizerBase.decode)
     return tokenizer.backend_tokenizer.decode if plain else None
+
+
+# What transformers' encode of one text goes through, each of which a class could override.
+_ENCODE_STEPS = ("encode", "_get_padding_truncation_strategies", "_encode_plus",
+                 "set_truncation_and_padding", "_convert_encoding")
+
+
+def _plain_backend_encode(tokenizer: Any) -> Callable[..., Any] | None:
+    """A fast tokenizer's own Rust encode, where transformers' ``encode`` of one text is
+    only that call (no class of its own overriding a step of it): the Python around it cost
+    a third of each prompt's encode, 7% of a server's CPU at 64 streamed clients.
+
+    transformers' encode turns off the backend's truncation and padding and sets whether
+    special tokens in the text are split (``split_special_tokens``) before each call; they
+    are set here once, as nothing else encodes with this tokenizer."""
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    kind = type(tokenizer)
+    if not isinstance(tokenizer, TokenizersBackend) or any(
+            getattr(kind, step) is not getattr(TokenizersBackend, step) for step in _ENCODE_STEPS):
+        return None
+    backend = tokenizer.backend_tokenizer
+    if backend.truncation is not None:
+        backend.no_truncation()
+    if backend.padding is not None:
+        backend.no_padding()
+    backend.encode_special_tokens = tokenizer.split_special_tokens
+    return backend.encode
 
 
 @contextmanager

@@ -86,7 +86,7 @@ async def chat_completions(request: Request) -> Response:
     body.check()
     prompt = _encode(state, engine.tokenizer, body)
     asked = body.max_completion_tokens or body.max_tokens
-    max_tokens = asked or max(1, engine.lm.context - len(prompt))
+    max_tokens = asked or max(1, engine.context - len(prompt))
     check_prompt(prompt, max_tokens, engine, param="messages",
                  max_tokens_param="max_completion_tokens" if body.max_completion_tokens
                  else "max_tokens")

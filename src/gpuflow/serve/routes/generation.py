@@ -29,7 +29,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from gpuflow.serve.errors import ApiError, invalid_body
-from gpuflow.serve.generate.engine import GenerationEngine
+from gpuflow.serve.generate.engine import CoreDied, GenerationEngine
 from gpuflow.serve.generate.requests import Delta, Done, Event, Failed, Generation, WaitingFull
 from gpuflow.serve.generate.sampling import SamplingParams
 from gpuflow.serve.routes.client import CLIENT_CLOSED, finished_unless_gone, read_body
@@ -72,19 +72,18 @@ def check_prompt(tokens: list[int], max_tokens: int, engine: GenerationEngine,
                  param: str = "prompt", max_tokens_param: str = "max_tokens") -> None:
     """400 for a prompt the model cannot take: empty, ids outside the vocabulary, or with
     ``max_tokens`` longer than the context (naming the prompt if it alone fills it)."""
-    lm = engine.lm
     if not tokens:
         raise ApiError(400, f"{param} is empty: give at least one token.", "invalid_prompt",
                        param)
-    if min(tokens) < 0 or max(tokens) >= lm.vocab_size:
-        raise ApiError(400, f"{param}: token ids must lie in [0, {lm.vocab_size - 1}].",
+    if min(tokens) < 0 or max(tokens) >= engine.vocab_size:
+        raise ApiError(400, f"{param}: token ids must lie in [0, {engine.vocab_size - 1}].",
                        "invalid_prompt", param)
-    if len(tokens) + max_tokens > lm.context:
+    if len(tokens) + max_tokens > engine.context:
         raise ApiError(400, f"{param} ({len(tokens)} tokens) + {max_tokens_param} "
-                       f"({max_tokens}) is more than this model's context of {lm.context} "
+                       f"({max_tokens}) is more than this model's context of {engine.context} "
                        f"tokens; shorten the {param} or lower {max_tokens_param}.",
                        "context_length_exceeded",
-                       param if len(tokens) >= lm.context else max_tokens_param)
+                       param if len(tokens) >= engine.context else max_tokens_param)
 
 
 @dataclass(eq=False)
@@ -190,6 +189,10 @@ def _submit(state: ServerState, jobs: list[tuple[int, list[int], SamplingParams]
         _cancel(choices)
         raise ApiError(503, f"{engine.max_queue} requests wait to start already (--max-queue); "
                        "retry later.", "queue_full", headers=state.retry_after()) from None
+    except CoreDied as exc:
+        _cancel(choices)
+        raise ApiError(503, f"The generation engine is down ({exc}); the server is stopping.",
+                       "engine_down") from None
     return choices
 
 

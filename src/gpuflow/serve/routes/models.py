@@ -21,5 +21,5 @@ async def models(request: Request) -> JSONResponse:
     created = int(time.time())
     return JSONResponse({"object": "list", "data": [
         {"id": name, "object": "model", "created": created, "owned_by": "gpuflow",
-         **({"max_model_len": state.generator.lm.context} if state.generator else {})}
+         **({"max_model_len": state.generator.context} if state.generator else {})}
         for name in names]})

@@ -1,0 +1,104 @@
+"""What crosses between the server and the engine core (``core.py``), in the server's own
+thread or between two processes (``link.py``): plain frozen data that pickles, one
+``Inbox`` to the core and one ``Report`` back per step, not one message per token."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpuflow.serve.generate.sampling import SamplingParams, TokenLogprob
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    """The engine after a step: sequences running and waiting, KV blocks in use of those
+    sequences can hold, preemptions so far, prompt tokens looked up in the prefix cache so
+    far and found there, and tokens drafted for speculative decoding so far and accepted."""
+
+    running: int
+    waiting: int
+    blocks_used: int
+    blocks_total: int
+    preemptions: int
+    prefix_queries: int
+    prefix_hits: int
+    drafted: int = 0
+    accepted: int = 0
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """One engine step: its rows (sequences) and scheduled tokens (drafts not counted), the
+    seconds the model runner's call took (on a GPU, launching its work: the device
+    finishes while the tokens are chosen) and the whole step's (scheduling
+    excluded: sampling, stop checks and events included)."""
+
+    rows: int
+    tokens: int
+    forward_s: float
+    step_s: float
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """A request as it crosses to the core: its id, prompt ids and sampling."""
+
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class Inbox:
+    """What the server sends the core between two steps, all at once."""
+
+    new: tuple[NewRequest, ...] = ()
+    dropped: tuple[int, ...] = ()  # ids whose client left, or that a stop string ended
+
+
+@dataclass(frozen=True)
+class Output:
+    """One request's share of a step: the tokens it took (an end-of-sequence id that ended
+    it left out), their log-probabilities when asked, and why the core ended it
+    (``stop``, ``length``, ``cancelled``, or ``failed`` with ``error``). Its first output
+    carries the prompt's log-probabilities when asked, and the prompt tokens found
+    cached."""
+
+    id: int
+    tokens: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish: str | None = None
+    error: str | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Report:
+    """One step as the core reports it: its outputs, the engine after it, the requests the
+    core has taken in so far (the server counts the rest as waiting), and the step's
+    timing (None when no step ran: drops alone)."""
+
+    outputs: tuple[Output, ...]
+    occupancy: Occupancy
+    taken: int
+    timing: StepTiming | None = None
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The core after its warm-up: how decode steps run, its pool's and scheduler's limits
+    (for /readyz), and the seconds the warm-up took."""
+
+    decode: str
+    limits: dict[str, object]
+    warmup_s: float
+
+
+@dataclass(frozen=True)
+class WarmUpFailed:
+    """The core could not be built or warmed up: why, and whether it is the user's to fix
+    (``gpuflow.errors.UserError``)."""
+
+    message: str
+    user_error: bool = False
