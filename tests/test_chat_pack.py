@@ -113,7 +113,8 @@ def assert_predicts_from_token_ids(run_dir: Path, directory: Path) -> None:
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
 
     async def predict() -> Any:
-        app = create_app(ServeSettings(str(run_dir), device="cpu", max_batch_size=2))
+        app = create_app(ServeSettings(str(run_dir), device="cpu", max_batch_size=2,
+                                       engine_process=False))
         async with serving(app) as client:
             return await client.post("/v1/predict", json={"inputs": {"input_ids": [ids]}})
 

@@ -36,7 +36,7 @@ def test_the_openai_client_completes_and_streams_through_the_server(
 
     async def scenario() -> dict:
         app = create_app(ServeSettings(str(run_dir), device="cpu", max_batch_size=4,
-                                       token="secret"))
+                                       token="secret", engine_process=False))
         async with serving(app) as client:
             base = f"{client.base_url}/v1"
             sdk = openai.OpenAI(base_url=base, api_key="secret", max_retries=0)
@@ -111,7 +111,8 @@ def test_a_model_that_does_not_generate_answers_404_on_completions(tmp_path: Pat
                              workload="user_workloads:mlp"))
 
     async def scenario() -> httpx.Response:
-        app = create_app(ServeSettings(str(run_dir), device="cpu", max_batch_size=4))
+        app = create_app(ServeSettings(str(run_dir), device="cpu", max_batch_size=4,
+                                       engine_process=False))
         async with serving(app) as client:
             return await client.post("/v1/completions", json={"prompt": "x"})
 
@@ -168,8 +169,8 @@ def test_compiled_decode_generates_what_eager_does_once_every_bucket_has_run(
 
 
 def served_textlm(run_dir: Path, **settings) -> FastAPI:
-    return create_app(ServeSettings(str(run_dir), device="cpu", **{"max_batch_size": 2,
-                                                                   **settings}))
+    return create_app(ServeSettings(str(run_dir), device="cpu", engine_process=False,
+                                    **{"max_batch_size": 2, **settings}))
 
 
 BAD_COMPLETIONS = {  # body (a str is sent as it is): status, code, param
@@ -259,7 +260,7 @@ def test_a_client_leaving_mid_stream_frees_its_blocks(textlm_run: tuple[Path, GP
                         break  # the first chunk came; leave
             generator = app.state.serve.generator
             await eventually(lambda: generator.active == 0)
-            assert generator.scheduler.blocks.used == 0
+            assert generator.core.scheduler.blocks.used == 0
             return (await client.get("/metrics")).text
 
     metrics = asyncio.run(scenario())
@@ -312,7 +313,8 @@ def test_a_byte_model_stops_at_the_end_of_document_byte(tmp_path: Path) -> None:
               metadata={"config": json.dumps(config.to_dict()), "step": "0"})
 
     async def scenario() -> list[dict]:
-        app = create_app(ServeSettings(str(path), device="cpu", max_batch_size=2))
+        app = create_app(ServeSettings(str(path), device="cpu", max_batch_size=2,
+                                       engine_process=False))
         async with serving(app) as client:
             return [(await client.post("/v1/completions", json={
                 "prompt": "def f():", "max_tokens": 6, "temperature": 0, **extra})).json()

@@ -108,7 +108,8 @@ def test_a_tiny_chat_set_is_learned_and_answered_through_the_export(
 
 async def served_chat(source: Path, messages: list[dict[str, str]]) -> str:
     """The greedy reply of `gpuflow serve SOURCE` over /v1/chat/completions."""
-    app = create_app(ServeSettings(str(source), device="cpu", max_batch_size=2))
+    app = create_app(ServeSettings(str(source), device="cpu", max_batch_size=2,
+                                   engine_process=False))
     async with serving(app) as client:
         reply = await client.post("/v1/chat/completions", json={
             "messages": messages, "max_tokens": 8, "temperature": 0})

@@ -30,7 +30,8 @@ def test_a_client_leaving_while_queued_is_dropped_and_others_complete(
     monkeypatch.setattr(GPTDecoder, "forward", slow)
 
     async def scenario() -> tuple[httpx.Response, httpx.Response, str]:
-        app = create_app(ServeSettings(str(textlm_run[0]), device="cpu", max_batch_size=1))
+        app = create_app(ServeSettings(str(textlm_run[0]), device="cpu", max_batch_size=1,
+                                       engine_process=False))
         async with serving(app) as client:
             generator = app.state.serve.generator
             body = {"max_tokens": 40, "temperature": 0, "ignore_eos": True}

@@ -162,7 +162,8 @@ def test_a_trained_hf_workload_completes_through_the_server(
     exported, _ = export_model(run_dir, run_dir.parent / "gpt2.safetensors")
 
     async def scenario(source: Path) -> tuple[list[dict], httpx.Response, dict]:
-        app = create_app(ServeSettings(str(source), device="cpu", max_batch_size=2))
+        app = create_app(ServeSettings(str(source), device="cpu", max_batch_size=2,
+                                       engine_process=False))
         async with serving(app) as client:
             body = {"prompt": "def main():", "max_tokens": 12, "temperature": 0}
             replies = await asyncio.gather(*(client.post("/v1/completions", json=body)

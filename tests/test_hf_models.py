@@ -106,7 +106,8 @@ def export_hf(run_dir: Path, out: Path) -> None:
 def served(source: Path, body: dict) -> dict:
     """One request to a server of ``source``, as a client sends it."""
     async def scenario() -> dict:
-        app = create_app(ServeSettings(str(source), device="cpu", max_batch_size=4))
+        app = create_app(ServeSettings(str(source), device="cpu", max_batch_size=4,
+                                       engine_process=False))
         async with serving(app) as client:
             reply = await client.post("/v1/predict", json=body)
         assert reply.status_code == 200, reply.text

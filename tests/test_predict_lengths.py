@@ -238,7 +238,8 @@ class HeldEngine(Engine):
 def test_predict_over_http_batches_different_lengths_up_to_the_context(
         llama: nn.Module) -> None:
     # Batches held at the gate must not hold the event loop too: none runs inline.
-    settings = ServeSettings(source="llama", device="cpu", max_batch_size=8, inline_below_ms=0)
+    settings = ServeSettings(source="llama", device="cpu", max_batch_size=8, inline_below_ms=0,
+                             engine_process=False)
     engine = HeldEngine(LoadedModel(llama_workload(llama), {}, 0, Path("llama")),
                         settings.engine_options())
     prompts = [tokens(1, 64)[0].tolist(), tokens(1, 22)[0].tolist(), tokens(2, 18)[1].tolist()]

@@ -29,7 +29,8 @@ PROMPT = "def main():"
 
 async def served(source: Path, predict: dict[str, Any]) -> dict[str, Any]:
     """What a server on ``source`` answers: a greedy completion, a prediction, /readyz."""
-    app = create_app(ServeSettings(str(source), device="cpu", max_batch_size=2))
+    app = create_app(ServeSettings(str(source), device="cpu", max_batch_size=2,
+                                   engine_process=False))
     async with serving(app) as client:
         completion = await client.post("/v1/completions", json={
             "prompt": PROMPT, "max_tokens": 12, "temperature": 0})

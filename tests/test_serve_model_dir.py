@@ -81,7 +81,7 @@ def served(path: Path, test: Callable[[openai.AsyncOpenAI, httpx.AsyncClient],
     """Run ``test`` against ``gpuflow serve path``, in this process, through the Python
     API."""
     settings = gpuflow.ServeSettings(source=str(path), max_batch_size=4, kv_cache_gib=0.02,
-                                     timeout_ms=30000, **options)
+                                     timeout_ms=30000, **options, engine_process=False)
 
     async def scenario() -> Any:
         async with serving(gpuflow.create_app(settings)) as client:

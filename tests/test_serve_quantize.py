@@ -91,7 +91,7 @@ def test_the_server_generates_and_predicts_with_int8_weights(
 
     async def scenario() -> tuple[dict, str, int]:
         app = create_app(ServeSettings(str(run_dir), device="cpu", max_batch_size=2,
-                                       quantize="int8"))
+                                       quantize="int8", engine_process=False))
         async with serving(app) as client:
             ready = (await client.get("/readyz")).json()
             completion = await client.post("/v1/completions", json={

@@ -235,7 +235,8 @@ def test_a_server_drafting_with_its_own_model_accepts_every_draft(
     rejection sampling accepts with probability 1), as /metrics says."""
     run_dir, model = textlm_run
     settings = ServeSettings(str(run_dir), device="cpu", max_batch_size=4,
-                             num_speculative_tokens=3, draft_model=str(run_dir))
+                             num_speculative_tokens=3, draft_model=str(run_dir),
+    engine_process=False)
 
     async def scenario() -> tuple[dict, dict, str]:
         async with serving(create_app(settings)) as client:

@@ -1,7 +1,8 @@
 """gpuflow: train and serve PyTorch models with the accelerator busy, and show where time goes.
 
 The public names load on first use, so ``import gpuflow`` (or ``gpuflow.errors``) does not
-bring in the trainer, ``torch.distributed`` or the serving stack.
+bring in the trainer, ``torch.distributed`` or the serving stack; nor does transformers bring
+in torchao until gpuflow asks for it (``gpuflow.lazy_torchao``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import importlib
 import sys
 import types
 from typing import TYPE_CHECKING, Any
+
+from gpuflow import lazy_torchao
 
 if TYPE_CHECKING:
     from gpuflow.config import TrainConfig
@@ -77,3 +80,4 @@ class _Package(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _Package
+lazy_torchao.install()
