@@ -6,7 +6,8 @@ test) reads any refusal the same way: ``type`` is OpenAI's class of error, deriv
 the status; ``code`` says what happened (``queue_full``, ``context_length_exceeded``, ...);
 ``param`` names the request field at fault. Handlers raise ``ApiError``; the exception
 handlers installed by ``install`` turn it, Starlette's 404 and 405, a request body that
-does not validate and any unexpected exception (500, traceback logged) into responses.
+does not validate and any unexpected exception (500, traceback logged) into responses; a
+client that hangs up before its body arrived gets an INFO line (``closed_early``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
 
 log = logging.getLogger("gpuflow.serve")
 
@@ -31,6 +34,7 @@ TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permis
          413: "invalid_request_error", 422: "invalid_request_error",
          429: "rate_limit_error"}
 CODES = {404: "not_found", 405: "method_not_allowed"}
+CLIENT_CLOSED = 499  # nginx's code for "client closed the request"; only seen in /metrics
 
 
 def error_type(status: int) -> str:
@@ -59,6 +63,14 @@ def unexpected(exc: Exception) -> JSONResponse:
     """The 500 answer to an error no handler answered; the traceback goes to the log."""
     log.error("gpuflow serve: unexpected error", exc_info=exc)
     return ApiError(500, f"{type(exc).__name__}: {exc}", "internal").response()
+
+
+def closed_early() -> Response:
+    """The answer, read by no one, to a client that hung up before its whole body arrived
+    (Starlette's ``ClientDisconnect``): clients do that, and nothing here went wrong, so one
+    INFO line rather than an error with tracebacks."""
+    log.info("gpuflow serve: client closed the connection before its body arrived")
+    return Response(status_code=CLIENT_CLOSED)
 
 
 def invalid_body(exc: ValidationError, model: type[BaseModel], status: int = 400,
@@ -165,6 +177,10 @@ async def _route_validation(request: Request, exc: Exception) -> JSONResponse:
                     param).response()
 
 
+async def _closed_early(request: Request, exc: Exception) -> Response:
+    return closed_early()
+
+
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     return unexpected(exc)
 
@@ -174,4 +190,5 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _route_validation)
+    app.add_exception_handler(ClientDisconnect, _closed_early)
     app.add_exception_handler(Exception, _unexpected)

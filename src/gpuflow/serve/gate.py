@@ -6,11 +6,11 @@ from __future__ import annotations
 import hmac
 import time
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gpuflow.serve.errors import ApiError, unexpected
+from gpuflow.serve.errors import ApiError, closed_early, unexpected
 from gpuflow.serve.routes.client import CLIENT_CLOSED, too_large
 from gpuflow.serve.routes.predict import PREDICT_PATH, predict
 from gpuflow.serve.state import ServerState
@@ -79,5 +79,7 @@ class Gate:
             return await predict(Request(scope, receive))
         except ApiError as exc:
             return exc.response()
+        except ClientDisconnect:
+            return closed_early()
         except Exception as exc:
             return unexpected(exc)

@@ -9,9 +9,8 @@ from typing import Any
 from pydantic import BaseModel
 from starlette.requests import Request
 
+from gpuflow.serve.errors import CLIENT_CLOSED as CLIENT_CLOSED  # the routes' name for it
 from gpuflow.serve.errors import ApiError
-
-CLIENT_CLOSED = 499  # nginx's code for "client closed the request"; only seen in /metrics
 
 
 def body_schema(model: type[BaseModel]) -> dict[str, Any]:
@@ -28,7 +27,8 @@ def too_large(limit: int) -> ApiError:
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The body; 413 once it passes ``limit``: the gate checks ``Content-Length``, but a
-    chunked body has none."""
+    chunked body has none. A client gone before its end raises ``ClientDisconnect``, which
+    the app answers with ``errors.closed_early``."""
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
