@@ -11,7 +11,9 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -330,6 +332,31 @@ def test_the_command_line_serves_a_sharded_directory(hub_models: Any) -> None:
         with torch.inference_mode():
             expected = reference.model(torch.tensor([prompt])).logits[0]
         assert torch.allclose(torch.tensor(logits), expected, atol=1e-4)
+        assert httpx.get(f"{url}/readyz").json()["generation"]["engine_core"] == \
+            "a process of its own"
+        the_engine_core_dies(server, url)
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def the_engine_core_dies(server: subprocess.Popen[str], url: str) -> None:
+    """The engine core's process killed under an open stream: the stream ends with an
+    error event naming it, /readyz no longer answers 200, and the server exits non-zero
+    saying why."""
+    [core] = [pid for pid in map(int, Path(f"/proc/{server.pid}/task/{server.pid}/children")
+                                 .read_text().split())
+              if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+              and b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    body = {"prompt": PROMPT, "max_tokens": 100, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as reply:
+        lines = reply.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        os.kill(core, signal.SIGKILL)
+        events = [line for line in lines if line.startswith("data: ")]
+    assert "engine core process" in events[-2] and "exited with code -9" in events[-2]
+    assert events[-1] == "data: [DONE]"
+    with contextlib.suppress(httpx.TransportError):
+        assert httpx.get(f"{url}/readyz", timeout=5).status_code == 503
+    assert server.wait(timeout=30) != 0
+    assert server.stderr is not None and "exited with code -9" in server.stderr.read()

@@ -88,11 +88,6 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="CUDA only: capture CUDA graphs for the fixed buckets, decode steps included "
              "(implies --compile); default: on for the decode steps of language models "
              "served on CUDA, off for /v1/predict; --no-cuda-graphs: off for both")
-    add("--engine-process", action=argparse.BooleanOptionalAction, default=True,
-        help="language models: run the generation engine's core (scheduler, KV cache, model "
-             "runner, sampling) in a process of its own, the HTTP server, tokenizing, "
-             "detokenizing and streaming in this one (default); --no-engine-process: a "
-             "thread of this process")
     add_engine_flags(parser)
     add("--workers", type=int, default=1,
         help="server processes, each with its own copy of the model (default 1)")
@@ -107,6 +102,11 @@ def register(commands: argparse._SubParsersAction) -> None:
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """The language-model engine's KV cache and scheduling flags."""
     add = parser.add_argument
+    add("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+        help="language models: run the generation engine's core (scheduler, KV cache, model "
+             "runner, sampling) in a process of its own, the HTTP server, tokenizing, "
+             "detokenizing and streaming in this one (default); --no-engine-process: a "
+             "thread of this process")
     add("--kv-cache-gib", type=float,
         help="language models: memory for the paged KV cache, in blocks; admission counts "
              "blocks, up to --max-batch-size sequences at once (default: half the GPU's free "

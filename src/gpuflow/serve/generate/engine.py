@@ -38,6 +38,8 @@ log = logging.getLogger("gpuflow.serve")
 
 
 class Link(Protocol):
+    where: str  # where the core runs, for /readyz
+
     def start(self, on_report: Callable[[Report], None],
               on_exit: Callable[[str], None]) -> None: ...
     def send(self, inbox: Inbox) -> None: ...
@@ -103,8 +105,9 @@ class GenerationEngine:
         return "warming up" if core is None else core.runner.describe()
 
     def limits(self) -> dict[str, Any]:
-        """The pool's and the scheduler's limits, for /readyz."""
-        return {} if self.ready_info is None else dict(self.ready_info.limits)
+        """The pool's and the scheduler's limits, and where the core runs, for /readyz."""
+        limits = {} if self.ready_info is None else dict(self.ready_info.limits)
+        return {**limits, "engine_core": self.link.where}
 
     def start(self) -> None:
         self.link.start(self._on_report, self._on_exit)

@@ -65,6 +65,8 @@ def run_core(core: EngineCore, context: Context, take: Callable[[bool], list[Inb
 class ThreadLink:
     """The core in a thread of the server's process."""
 
+    where = "a thread of the server"
+
     def __init__(self, core: EngineCore, context: Context) -> None:
         self.core, self._context = core, context
         self._inbox: list[Inbox] = []
@@ -116,7 +118,11 @@ class ThreadLink:
 class ProcessLink:
     """The core in a process of its own, started (spawned) from ``spec``."""
 
+    where = "a process of its own"
+
     def __init__(self, spec: CoreSpec) -> None:
+        self._spec = spec
+        self._fallback: ThreadLink | None = None  # where the spec does not pickle
         context = torch.multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
         self._process = context.Process(target=_core_process, args=(spec, child),
@@ -129,13 +135,25 @@ class ProcessLink:
         self._reader: threading.Thread | None = None
 
     @property
-    def pid(self) -> int | None:
-        return self._process.pid
+    def core(self) -> EngineCore | None:
+        """The core, when it fell back to a thread of this process."""
+        return None if self._fallback is None else self._fallback.core
 
     def start(self, on_report: OnReport, on_exit: OnExit) -> None:
-        """Start the process (the spec, weights and all, crosses here: raises what
-        pickling it raises) and the thread that reads its reports."""
-        self._process.start()
+        """Start the process (the spec, weights and all, crosses here) and the thread that
+        reads its reports; a spec that does not pickle (weights of a tensor subclass that
+        cannot cross, e.g. torchao's int8) runs its core in a thread here instead."""
+        try:
+            self._process.start()
+        except Exception as exc:
+            log.warning("gpuflow serve: the engine core runs in a thread of the server: its "
+                        "model cannot cross to a process of its own (%s: %s)",
+                        type(exc).__name__, exc)
+            self._child.close()
+            self._fallback = ThreadLink(*self._spec.build())
+            self.where = self._fallback.where
+            self._fallback.start(on_report, on_exit)
+            return
         self._child.close()
         self._reader = threading.Thread(target=self._read, args=(on_report, on_exit),
                                         name="gpuflow-engine-reader", daemon=True)
@@ -160,10 +178,14 @@ class ProcessLink:
         self._warm.set()
 
     def send(self, inbox: Inbox) -> None:
+        if self._fallback is not None:
+            return self._fallback.send(inbox)
         with self._send_lock, contextlib.suppress(OSError):  # gone: the reader says so
             self._conn.send(inbox)
 
     def ready(self, timeout: float) -> Ready | WarmUpFailed | None:
+        if self._fallback is not None:
+            return self._fallback.ready(timeout)
         self._warm.wait(timeout)
         if self._ready is None and self._warm.is_set():
             return WarmUpFailed("the engine core process exited while warming up "
@@ -171,6 +193,8 @@ class ProcessLink:
         return self._ready
 
     def stop(self) -> None:
+        if self._fallback is not None:
+            return self._fallback.stop()
         self._stopping = True
         with self._send_lock, contextlib.suppress(OSError):
             self._conn.send(None)

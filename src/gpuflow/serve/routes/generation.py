@@ -214,7 +214,7 @@ async def _first_events(choices: list[Choice], timeout_s: float | None) -> list[
 
 
 def _failed(event: Failed) -> ApiError:
-    return ApiError(500, f"Generation failed ({event.message}); the server keeps serving.",
+    return ApiError(500, f"Generation failed ({event.message}).",
                     "generation_failed")
 
 
