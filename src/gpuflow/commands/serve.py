@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import ipaddress
 import json
@@ -11,14 +12,13 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from gpuflow.errors import UserError
 from gpuflow.serve.batcher import INLINE_BELOW_MS
+from gpuflow.serve.dtypes import CHOICES
 
 TOKEN_ENV = "GPUFLOW_TOKEN"
-# --dtype as other servers spell it, onto gpuflow's precision names.
-DTYPES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16",
-          "half": "fp16"}
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -69,10 +69,13 @@ def register(commands: argparse._SubParsersAction) -> None:
     add("--max-body-bytes", type=int, default=8 << 20,
         help="larger request bodies get 413 (default 8 MiB)")
     add("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
-    add("--precision", "--dtype", dest="precision", default="fp32",
-        type=lambda name: DTYPES.get(name, name), choices=["fp32", "bf16", "fp16"],
-        help="inference autocast dtype: fp32, bf16 or fp16 (also spelled float32, bfloat16, "
-             "float16, half; default fp32)")
+    add("--dtype", default="auto", choices=CHOICES,
+        help="the dtype weights are held in: auto (default: the checkpoint's on a GPU, or "
+             "--precision's when bf16 or fp16; fp32 on a CPU), float32, bfloat16, float16 "
+             "(also fp32, bf16, fp16, half)")
+    add("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+        help="inference autocast dtype over fp32 weights: fp32 (none), bf16 or fp16 "
+             "(default fp32)")
     add("--quantize", metavar="int8",
         help="int8: weight-only quantization of the linear layers through torchao (per-row "
              "scales; activations keep --precision; needs torchao, pip install "
@@ -102,6 +105,9 @@ def register(commands: argparse._SubParsersAction) -> None:
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """The language-model engine's KV cache and scheduling flags."""
     add = parser.add_argument
+    add("--kv-cache-dtype", default="auto", choices=CHOICES,
+        help="language models: the KV cache's dtype (default auto: the weights' when "
+             "reduced, else the autocast dtype, else fp32)")
     add("--engine-process", action=argparse.BooleanOptionalAction, default=True,
         help="language models: run the generation engine's core (scheduler, KV cache, model "
              "runner, sampling) in a process of its own, the HTTP server, tokenizing, "
@@ -199,7 +205,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         max_model_len=args.max_model_len,
         num_speculative_tokens=args.num_speculative_tokens,
         draft_model=args.draft_model, prompt_lookup_max=args.prompt_lookup_max,
-        engine_process=args.engine_process)
+        engine_process=args.engine_process, dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype)
     settings.check_device()
     with tempfile.TemporaryDirectory(prefix="gpuflow-serve-") as scratch:
         failure = Path(scratch) / "failure.json"
@@ -207,10 +214,12 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         os.environ[SETTINGS_ENV] = settings_json(settings)
         print(f"gpuflow serve: http://{args.host}:{args.port} (API docs at /docs); "
               f"{args.workers} worker(s), batches of up to {args.max_batch_size}, "
-              f"{args.precision}" + (f", {args.quantize} weights" if args.quantize else "")
-              + "; /readyz turns 200 after warm-up", flush=True)
+              f"--dtype {args.dtype}, --precision {args.precision}"
+              + (f", {args.quantize} weights" if args.quantize else "")
+              + "; /readyz turns 200 after warm-up (and says what runs)", flush=True)
         uvicorn.run("gpuflow.serve.app:app_from_env", factory=True, host=args.host,
-                    port=args.port, workers=args.workers, log_level=args.log_level)
+                    port=args.port, workers=args.workers, log_level=args.log_level,
+                    log_config=log_config(args.log_level))
         if not failure.is_file():
             return 0
         found = json.loads(failure.read_text())
@@ -219,3 +228,14 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     print(f"gpuflow serve: the model failed to load or warm up: {found['reason']}",
           file=sys.stderr)
     return 1
+
+
+def log_config(level: str) -> dict[str, Any]:
+    """uvicorn's logging, with gpuflow's own messages (what runs once ready, a client gone
+    early, a failure) through its handler at the same level."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["loggers"]["gpuflow"] = {"handlers": ["default"], "level": level.upper(),
+                                    "propagate": False}
+    return config

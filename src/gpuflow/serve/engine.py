@@ -27,6 +27,7 @@ class EngineOptions:
     cuda_graphs: bool = False
     max_batch_size: int = 32
     quantize: str | None = None  # "int8": the linear weights, through torchao
+    dtype: str = "auto"  # the weights' (serve/dtypes.py)
 
 
 class Engine:
@@ -37,7 +38,8 @@ class Engine:
         self.options = options
         self.codec: Codec = make_codec(loaded.workload, loaded.serving_state)
         self.runner = Runner(loaded.model, options.device, options.precision,
-                             options.compile, options.cuda_graphs, options.quantize)
+                             options.compile, options.cuda_graphs, options.quantize,
+                             options.dtype)
         self.buckets = batch_buckets(options.max_batch_size)
 
     @classmethod

@@ -34,6 +34,7 @@ from gpuflow.graph_threads import prepare_thread_for_cuda_graphs
 from gpuflow.hf import is_hf_model
 from gpuflow.model_dir import TOKENIZER_FILES, ModelDirectory, is_model_directory
 from gpuflow.precision import PrecisionPolicy, make_policy
+from gpuflow.serve.dtypes import short_name, weights_dtype
 from gpuflow.serve.quantize import Quantized, quantize_weights
 from gpuflow.serving import RUN_CONFIG_FILE, SERVING_FILE
 from gpuflow.workload import Workload, call_model, is_builtin, resolve_workload
@@ -304,16 +305,17 @@ class Runner:
 
     def __init__(self, model: nn.Module, device: str = "auto", precision: str = "fp32",
                  compile: bool = False, cuda_graphs: bool = False,
-                 quantize: str | None = None) -> None:
+                 quantize: str | None = None, dtype: str = "auto") -> None:
         self.device = resolve_device(device)
         self.policy: PrecisionPolicy = make_policy(precision, self.device)
+        self.dtype = weights_dtype(dtype, self.device, precision, model)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.notes: list[str] = []
         if cuda_graphs and not self.cuda_graphs:
             self.notes.append("CUDA graphs need a CUDA device; running without them")
         if self.device.type == "cpu" and precision == "fp16":
             self.notes.append("fp16 autocast on a CPU without native fp16 is slower than fp32")
-        model = model.to(self.device)
+        model = model.to(self.device, self.dtype)
         self.quantized: Quantized | None = quantize_weights(model, quantize) if quantize else None
         self.compiled = compile or self.cuda_graphs
         if self.compiled:
@@ -328,18 +330,26 @@ class Runner:
 
     def describe(self) -> str:
         """What actually runs, e.g. ``cpu, bf16 autocast over fp32 weights, compiled``."""
-        dtype = self.policy.autocast_dtype
-        text = f"{self.device}, " + ("fp32" if dtype is None
-                                      else f"{self.policy.name} autocast over fp32 weights")
+        weights = short_name(self.dtype)
+        text = f"{self.device}, " + (f"{self.policy.name} autocast over fp32 weights"
+                                      if self.autocast else weights if weights == "fp32"
+                                      else f"{weights} weights")
         if self.quantized is not None:
             text += f", {self.quantized.describe()}"
         if self.compiled:
             text += ", compiled" + (" with CUDA graphs" if self.cuda_graphs else "")
         return "; ".join([text, *self.notes])
 
+    @property
+    def autocast(self) -> bool:
+        """Whether ``--precision`` autocasts: over fp32 weights only (weights held in a
+        reduced dtype compute in it)."""
+        return self.policy.autocast_dtype is not None and self.dtype == torch.float32
+
     @contextlib.contextmanager
     def context(self) -> Iterator[None]:
-        with torch.inference_mode(), self.policy.autocast():
+        with torch.inference_mode(), (self.policy.autocast() if self.autocast
+                                      else contextlib.nullcontext()):
             yield
 
     def call(self, inputs: Any) -> Any:
@@ -347,12 +357,18 @@ class Runner:
         tensors), floating-point tensors in fp32."""
         if self.cuda_graphs:  # the batcher's thread, or the event loop's for a lone request
             prepare_thread_for_cuda_graphs()
-        moved = tree_map_only(torch.Tensor, lambda t: t.to(self.device, non_blocking=True),
-                              inputs)
+        moved = tree_map_only(torch.Tensor, self._moved, inputs)
         with self.context():
             outputs = call_model(self.model, moved)
         return tree_map_only(torch.Tensor,
                              lambda t: t.float() if t.is_floating_point() else t, outputs)
+
+    def _moved(self, tensor: torch.Tensor) -> torch.Tensor:
+        """An input on the device; a floating one in the weights' dtype, unless autocast
+        takes it as it is."""
+        if tensor.is_floating_point() and not self.autocast:
+            return tensor.to(self.device, self.dtype, non_blocking=True)
+        return tensor.to(self.device, non_blocking=True)
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
         return self.call(inputs if len(inputs) > 1 else inputs[0])

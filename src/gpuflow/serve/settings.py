@@ -53,6 +53,8 @@ class ServeSettings:
     draft_model: str | None = None  # drafts them; None: prompt lookup
     prompt_lookup_max: int = 3
     engine_process: bool = True  # the generation engine's core in a process of its own
+    dtype: str = "auto"  # the weights' (serve/dtypes.py)
+    kv_cache_dtype: str = "auto"
 
     def check_device(self) -> None:
         """Refuse --cuda-graphs where the model will not run on a CUDA device, rather than
@@ -80,7 +82,7 @@ class ServeSettings:
 
     def engine_options(self) -> EngineOptions:
         return EngineOptions(self.device, self.precision, self.compile, bool(self.cuda_graphs),
-                             self.max_batch_size, self.quantize)
+                             self.max_batch_size, self.quantize, self.dtype)
 
 
 def settings_json(settings: ServeSettings) -> str:

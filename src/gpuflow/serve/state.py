@@ -160,7 +160,8 @@ class ServerState:
             return
         assert self.engine is not None
         generation = ("" if self.generator is None else
-                      f"; {self.generator.describe()}, {self.generator.warmup_s:.1f} s")
+                      f"; {self.generator.describe()}, {self.generator.warmup_s:.1f} s, the "
+                      f"engine core in {self.generator.link.where}")
         log.info("gpuflow serve: ready after %.1f s of warm-up (%s%s)", self.warmup_s,
                  self.engine.runner.describe(), generation)
         self.ready.set()
@@ -207,7 +208,8 @@ class ServerState:
                                    draft_model=draft, decode_graphs=settings.decode_graphs,
                                    max_autotune=settings.max_autotune,
                                    engine_process=settings.engine_process,
-                                   threads=settings.threads)
+                                   threads=settings.threads,
+                                   kv_cache_dtype=settings.kv_cache_dtype)
         tokenizer = load_tokenizer(directory.path)
         why = refusal(loaded.model, tokenized=True)
         if why is not None:
@@ -217,7 +219,8 @@ class ServerState:
             loaded.model, engine.runner, settings.engine_limits(), self.metrics, tokenizer,
             directory.generation.eos_ids or _eos_of(tokenizer),
             directory.context_length(settings.max_model_len), draft, settings.decode_graphs,
-            settings.max_autotune, settings.engine_process, settings.threads)
+            settings.max_autotune, settings.engine_process, settings.threads,
+            settings.kv_cache_dtype)
 
     def _draft_model(self, engine: Engine) -> torch.nn.Module | None:
         """``--draft-model`` on the served model's device, with the same tokenizer (ids that
@@ -234,7 +237,7 @@ class ServerState:
             raise UserError(f"--draft-model {settings.draft_model} does not share the served "
                             "model's tokenizer: a draft model's token ids must mean the same "
                             "text.")
-        return draft.model.to(engine.runner.device).eval()
+        return draft.model.to(engine.runner.device, engine.runner.dtype).eval()
 
 
 def _eos_of(tokenizer: HFTokenizer) -> tuple[int, ...]:

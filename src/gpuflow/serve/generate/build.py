@@ -15,6 +15,7 @@ import torch
 
 from gpuflow.errors import UserError
 from gpuflow.precision import PrecisionPolicy, make_policy
+from gpuflow.serve import dtypes
 from gpuflow.serve.generate.blocks import BlockManager
 from gpuflow.serve.generate.budget import default_cache_budget, pool_blocks
 from gpuflow.serve.generate.core import EngineCore
@@ -76,11 +77,15 @@ def build_engine(lm: PagedLM, num_blocks: int, limits: EngineLimits, context: Co
 class EngineSpec:
     """What the engine core is built from, in the server's process or in one of its own
     (it pickles: the models' weights cross as shared memory or CUDA IPC handles). The
-    models are on ``device``; ``precision`` is the served model's autocast policy."""
+    models are on ``device``, their weights in their serving dtype; ``precision`` is the
+    served model's autocast policy, applied when ``autocast`` (weights in fp32); the KV
+    cache is in ``kv_dtype``."""
 
     model: torch.nn.Module
     device: str
     precision: str
+    autocast: bool
+    kv_dtype: torch.dtype
     limits: EngineLimits
     tokenized: bool
     context: int | None
@@ -94,14 +99,10 @@ class EngineSpec:
     def views(self) -> tuple[PagedLM | None, PagedLM | None]:
         """The engine's views of the model and the draft model (the model's None when the
         engine cannot drive it; a draft that cannot draft for it is refused)."""
-        dtype = self.policy().autocast_dtype or torch.float32
-        lm = paged_lm(self.model, dtype, self.tokenized, self.context)
+        lm = paged_lm(self.model, self.kv_dtype, self.tokenized, self.context)
         if lm is None or self.draft_model is None:
             return lm, None
-        return lm, _draft_lm(self.draft_model, lm, dtype, self.tokenized)
-
-    def policy(self) -> PrecisionPolicy:
-        return make_policy(self.precision, torch.device(self.device))
+        return lm, _draft_lm(self.draft_model, lm, self.kv_dtype, self.tokenized)
 
     def build(self) -> tuple[EngineCore, Context]:
         """The core, and the context its steps run under (inference mode, autocast)."""
@@ -119,13 +120,14 @@ class EngineSpec:
         core = build_core(lm, blocks, limits, compile=self.compile,
                           cuda_graphs=self.cuda_graphs, draft=draft,
                           max_autotune=self.max_autotune, eos_ids=self.eos_ids)
-        policy = self.policy()
+        policy = make_policy(self.precision, device) if self.autocast else None
         return core, lambda: _inference(policy)
 
 
 @contextlib.contextmanager
-def _inference(policy: PrecisionPolicy) -> Iterator[None]:
-    with torch.inference_mode(), policy.autocast():
+def _inference(policy: PrecisionPolicy | None) -> Iterator[None]:
+    with torch.inference_mode(), (contextlib.nullcontext() if policy is None
+                                  else policy.autocast()):
         yield
 
 
@@ -134,8 +136,8 @@ def build_generator(model: torch.nn.Module, runner: Any, limits: EngineLimits,
                     eos_ids: Iterable[int] = (), context: int | None = None,
                     draft_model: torch.nn.Module | None = None,
                     decode_graphs: bool = False, max_autotune: bool = False,
-                    engine_process: bool = False,
-                    threads: int | None = None) -> GenerationEngine | None:
+                    engine_process: bool = False, threads: int | None = None,
+                    kv_cache_dtype: str = "auto") -> GenerationEngine | None:
     """A generation engine for the served model on the runner's device and precision, its
     decode steps compiled (and on CUDA replayed as graphs) when the runner's model is, or
     on CUDA when ``decode_graphs`` asks for graphs, compiled with kernel tuning when
@@ -143,11 +145,13 @@ def build_generator(model: torch.nn.Module, runner: Any, limits: EngineLimits,
     ``tokenizer`` (default: bytes) and ``eos_ids`` are the model's; ``context`` caps its
     sequences' length; ``draft_model`` (on the same device) drafts tokens for speculative
     decoding. ``engine_process``: the core in a process of its own (``threads`` torch
-    threads there), else in a thread of this one."""
+    threads there), else in a thread of this one. The KV cache is in ``kv_cache_dtype``
+    (``serve/dtypes.py``)."""
     graphs = runner.cuda_graphs or (decode_graphs and runner.device.type == "cuda")
-    spec = EngineSpec(model, str(runner.device), runner.policy.name, limits,
-                      tokenizer is not None, context, tuple(eos_ids), draft_model,
-                      runner.compiled or graphs, graphs, max_autotune, threads)
+    kv_dtype = dtypes.kv_cache_dtype(kv_cache_dtype, runner.dtype, runner.policy.name)
+    spec = EngineSpec(model, str(runner.device), runner.policy.name, runner.autocast,
+                      kv_dtype, limits, tokenizer is not None, context, tuple(eos_ids),
+                      draft_model, runner.compiled or graphs, graphs, max_autotune, threads)
     lm, _ = spec.views()
     if lm is None:
         log.info("gpuflow serve: no /v1/completions: %s", refusal(model, tokenizer is not None))

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gpuflow.serve.dtypes import short_name
 from gpuflow.serve.generate.messages import Inbox, Occupancy, Output, Report, StepTiming
 from gpuflow.serve.generate.paged import RowSpec, Wanted
 from gpuflow.serve.generate.runner import ModelRunner
@@ -172,6 +173,7 @@ class EngineCore:
         scheduler, blocks = self.scheduler, self.scheduler.blocks
         return {"kv_blocks": blocks.total, "block_size": blocks.block_size,
                 "kv_cache_bytes": self.runner.pool.nbytes(),
+                "kv_cache_dtype": short_name(self.runner.pool.keys.dtype),
                 "prefix_caching": blocks.prefix_caching,
                 "max_num_seqs": scheduler.max_num_seqs,
                 "max_num_batched_tokens": scheduler.max_num_batched_tokens}

@@ -9,6 +9,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from starlette.requests import Request
 
+from gpuflow.serve.dtypes import short_name
 from gpuflow.serve.state import ServerState
 
 router = APIRouter()
@@ -19,7 +20,10 @@ async def models(request: Request) -> JSONResponse:
     state = ServerState.of(request)
     names = state.settings.served_model_name or (state.model_name,)
     created = int(time.time())
+    runs = {} if state.engine is None else {"dtype": short_name(state.engine.runner.dtype)}
+    if state.generator is not None:
+        runs |= {"max_model_len": state.generator.context,
+                 "kv_cache_dtype": state.generator.limits().get("kv_cache_dtype")}
     return JSONResponse({"object": "list", "data": [
-        {"id": name, "object": "model", "created": created, "owned_by": "gpuflow",
-         **({"max_model_len": state.generator.context} if state.generator else {})}
+        {"id": name, "object": "model", "created": created, "owned_by": "gpuflow", **runs}
         for name in names]})
