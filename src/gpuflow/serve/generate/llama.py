@@ -7,8 +7,11 @@ modules (hooks, wrappers, keyword plumbing, mask and cache dispatch), not in ari
 this forward calls the same weights through ``torch.nn.functional`` and transformers' own
 rotary embedding (so every rope scaling the model's config names is computed as
 transformers computes it), and writes and reads the engine's paged ``KVPool`` on flat
-tokens, each layer's sliding window honoured. Its logits equal
-transformers' within fp32 rounding (tests compare greedy generations token for token).
+tokens, each layer's sliding window honoured. Each layer's query, key and value
+projections run as one matrix product, as do its gate and up projections (``fused.py``),
+and its queries and keys rotate as one tensor: fewer operators a step, each a kernel
+launch on a GPU. Its logits equal transformers' within fp32 rounding (tests compare greedy
+generations token for token).
 Any other architecture runs through transformers' forward (``HFCausalLM``).
 """
 
@@ -23,8 +26,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from transformers import PreTrainedModel
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from gpuflow.serve.generate.fused import fuse
 from gpuflow.serve.generate.hf_models import HFCausalLM
 from gpuflow.serve.generate.paged import (
     KVPool,
@@ -32,6 +35,7 @@ from gpuflow.serve.generate.paged import (
     check_context,
     decode_attention,
     paged_attention,
+    slot_index,
     write_kv,
 )
 
@@ -48,9 +52,21 @@ def is_llama_like(model: PreTrainedModel) -> bool:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm of the family: in fp32, then the weight in the input's dtype."""
+    """transformers' RMSNorm of the family: in fp32, then the weight in the input's dtype.
+    An fp32 input goes through torch's own RMSNorm, one operator for six (the same values
+    on the CPU, bit for bit; tests compare with transformers)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
     variance = x.float().pow(2).mean(-1, keepdim=True)
     return weight * (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' rotary embedding of ``x[N, heads, head_dim]`` (``cos``, ``sin``:
+    ``[N, 1, head_dim]``), as ``apply_rotary_pos_emb`` computes it, for the queries and
+    keys of a layer at once."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 # Attention of one layer: rotated q, k and v [N, heads, head_dim], the layer, its scale.
@@ -71,20 +87,36 @@ def _dense(x: torch.Tensor, layer: Dense) -> torch.Tensor:
     return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
 
 
+def _project(x: torch.Tensor, layers: tuple[Dense, ...]) -> torch.Tensor:
+    """The outputs of linear layers that read ``x``, side by side: one product when they
+    are fused."""
+    if len(layers) == 1:
+        return _dense(x, layers[0])
+    return torch.cat([_dense(x, layer) for layer in layers], dim=-1)
+
+
+def _linears(modules: list[nn.Linear]) -> tuple[Dense, ...]:
+    """The modules as one fused ``Dense`` (``fused.fuse``), or each its own where they
+    cannot be fused (a quantized weight multiplies through its own module)."""
+    fused = fuse(modules)
+    if fused is not None:
+        weight, bias = fused
+        return ((weight.t(), bias),)
+    return tuple(module if is_traceable_wrapper_subclass(module.weight)
+                 else (module.weight.t(), module.bias) for module in modules)
+
+
 @dataclass(frozen=True)
 class _Layer:
     """One decoder layer's parameters, looked up once rather than through its modules'
     attributes at every step; each linear's weight as a transposed view (no copy)."""
 
     norm1: tuple[torch.Tensor, float]
-    q: Dense
-    k: Dense
-    v: Dense
+    qkv: tuple[Dense, ...]
     o: Dense
     scale: float
     norm2: tuple[torch.Tensor, float]
-    gate: Dense
-    up: Dense
+    gate_up: tuple[Dense, ...]
     down: Dense
 
     @classmethod
@@ -96,11 +128,11 @@ class _Layer:
 
         attention, mlp = layer.self_attn, layer.mlp
         return cls((layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
-                   linear(attention.q_proj), linear(attention.k_proj),
-                   linear(attention.v_proj), linear(attention.o_proj), attention.scaling,
+                   _linears([attention.q_proj, attention.k_proj, attention.v_proj]),
+                   linear(attention.o_proj), attention.scaling,
                    (layer.post_attention_layernorm.weight,
                     layer.post_attention_layernorm.variance_epsilon),
-                   linear(mlp.gate_proj), linear(mlp.up_proj), linear(mlp.down_proj))
+                   _linears([mlp.gate_proj, mlp.up_proj]), linear(mlp.down_proj))
 
 
 class LlamaDecoder(HFCausalLM):
@@ -119,6 +151,7 @@ class LlamaDecoder(HFCausalLM):
         self._kv_heads = config.num_key_value_heads
         self._head_dim = getattr(config, "head_dim", None) or (
             config.hidden_size // config.num_attention_heads)
+        self._intermediate = config.intermediate_size
         with torch.no_grad():
             self._cos_sin = self._cos_sin_table()
 
@@ -126,9 +159,11 @@ class LlamaDecoder(HFCausalLM):
         """Logits ``[K, V]`` at ``batch.logits_at`` (see ``paged.PagedLM``)."""
         check_context(batch, self.context)
 
+        at = slot_index(batch.slot_mapping, pool.block_size)  # once a step, not a layer
+
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: int,
                    scale: float) -> torch.Tensor:
-            write_kv(pool, index, k, v, batch.slot_mapping)
+            write_kv(pool, index, k, v, batch.slot_mapping, at)
             return paged_attention(q, pool, index, batch, scale, self.shape.windows[index])
 
         x = self._layers_over(batch.tokens, batch.positions, attend)
@@ -152,17 +187,18 @@ class LlamaDecoder(HFCausalLM):
         states ``[N, D]``; ``attend(q, k, v, layer, scale)`` takes each layer's rotated
         queries and keys and its values ``[N, heads, head_dim]``, keeps the keys and
         values, and returns the attention ``[N, heads, head_dim]``."""
+        heads, kv_heads, inner = self._heads, self._kv_heads, self._intermediate
         x = F.embedding(tokens, self._embed)
-        cos, sin = (t[0] for t in self._rotation(x, positions[None]))  # [N, head_dim]
+        cos, sin = (t[0][:, None] for t in self._rotation(x, positions[None]))  # [N, 1, d]
         for index, layer in enumerate(self._layers):
             h = _rms_norm(x, *layer.norm1)
-            q = _dense(h, layer.q).view(-1, self._heads, self._head_dim)
-            k = _dense(h, layer.k).view(-1, self._kv_heads, self._head_dim)
-            v = _dense(h, layer.v).view(-1, self._kv_heads, self._head_dim)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
-            x = x + _dense(attend(q, k, v, index, layer.scale).flatten(1), layer.o)
-            h = _rms_norm(x, *layer.norm2)
-            x = x + _dense(F.silu(_dense(h, layer.gate)) * _dense(h, layer.up), layer.down)
+            qkv = _project(h, layer.qkv).view(-1, heads + 2 * kv_heads, self._head_dim)
+            qk = _rotated(qkv[:, :heads + kv_heads], cos, sin)
+            attended = attend(qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:], index,
+                              layer.scale)
+            x = x + _dense(attended.flatten(1), layer.o)
+            gate_up = _project(_rms_norm(x, *layer.norm2), layer.gate_up)
+            x = x + _dense(F.silu(gate_up[:, :inner]) * gate_up[:, inner:], layer.down)
         return x
 
     def _head_over(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -18,8 +18,9 @@ sequence is ever given it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import Literal, NamedTuple, Protocol
 
@@ -63,6 +64,21 @@ class StepBatch:
     host_context_lens: tuple[int, ...]
     block_size: int
     shared: tuple[int, int] = (0, 0)  # leading (rows, blocks) that share blocks (``cascade``)
+    # Attention masks made for this step, by (first token, end, span, window): every
+    # layer's attention asks for the same ones.
+    masks: dict[tuple[int, int, int, int | None], torch.Tensor] = field(
+        default_factory=dict, compare=False, repr=False)
+
+    def visible(self, first: int, end: int, span: int,
+                sliding_window: int | None) -> torch.Tensor:
+        """``visible`` for tokens ``first:end`` over ``span`` key positions, made once a
+        step."""
+        key = (first, end, span, sliding_window)
+        mask = self.masks.get(key)
+        if mask is None:
+            mask = self.masks[key] = visible(self.positions[first:end, None], span,
+                                             sliding_window)
+        return mask
 
     @property
     def num_rows(self) -> int:
@@ -186,16 +202,30 @@ class KVPool:
             * dtype.itemsize
 
 
+def slot_index(slot_mapping: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each slot's block and offset in it: computed once a step for an eager forward's
+    ``write_kv`` calls, not once a layer."""
+    return slot_mapping // block_size, slot_mapping % block_size
+
+
 def write_kv(pool: KVPool, layer: int, keys: torch.Tensor, values: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor,
+             at: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Write ``keys[N, kv_heads, head_dim]`` (and values) at their pool slots, in place.
-    The whole pool tensor is indexed (layer, block and offset each a tensor index), not a
-    view of one layer: inductor then writes in place, where a write through the view made
-    it copy the pool."""
-    at = (torch.full_like(slot_mapping, layer), slot_mapping // pool.block_size,
-          slot_mapping % pool.block_size)
-    pool.keys[at] = keys.to(pool.keys.dtype)
-    pool.values[at] = values.to(pool.values.dtype)
+    Compiled (no ``at``), the whole pool tensor is indexed (layer, block and offset each a
+    tensor index), not a view of one layer: inductor then writes in place, where a write
+    through the view made it copy the pool. Eager, ``at`` (``slot_index``) indexes the
+    layer's view."""
+    if keys.dtype != pool.keys.dtype:
+        keys, values = keys.to(pool.keys.dtype), values.to(pool.values.dtype)
+    if at is not None:
+        pool.keys[layer][at] = keys
+        pool.values[layer][at] = values
+        return
+    index = (torch.full_like(slot_mapping, layer), slot_mapping // pool.block_size,
+             slot_mapping % pool.block_size)
+    pool.keys[index] = keys
+    pool.values[index] = values
 
 
 def gather(pool: KVPool, layer: int, tables: torch.Tensor, dtype: torch.dtype
@@ -210,7 +240,8 @@ def gather(pool: KVPool, layer: int, tables: torch.Tensor, dtype: torch.dtype
         # index_select copies several times faster than advanced indexing.
         blocks = tensor[layer].index_select(0, flat)  # [B * M, block_size, kv_heads, dim]
         size, heads, dim = blocks.shape[1:]
-        return blocks.view(batch, width * size, heads, dim).transpose(1, 2).to(dtype)
+        gathered = blocks.view(batch, width * size, heads, dim).transpose(1, 2)
+        return gathered if gathered.dtype == dtype else gathered.to(dtype)
 
     return rows(pool.keys), rows(pool.values)
 
@@ -256,18 +287,20 @@ def row_groups(widths: Sequence[int], block_bytes: int, device: torch.device
 
 def _one_token_rows(q: torch.Tensor, pool: KVPool, layer: int, positions: torch.Tensor,
                     block_tables: torch.Tensor, widths: Sequence[int], scale: float | None,
-                    sliding_window: int | None) -> torch.Tensor:
+                    sliding_window: int | None, batch: StepBatch | None = None
+                    ) -> torch.Tensor:
     """Attention of one token per row over the first ``widths[b]`` blocks of each row's
     table, rows gathered in ``row_groups``: on the CPU each group's copy is read while
     still in cache, and is small enough for the allocator to reuse rather than map fresh
     pages (glibc maps buffers over 32 MiB anew at every call). On the 2-core CPU, 32 rows of
     1,008 positions, 8 heads of 32 dims: 12 ms of CPU per layer in groups of one row, 22
     to 29 ms in one SDPA (an unpaged cache read in place: 5 ms)."""
-    block_bytes = pool.keys[0, 0].numel() * q.element_size()
+    block_bytes = math.prod(pool.keys.shape[2:]) * q.element_size()
     parts = []
     for first, end, width in row_groups(widths, block_bytes, q.device):
         keys, values = gather(pool, layer, block_tables[first:end, :width], q.dtype)
-        mask = visible(positions[first:end, None], keys.shape[2], sliding_window)
+        mask = (visible(positions[first:end, None], keys.shape[2], sliding_window)
+                if batch is None else batch.visible(first, end, keys.shape[2], sliding_window))
         y = F.scaled_dot_product_attention(q[first:end, :, None], keys, values,
                                            attn_mask=mask[:, None, None], scale=scale,
                                            enable_gqa=q.shape[1] != keys.shape[1])
@@ -349,7 +382,8 @@ def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, batch: StepBatch,
     if decodes and not done:
         widths = [blocks_for(context, size) for context in batch.host_context_lens[:decodes]]
         parts.append(_one_token_rows(q[:decodes], pool, layer, batch.positions[:decodes],
-                                     batch.block_tables, widths, scale, sliding_window))
+                                     batch.block_tables, widths, scale, sliding_window,
+                                     batch))
     for row in range(max(decodes, done), batch.num_rows):
         first, end = batch.row_starts[row], batch.row_starts[row + 1]
         context = batch.host_context_lens[row]
@@ -357,7 +391,7 @@ def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, batch: StepBatch,
         keys, values = gather(pool, layer, tables, q.dtype)
         causal = context == end - first and sliding_window is None  # a chunk from position 0
         mask = None if causal else \
-            visible(batch.positions[first:end, None], context, sliding_window)[None, None]
+            batch.visible(first, end, context, sliding_window)[None, None]
         y = F.scaled_dot_product_attention(q[first:end].transpose(0, 1)[None],
                                            keys[:, :, :context], values[:, :, :context],
                                            attn_mask=mask, is_causal=causal, scale=scale,
