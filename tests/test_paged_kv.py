@@ -16,7 +16,7 @@ from hub_models import HubModels
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Qwen2Config
 
 from gpuflow.models.gpt import GPT, GPTConfig
-from gpuflow.serve.generate import paged
+from gpuflow.serve.generate import attention, paged
 from gpuflow.serve.generate.hf_models import HFCausalLM
 from gpuflow.serve.generate.llama import LlamaDecoder
 from gpuflow.serve.generate.models import GPTDecoder
@@ -256,32 +256,32 @@ def test_decode_rows_in_groups_attend_over_their_own_blocks(
             q[row][:, None], keys, values, enable_gqa=True)[:, 0])
     batch = StepBatch.build([RowSpec([0], 7, [5, 2, 8]), RowSpec([0], 4, [1, 7]),
                              RowSpec([0], 1, [3])], 3)  # each row's blocks only
-    together = paged.decode_attention(q, pool, 0, positions, tables, sliding_window=4)
+    together = attention.decode_attention(q, pool, 0, positions, tables, sliding_window=4)
     torch.testing.assert_close(together, torch.stack(expected))
-    torch.testing.assert_close(paged.paged_attention(q, pool, 0, batch, sliding_window=4),
+    torch.testing.assert_close(attention.paged_attention(q, pool, 0, batch, sliding_window=4),
                                together)
-    monkeypatch.setattr(paged, "GATHER_BYTES", 1)
-    for attention in (paged.decode_attention(q, pool, 0, positions, tables, sliding_window=4),
-                      paged.paged_attention(q, pool, 0, batch, sliding_window=4)):
-        torch.testing.assert_close(attention, together)
+    monkeypatch.setattr(attention, "GATHER_BYTES", 1)
+    for alone in (attention.decode_attention(q, pool, 0, positions, tables, sliding_window=4),
+                  attention.paged_attention(q, pool, 0, batch, sliding_window=4)):
+        torch.testing.assert_close(alone, together)
 
 
 def test_decode_rows_are_grouped_to_fit_the_gather_budget(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Consecutive rows while their count times the widest table fits (6 blocks of one
     byte here); a row wider than the budget goes alone."""
-    monkeypatch.setattr(paged, "GATHER_BYTES", 6)
+    monkeypatch.setattr(attention, "GATHER_BYTES", 6)
     cpu = torch.device("cpu")
-    assert paged.row_groups([3, 1, 2, 8, 1], 1, cpu) == [(0, 2, 3), (2, 3, 2), (3, 4, 8),
+    assert attention.row_groups([3, 1, 2, 8, 1], 1, cpu) == [(0, 2, 3), (2, 3, 2), (3, 4, 8),
                                                          (4, 5, 1)]
-    assert paged.row_groups([1] * 7, 1, cpu) == [(0, 6, 1), (6, 7, 1)]
+    assert attention.row_groups([1] * 7, 1, cpu) == [(0, 6, 1), (6, 7, 1)]
 
 
 def test_decode_rows_are_one_group_off_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """Grouping bounds CPU cache traffic; on CUDA it would only add launches."""
-    monkeypatch.setattr(paged, "GATHER_BYTES", 6)
+    monkeypatch.setattr(attention, "GATHER_BYTES", 6)
     for device in (torch.device("cuda", 0), torch.device("meta")):
-        assert paged.row_groups([3, 1, 2, 8, 1], 1, device) == [(0, 5, 8)]
+        assert attention.row_groups([3, 1, 2, 8, 1], 1, device) == [(0, 5, 8)]
 
 
 def test_a_step_is_refused_past_the_context_or_onto_the_null_block() -> None:

@@ -27,14 +27,13 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from transformers import PreTrainedModel
 
+from gpuflow.serve.generate.attention import decode_attention, paged_attention
 from gpuflow.serve.generate.fused import fuse
 from gpuflow.serve.generate.hf_models import HFCausalLM
 from gpuflow.serve.generate.paged import (
     KVPool,
     StepBatch,
     check_context,
-    decode_attention,
-    paged_attention,
     slot_index,
     write_kv,
 )

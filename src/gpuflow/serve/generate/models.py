@@ -13,12 +13,11 @@ from torch import nn
 from gpuflow.byte_vocab import BYTE_VOCAB_SIZE
 from gpuflow.hf import is_hf_model
 from gpuflow.models.gpt import GPT
+from gpuflow.serve.generate.attention import decode_attention, paged_attention
 from gpuflow.serve.generate.paged import (
     KVPool,
     StepBatch,
     check_context,
-    decode_attention,
-    paged_attention,
     write_kv,
 )
 
