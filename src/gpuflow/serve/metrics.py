@@ -93,6 +93,12 @@ class ServeMetrics:
         self.step_tokens = Counter("gpuflow_engine_step_tokens",
                                    "Tokens computed (prompt and generated, drafts not "
                                    "counted), summed over engine steps", registry=reg)
+        self.graphed_steps = Counter("gpuflow_engine_graphed_steps",
+                                     "Engine steps whose forward replayed a CUDA graph",
+                                     registry=reg)
+        self.graphed_tokens = Counter("gpuflow_engine_graphed_tokens",
+                                      "Tokens computed by steps that replayed a CUDA graph",
+                                      registry=reg)
         # Preemptions, prefix queries and hits, drafted and accepted tokens counted so far.
         self._totals = (0, 0, 0, 0, 0)
 
@@ -129,6 +135,9 @@ class ServeMetrics:
         self.forward_time.observe(timing.forward_s)
         self.step_rows.inc(timing.rows)
         self.step_tokens.inc(timing.tokens)
+        if timing.graphed:
+            self.graphed_steps.inc()
+            self.graphed_tokens.inc(timing.tokens)
 
     def batch_formed(self, rows: int) -> None:
         self.batch_size.observe(rows)

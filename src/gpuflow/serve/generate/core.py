@@ -158,7 +158,8 @@ class EngineCore:
                 started = time.perf_counter()
                 forward_s = self._step(plan)
                 timing = StepTiming(len(plan.chunks), sum(c.length for c in plan.chunks),
-                                    forward_s, time.perf_counter() - started)
+                                    forward_s, time.perf_counter() - started,
+                                    self.runner.graphed)
         except Exception as exc:  # a failing step fails its sequences, not the server
             self._fail([chunk.seq for chunk in plan.chunks] if plan is not None
                        else list(self._live), f"{type(exc).__name__}: {exc}")

@@ -31,12 +31,14 @@ class StepTiming:
     """One engine step: its rows (sequences) and scheduled tokens (drafts not counted), the
     seconds the model runner's call took (on a GPU, launching its work: the device
     finishes while the tokens are chosen) and the whole step's (scheduling
-    excluded: sampling, stop checks and events included)."""
+    excluded: sampling, stop checks and events included); ``graphed``: the forward
+    replayed a CUDA graph."""
 
     rows: int
     tokens: int
     forward_s: float
     step_s: float
+    graphed: bool = False
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,7 @@ class ModelRunner:
         self.model_step = self._compiled_step()
         self.compile_failure: str | None = None
         self.graphs_skipped = False
+        self.graphed = False  # the last step replayed a CUDA graph
         self.warmup_s: float | None = None
 
     @property
@@ -154,7 +155,9 @@ class ModelRunner:
         if self.buckets is not None and all(len(r.tokens) == 1 and r.logits == "last"
                                             for r in rows):
             size = next(b for b in self.buckets if b >= len(rows))
+            self.graphed = self.cuda_graphs and not self.graphs_skipped
             return list(self._decode_padded(rows, size)[:, None])
+        self.graphed = False
         batch = StepBatch.build(rows, self.block_size, self.device)
         logits = self.lm.forward(batch, self.pool)
         counts = [len(r.tokens) if r.logits == "all" else int(r.logits == "last")
