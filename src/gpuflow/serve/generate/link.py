@@ -207,7 +207,10 @@ class ProcessLink:
 
 def _core_process(spec: CoreSpec, conn: Connection) -> None:
     """The core process: build, warm up, then step until the server says stop or goes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle
+    # Ctrl-C, or a stop sent to the whole process group, is the server's to handle: it
+    # stops the core through the pipe, and the core leaves when the pipe closes.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     try:
         core, context = spec.build()
