@@ -271,11 +271,11 @@ def test_a_failing_step_fails_its_sequences_and_the_engine_serves_on() -> None:
     run = engine.core.runner.run
     calls = {"n": 0}
 
-    def flaky(rows):
+    def flaky(rows, patch=None):
         calls["n"] += 1
         if calls["n"] == 2:  # the first prompt's second step
             raise RuntimeError("device lost")
-        return run(rows)
+        return run(rows, patch)
 
     engine.core.runner.run = flaky
 

@@ -11,116 +11,38 @@ thread or in a process of its own (``link.py``): its messages are plain data tha
 
 A step: take the scheduler's plan (``scheduler.py``), run its chunks through the
 ``ModelRunner`` (``runner.py``: one mixed forward, or a bucketed, compiled or CUDA-graph
-decode step), then take each finished chunk's next token (``sampling.py``), or the tokens
-its drafts earned (speculative decoding, ``speculate.py``).
+decode step) in the device thread (``launch.py``), then take each finished chunk's next
+token (``sampling.py``), or the tokens its drafts earned (speculative decoding,
+``speculate.py``). A step of greedy rows is left in flight: the next one is planned and
+launched before its tokens are taken, so the host's work overlaps the forward.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
 from gpuflow.serve.dtypes import short_name
+from gpuflow.serve.generate.core_request import PENDING, CoreRequest
+from gpuflow.serve.generate.launch import DeviceThread, Forward, Launched, run_forward
 from gpuflow.serve.generate.messages import Inbox, Occupancy, Output, Report, StepTiming
-from gpuflow.serve.generate.paged import RowSpec, Wanted
+from gpuflow.serve.generate.paged import RowSpec
 from gpuflow.serve.generate.runner import ModelRunner
-from gpuflow.serve.generate.sampling import (
-    Sampler,
-    SamplingParams,
-    TokenLogprob,
-    choose_tokens,
-    on_host,
-    token_logprobs,
-)
-from gpuflow.serve.generate.scheduler import Chunk, Plan, Scheduler, Sequence
+from gpuflow.serve.generate.sampling import choose_tokens, on_host
+from gpuflow.serve.generate.scheduler import Plan, Scheduler, Sequence
 from gpuflow.serve.generate.speculate import Draft, Proposer, verified
-
-
-@dataclass(eq=False)
-class CoreRequest:
-    """One request in the core: its sequence in the scheduler, its sampler, what it
-    generated, and what it took since the last report (a request that wants its prompt's
-    log-probabilities computes its whole prompt itself, so that they are exact)."""
-
-    id: int
-    prompt: list[int]
-    params: SamplingParams
-    generated: list[int] = field(default_factory=list)
-    # The prompt's log-probabilities (None for its first token), gathered chunk by chunk.
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-    reported: bool = False  # its first output is out
-    new_tokens: list[int] = field(default_factory=list)
-    new_logprobs: list[TokenLogprob] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.seq = Sequence.of(self.prompt, reuse_prefix=self.params.prompt_logprobs is None)
-        if self.params.prompt_logprobs is not None:
-            self.prompt_logprobs = [None]
-        self.sampler = Sampler(self.params, self.prompt)
-
-    @property
-    def length(self) -> int:
-        return len(self.prompt) + len(self.generated)
-
-    def wanted(self, chunk: Chunk) -> Wanted:
-        """Every position's logits while ``chunk`` holds prompt tokens whose
-        log-probabilities are still wanted; else the last one's if it ends the sequence."""
-        scored = self.prompt_logprobs
-        if scored is not None and chunk.start + chunk.length > len(scored) - 1 \
-                and len(scored) < len(self.prompt):
-            return "all"
-        return "last" if chunk.final else "none"
-
-    def score_prompt(self, chunk: Chunk, logits: torch.Tensor) -> None:
-        """The log-probabilities of the prompt tokens ``chunk``'s logits (``[T, V]``, every
-        position) predict and that are not scored yet (a preempted sequence recomputes
-        chunks already scored)."""
-        scored = self.prompt_logprobs
-        assert scored is not None
-        first = max(chunk.start, len(scored) - 1)
-        end = min(chunk.start + chunk.length, len(self.prompt) - 1)
-        if end > first:
-            scored += token_logprobs(logits[first - chunk.start:end - chunk.start],
-                                     self.prompt[first + 1:end + 1],
-                                     self.params.prompt_logprobs or 0)
-
-    def take(self, token: int, logits: torch.Tensor, eos_ids: frozenset[int],
-             context: int) -> str | None:
-        """Take ``token`` as the sequence's next (``logits``, ``[1, V]``, the model's at its
-        position, read only for log-probabilities); why the request is finished, or None."""
-        params = self.params
-        if token in eos_ids and not params.ignore_eos:
-            return "stop"
-        self.generated.append(token)
-        self.seq.tokens.append(token)
-        self.sampler.observe(token)
-        self.new_tokens.append(token)
-        if params.logprobs is not None:
-            self.new_logprobs += token_logprobs(logits, [token], params.logprobs)
-        if len(self.generated) >= params.max_tokens or self.length >= context:
-            return "length"
-        return None
-
-    def output(self, finish: str | None = None, error: str | None = None) -> Output:
-        """What it took since the last report, and its finish; the first carries the
-        prompt's log-probabilities and cached tokens."""
-        first = not self.reported
-        self.reported = True
-        out = Output(self.id, tuple(self.new_tokens), tuple(self.new_logprobs), finish, error,
-                     tuple(self.prompt_logprobs) if first and self.prompt_logprobs else None,
-                     self.seq.cached_tokens if first else 0)
-        self.new_tokens, self.new_logprobs = [], []
-        return out
 
 
 class EngineCore:
     """Admits, steps and retires requests of token ids; ``step`` is called in a loop."""
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, context: int,
-                 eos_ids: Iterable[int] = (), proposer: Proposer | None = None) -> None:
+                 eos_ids: Iterable[int] = (), proposer: Proposer | None = None,
+                 overlap: bool = True) -> None:
         self.scheduler, self.runner, self.context = scheduler, runner, context
         self.proposer = proposer  # drafts tokens to verify (speculative decoding), or None
         self.drafted = self.accepted = 0  # drafted tokens so far, and those accepted
@@ -130,10 +52,14 @@ class EngineCore:
         self._by_id: dict[int, CoreRequest] = {}
         self._moved: dict[int, CoreRequest] = {}  # took tokens since the last report
         self._outputs: list[Output] = []  # finished since the last report
+        self.overlap = overlap  # leave greedy steps in flight (launch.py)
+        self._device: DeviceThread | None = None
+        self._in_flight: Launched | None = None  # a step whose tokens are on the device
+        self._pending: dict[Sequence, int] = {}  # its sequences: their token's index there
 
     @property
     def idle(self) -> bool:
-        return not self._live
+        return not self._live and self._in_flight is None
 
     def receive(self, inbox: Inbox) -> None:
         """New requests into the scheduler's queue; dropped ones leave it, blocks freed."""
@@ -147,27 +73,37 @@ class EngineCore:
             if request is not None:  # not finished already
                 self._retire(request, "cancelled")
 
+    def start(self, context: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
+        """Start the device thread (under ``context``) and run the decode warm-up there:
+        CUDA graphs replay in the thread that recorded them."""
+        self._device = DeviceThread(context)
+        self._device.call(self.runner.warm_up)
+
+    def stop(self) -> None:
+        if self._device is not None:
+            self._device.shutdown()
+
     def step(self) -> Report | None:
-        """One step, if any sequence has tokens to compute, and what it produced; the
-        report of the drops alone when none has; None when nothing happened."""
+        """Plan and launch a step, if any sequence has tokens to compute; take the tokens
+        of the step launched before it (a step left in flight) and of this one if it is
+        not left in flight; report what moved, or None when nothing happened."""
         plan: Plan | None = None
-        timing = None
+        launched = None
         try:
             plan = self.scheduler.schedule()
             if plan.chunks:
-                started = time.perf_counter()
-                forward_s = self._step(plan)
-                timing = StepTiming(len(plan.chunks), sum(c.length for c in plan.chunks),
-                                    forward_s, time.perf_counter() - started,
-                                    self.runner.graphed)
+                launched = self._launch(plan)
         except Exception as exc:  # a failing step fails its sequences, not the server
             self._fail([chunk.seq for chunk in plan.chunks] if plan is not None
                        else list(self._live), f"{type(exc).__name__}: {exc}")
-        if timing is None and not self._outputs and not self._moved:
+        timings = [t for t in (self._complete_in_flight(),
+                               None if launched is None else self._settle(launched))
+                   if t is not None]
+        if not timings and not self._outputs and not self._moved and launched is None:
             return None
         outputs = [*self._outputs, *(r.output() for r in self._moved.values())]
         self._outputs, self._moved = [], {}
-        return Report(tuple(outputs), self.occupancy(), self.taken, timing)
+        return Report(tuple(outputs), self.occupancy(), self.taken, tuple(timings))
 
     def limits(self) -> dict[str, object]:
         """The pool's and the scheduler's limits, for /readyz."""
@@ -185,25 +121,74 @@ class EngineCore:
                          blocks.total, scheduler.preemptions, blocks.prefix_queries,
                          blocks.prefix_hits, self.drafted, self.accepted)
 
-    def _step(self, plan: Plan) -> float:
-        """Run the plan's chunks (a decoding sequence's with its drafted tokens, if any),
-        then take the next tokens of each that reached its end; seconds the forward took
-        (the model runner's call; on a GPU, the launch of its work)."""
+    def _launch(self, plan: Plan) -> Launched:
+        """Hand the plan's chunks (a decoding sequence's with its drafted tokens, if any) to
+        the device thread; left in flight when every row's next token may stay there."""
         drafts = self._drafts(plan)
         steps = []
         for chunk in plan.chunks:
             draft = drafts.get(chunk.seq)
             tokens = chunk.tokens if draft is None else chunk.tokens + draft.tokens
             wanted = self._live[chunk.seq].wanted(chunk) if draft is None else "all"
-            steps.append((RowSpec(tokens, chunk.start, chunk.seq.table.blocks, wanted), chunk))
+            # The table as it is now: the device thread reads it after the core moves on.
+            blocks = tuple(chunk.seq.table.blocks)
+            steps.append((RowSpec(tokens, chunk.start, blocks, wanted), chunk))
         steps.sort(key=lambda step: len(step[0].tokens) > 1)  # one-token rows first
-        started = time.perf_counter()
-        logits = self.runner.run([row for row, _ in steps])
-        forward_s = time.perf_counter() - started
-        self.scheduler.advance(plan)
+        finals = [i for i, (_, chunk) in enumerate(steps)
+                  if chunk.final and chunk.seq not in drafts]
+        in_flight = (self.overlap and self.proposer is None
+                     and all(self._live[chunk.seq].device_sampled for _, chunk in steps))
+        patch_rows = [i for i, (row, _) in enumerate(steps) if row.tokens[-1] == PENDING]
+        source = self._in_flight.forward if self._in_flight is not None else None
+        forward = self._device_thread().submit(
+            run_forward, self.runner, [row for row, _ in steps], patch_rows, source,
+            [self._pending[steps[i][1].seq] for i in patch_rows], finals, in_flight)
+        return Launched(plan, steps, drafts, finals, in_flight, time.perf_counter(), forward)
+
+    def _device_thread(self) -> DeviceThread:
+        if self._device is None:  # a core stepped without start(): tests
+            self._device = DeviceThread(contextlib.nullcontext)
+        return self._device
+
+    def _complete_in_flight(self) -> StepTiming | None:
+        """Take the tokens of the step left in flight, now that the next one is launched."""
+        launched, self._in_flight = self._in_flight, None
+        if launched is None:
+            return None
+        done = self._result(launched)
+        if done is None:
+            return None
+        ids = [] if done.tokens is None else done.tokens.tolist()
+        for index, token in zip(launched.finals, ids, strict=True):
+            seq = launched.steps[index][1].seq
+            self._pending.pop(seq, None)
+            request = self._live.get(seq)
+            if request is not None:  # not retired while in flight
+                self._advance(request, token, None)
+        return self._timing(launched, done)
+
+    def _settle(self, launched: Launched) -> StepTiming | None:
+        """A step launched: its keys and values count as computed; left in flight, its
+        sequences hold a placeholder for their next token, else its tokens are taken."""
+        live = Plan([chunk for chunk in launched.plan.chunks if chunk.seq in self._live])
+        if launched.in_flight:
+            self.scheduler.advance(live)
+            for position, index in enumerate(launched.finals):
+                request = self._live.get(launched.steps[index][1].seq)
+                if request is not None and request.may_go_on(self.context):
+                    request.seq.tokens.append(PENDING)
+                    self._pending[request.seq] = position
+            self._in_flight = launched
+            return None
+        done = self._result(launched)
+        if done is None:
+            return None
+        self.scheduler.advance(live)
         finished: list[tuple[CoreRequest, torch.Tensor]] = []
-        for (row, chunk), chunk_logits in zip(steps, logits, strict=True):
-            request, draft = self._live[chunk.seq], drafts.get(chunk.seq)
+        for (row, chunk), chunk_logits in zip(launched.steps, done.logits, strict=True):
+            request, draft = self._live.get(chunk.seq), launched.drafts.get(chunk.seq)
+            if request is None:
+                continue  # retired when the step before it was taken
             if draft is not None:
                 self._take_verified(request, draft, on_host(chunk_logits))
                 continue
@@ -212,13 +197,28 @@ class EngineCore:
             if chunk.final:
                 finished.append((request, chunk_logits[-1:]))
         if self.proposer is not None:
-            self.proposer.settle(plan.chunks)
+            self.proposer.settle(launched.plan.chunks)
         if finished:
             tokens = choose_tokens([r.sampler for r, _ in finished],
                                    torch.cat([row for _, row in finished]))
             for (request, row), token in zip(finished, tokens, strict=True):
                 self._advance(request, token, row)
-        return forward_s
+        return self._timing(launched, done)
+
+    def _result(self, launched: Launched) -> Forward | None:
+        """The step's forward, waited for; None, its sequences failed, if it raised."""
+        try:
+            return launched.forward.result()
+        except Exception as exc:
+            self._fail([chunk.seq for chunk in launched.plan.chunks],
+                       f"{type(exc).__name__}: {exc}")
+            return None
+
+    @staticmethod
+    def _timing(launched: Launched, done: Forward) -> StepTiming:
+        chunks = launched.plan.chunks
+        return StepTiming(len(chunks), sum(chunk.length for chunk in chunks), done.forward_s,
+                          time.perf_counter() - launched.started, done.graphed)
 
     def _drafts(self, plan: Plan) -> dict[Sequence, Draft]:
         """The proposer's drafts for the step's decoding sequences, each within the room
@@ -255,7 +255,8 @@ class EngineCore:
                 self.scheduler.accept(request.seq, 1)
         self.drafted += len(draft.tokens)
 
-    def _advance(self, request: CoreRequest, token: int, logits: torch.Tensor) -> bool:
+    def _advance(self, request: CoreRequest, token: int,
+                 logits: torch.Tensor | None) -> bool:
         """Take the token, retire the request when finished; whether it goes on."""
         finished = request.take(token, logits, self.eos_ids, self.context)
         if finished is not None:
@@ -266,6 +267,7 @@ class EngineCore:
 
     def _retire(self, request: CoreRequest, reason: str, error: str | None = None) -> None:
         self._moved.pop(request.id, None)
+        self._pending.pop(request.seq, None)
         self._outputs.append(request.output(reason, error))
         self.scheduler.finish(request.seq)
         del self._live[request.seq], self._by_id[request.id]

@@ -173,8 +173,8 @@ class GenerationEngine:
         observer = self.observer
         if observer is not None:
             try:
-                if report.timing is not None:
-                    observer.step(report.timing)
+                for timing in report.timings:
+                    observer.step(timing)
                 observer.occupancy(report.occupancy)
             except Exception:
                 log.exception("gpuflow serve: the generation engine's observer failed")

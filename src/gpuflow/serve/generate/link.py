@@ -47,19 +47,23 @@ def run_core(core: EngineCore, context: Context, take: Callable[[bool], list[Inb
     None: the server stopped, or went away."""
     with context():
         try:
-            core.runner.warm_up()
+            core.start(context)
         except BaseException as exc:
             log.exception("gpuflow serve: the decode warm-up failed")
             publish(WarmUpFailed(f"{type(exc).__name__}: {exc}", isinstance(exc, UserError)))
+            core.stop()
             return
         assert core.runner.warmup_s is not None
         publish(Ready(core.runner.describe(), core.limits(), core.runner.warmup_s))
-        while (inboxes := take(core.idle)) is not None:
-            for inbox in inboxes:
-                core.receive(inbox)
-            report = core.step()
-            if report is not None:
-                publish(report)
+        try:
+            while (inboxes := take(core.idle)) is not None:
+                for inbox in inboxes:
+                    core.receive(inbox)
+                report = core.step()
+                if report is not None:
+                    publish(report)
+        finally:
+            core.stop()
 
 
 class ThreadLink:

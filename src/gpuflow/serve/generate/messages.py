@@ -78,13 +78,14 @@ class Output:
 @dataclass(frozen=True)
 class Report:
     """One step as the core reports it: its outputs, the engine after it, the requests the
-    core has taken in so far (the server counts the rest as waiting), and the step's
-    timing (None when no step ran: drops alone)."""
+    core has taken in so far (the server counts the rest as waiting), and the timing of
+    the steps whose tokens it took (none for drops alone; two where a step left in flight
+    and the one after it were both taken)."""
 
     outputs: tuple[Output, ...]
     occupancy: Occupancy
     taken: int
-    timing: StepTiming | None = None
+    timings: tuple[StepTiming, ...] = ()
 
 
 @dataclass(frozen=True)

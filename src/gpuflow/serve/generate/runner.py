@@ -29,6 +29,8 @@ from gpuflow.serve.generate.paged import NULL_BLOCK, KVPool, PagedLM, RowSpec, S
 from gpuflow.serve.model import allow_compiled_shapes, batch_buckets
 
 log = logging.getLogger("gpuflow.serve")
+# One-token rows of a step whose token is still on the device, and those tokens.
+Patch = tuple[list[int], torch.Tensor]
 
 
 def compile_mode(cuda_graphs: bool, max_autotune: bool) -> str | None:
@@ -146,25 +148,29 @@ class ModelRunner:
 
         return int(counters["inductor"]["cudagraph_skips"])
 
-    def run(self, rows: Sequence[RowSpec]) -> list[torch.Tensor]:
+    def run(self, rows: Sequence[RowSpec], patch: Patch | None = None) -> list[torch.Tensor]:
         """One step over ``rows`` (one-token rows first): each row's logits as it asked
         (``[1, V]`` for its last token, ``[T, V]`` for all, ``[0, V]`` for none), on the
         model's device in its dtype, to be read before the next step (a CUDA graph's
         output); what must be read on the host goes there by ``sampling.on_host``, so a
-        greedy batch moves its argmaxes, not ``B x V`` logits."""
+        greedy batch moves its argmaxes, not ``B x V`` logits. ``patch``: one-token rows
+        whose token is still on the device, and those tokens (``launch.py``)."""
         if self.buckets is not None and all(len(r.tokens) == 1 and r.logits == "last"
                                             for r in rows):
             size = next(b for b in self.buckets if b >= len(rows))
             self.graphed = self.cuda_graphs and not self.graphs_skipped
-            return list(self._decode_padded(rows, size)[:, None])
+            return list(self._decode_padded(rows, size, patch)[:, None])
         self.graphed = False
         batch = StepBatch.build(rows, self.block_size, self.device)
+        if patch is not None:  # one-token rows lead: row i's token is token i
+            batch.tokens[torch.tensor(patch[0], device=self.device)] = patch[1]
         logits = self.lm.forward(batch, self.pool)
         counts = [len(r.tokens) if r.logits == "all" else int(r.logits == "last")
                   for r in rows]
         return list(logits.split(counts))
 
-    def _decode_padded(self, rows: Sequence[RowSpec], bucket: int) -> torch.Tensor:
+    def _decode_padded(self, rows: Sequence[RowSpec], bucket: int,
+                       patch: Patch | None = None) -> torch.Tensor:
         """One decode step padded to ``bucket`` rows, the padding rows (token 0 at position
         0) writing into the null block; the real rows' logits ``[B, V]``, on the device."""
         width, size = self.max_blocks, self.block_size
@@ -177,6 +183,8 @@ class ModelRunner:
         table += [[0, 0, NULL_BLOCK, *[NULL_BLOCK] * width]] * (bucket - len(rows))
         host = torch.tensor(table, dtype=torch.long)
         on_device = host.to(self.device)  # one copy to the device
+        if patch is not None:
+            on_device[torch.tensor(patch[0], device=self.device), 0] = patch[1]
         tokens, positions, slots = on_device[:, :3].unbind(1)
         if self.cuda_graphs:
             # A new step of cudagraph trees: the previous replay's outputs (read by the
