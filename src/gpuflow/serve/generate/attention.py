@@ -3,8 +3,9 @@
 ``paged_attention`` serves a ``StepBatch``: decode rows together in groups over their
 gathered blocks, each prefill chunk in its own SDPA, rows sharing a long prefix through
 cascade attention on the CPU. ``decode_attention`` is the static-shape variant of one
-token per row (compiled decode steps, CUDA graphs): every row over every block its padded
-table names, under a mask, nothing read back to the host.
+token per row (compiled decode steps, CUDA graphs), nothing read back to the host: on CUDA
+through FlexAttention over exactly the blocks each row holds (``flex.py``), elsewhere every
+row over every block its padded table names, under a mask.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from torch.nn import functional as F
 
 from gpuflow.serve.generate.blocks import blocks_for
+from gpuflow.serve.generate.flex import flex_applies, flex_decode_attention
 from gpuflow.serve.generate.paged import KVPool, StepBatch, gather, visible
 
 GATHER_BYTES = 2 << 20  # the keys one decode SDPA gathers at most on the CPU (row_groups)
@@ -28,6 +30,9 @@ def decode_attention(q: torch.Tensor, pool: KVPool, layer: int, positions: torch
     every position ``block_tables[B, M]`` names, under a mask: shapes depend on ``B`` and
     ``M`` alone and nothing is read back to the host (for ``torch.compile(dynamic=False)``
     and CUDA graphs). Returns ``[B, heads, value_dim]``."""
+    if flex_applies(q, pool):  # CUDA: read only the blocks each row holds
+        return flex_decode_attention(q, pool, layer, positions, block_tables, scale,
+                                     sliding_window)
     batch, width = block_tables.shape
     return _one_token_rows(q, pool, layer, positions, block_tables, [width] * batch, scale,
                            sliding_window)
