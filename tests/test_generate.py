@@ -268,7 +268,7 @@ def test_a_failing_step_fails_its_sequences_and_the_engine_serves_on() -> None:
     their blocks; the next request is served."""
     model = tiny_gpt()
     engine = engine_for(model, 1, block_size=4)
-    run = engine.core.runner.run
+    run = engine.core.runner.run_flat
     calls = {"n": 0}
 
     def flaky(rows, patch=None):
@@ -277,7 +277,7 @@ def test_a_failing_step_fails_its_sequences_and_the_engine_serves_on() -> None:
             raise RuntimeError("device lost")
         return run(rows, patch)
 
-    engine.core.runner.run = flaky
+    engine.core.runner.run_flat = flaky
 
     async def scenario() -> tuple[list[Event], tuple[str, Done]]:
         engine.start()

@@ -50,7 +50,7 @@ def test_the_next_step_launches_before_the_last_ones_tokens_are_taken() -> None:
     model = tiny_gpt()
     engine = engine_for(model, 2)
     core, events = engine.core, []
-    run, launch, advance = core.runner.run, core._launch, core._advance
+    run, launch, advance = core.runner.run_flat, core._launch, core._advance
 
     def slow_run(rows, patch=None):
         time.sleep(0.05)
@@ -66,7 +66,8 @@ def test_the_next_step_launches_before_the_last_ones_tokens_are_taken() -> None:
         events.append("taken")
         return advance(request, token, logits)
 
-    core.runner.run, core._launch, core._advance = slow_run, recorded_launch, recorded_advance
+    core.runner.run_flat, core._launch, core._advance = (slow_run, recorded_launch,
+                                                         recorded_advance)
     [(text, tokens, _)] = through_engine(
         engine, [(b"abc", SamplingParams(max_tokens=6, temperature=0.0))], first=1)
     assert events[:4] == ["launched", "launched", "computed", "taken"]

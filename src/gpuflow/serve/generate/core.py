@@ -140,9 +140,11 @@ class EngineCore:
                      and all(self._live[chunk.seq].device_sampled for _, chunk in steps))
         patch_rows = [i for i, (row, _) in enumerate(steps) if row.tokens[-1] == PENDING]
         source = self._in_flight.forward if self._in_flight is not None else None
+        source_index = (torch.tensor([self._pending[steps[i][1].seq] for i in patch_rows])
+                        if patch_rows else None)  # made here, while the device thread works
         forward = self._device_thread().submit(
             run_forward, self.runner, [row for row, _ in steps], patch_rows, source,
-            [self._pending[steps[i][1].seq] for i in patch_rows], finals, in_flight)
+            source_index, finals, in_flight)
         return Launched(plan, steps, drafts, finals, in_flight, time.perf_counter(), forward)
 
     def _device_thread(self) -> DeviceThread:

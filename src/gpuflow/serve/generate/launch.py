@@ -84,22 +84,23 @@ class Launched:
 
 
 def run_forward(runner: ModelRunner, rows: list[RowSpec], patch_rows: list[int],
-                source: Future[Forward] | None, source_index: list[int], finals: list[int],
-                greedy: bool) -> Forward:
+                source: Future[Forward] | None, source_index: torch.Tensor | None,
+                finals: list[int], greedy: bool) -> Forward:
     """In the device thread: the step's forward, the placeholder tokens of ``patch_rows``
     read from the step before's device tokens (``source``, done before this in the same
-    thread), and for a step left in flight its final rows' argmaxes."""
+    thread), and for a step left in flight its final rows' argmaxes (their logits are the
+    step's only ones: every row of such a step wants its last token's, or none)."""
     started = time.perf_counter()
     patch = None
     if patch_rows:
-        assert source is not None
+        assert source is not None and source_index is not None
         earlier = source.result().tokens
         assert earlier is not None
-        patch = (patch_rows, earlier[torch.tensor(source_index, device=earlier.device)])
-    logits = runner.run(rows, patch)
-    forward_s = time.perf_counter() - started
+        patch = (patch_rows, earlier[source_index.to(earlier.device, non_blocking=True)])
     if not greedy:
-        return Forward(logits, None, forward_s, runner.graphed)
-    tokens = (torch.cat([logits[i][-1:] for i in finals]).argmax(dim=-1) if finals
-              else None)
-    return Forward([], tokens, forward_s, runner.graphed)
+        logits = runner.run(rows, patch)
+        return Forward(logits, None, time.perf_counter() - started, runner.graphed)
+    last = runner.run_flat(rows, patch)
+    forward_s = time.perf_counter() - started
+    assert last.shape[0] == len(finals)
+    return Forward([], last.argmax(dim=-1) if finals else None, forward_s, runner.graphed)

@@ -155,19 +155,22 @@ class ModelRunner:
         output); what must be read on the host goes there by ``sampling.on_host``, so a
         greedy batch moves its argmaxes, not ``B x V`` logits. ``patch``: one-token rows
         whose token is still on the device, and those tokens (``launch.py``)."""
+        counts = [len(r.tokens) if r.logits == "all" else int(r.logits == "last")
+                  for r in rows]
+        return list(self.run_flat(rows, patch).split(counts))
+
+    def run_flat(self, rows: Sequence[RowSpec], patch: Patch | None = None) -> torch.Tensor:
+        """``run``'s logits as one tensor, the rows' in order: ``[K, V]``."""
         if self.buckets is not None and all(len(r.tokens) == 1 and r.logits == "last"
                                             for r in rows):
             size = next(b for b in self.buckets if b >= len(rows))
             self.graphed = self.cuda_graphs and not self.graphs_skipped
-            return list(self._decode_padded(rows, size, patch)[:, None])
+            return self._decode_padded(rows, size, patch)
         self.graphed = False
         batch = StepBatch.build(rows, self.block_size, self.device)
         if patch is not None:  # one-token rows lead: row i's token is token i
             batch.tokens[torch.tensor(patch[0], device=self.device)] = patch[1]
-        logits = self.lm.forward(batch, self.pool)
-        counts = [len(r.tokens) if r.logits == "all" else int(r.logits == "last")
-                  for r in rows]
-        return list(logits.split(counts))
+        return self.lm.forward(batch, self.pool)
 
     def _decode_padded(self, rows: Sequence[RowSpec], bucket: int,
                        patch: Patch | None = None) -> torch.Tensor:
