@@ -105,6 +105,15 @@ class EngineCore:
         self._outputs, self._moved = [], {}
         return Report(tuple(outputs), self.occupancy(), self.taken, tuple(timings))
 
+    def fail_all(self, message: str) -> Report:
+        """Fail every request the core holds (a step broke its own bookkeeping): their
+        clients hear of it, and the core starts again empty."""
+        self._in_flight = None
+        self._pending.clear()
+        self._fail(list(self._live), message)
+        outputs, self._outputs, self._moved = self._outputs, [], {}
+        return Report(tuple(outputs), self.occupancy(), self.taken)
+
     def limits(self) -> dict[str, object]:
         """The pool's and the scheduler's limits, for /readyz."""
         scheduler, blocks = self.scheduler, self.scheduler.blocks

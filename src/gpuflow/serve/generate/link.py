@@ -57,9 +57,13 @@ def run_core(core: EngineCore, context: Context, take: Callable[[bool], list[Inb
         publish(Ready(core.runner.describe(), core.limits(), core.runner.warmup_s))
         try:
             while (inboxes := take(core.idle)) is not None:
-                for inbox in inboxes:
-                    core.receive(inbox)
-                report = core.step()
+                try:
+                    for inbox in inboxes:
+                        core.receive(inbox)
+                    report = core.step()
+                except Exception as exc:  # the core's own bookkeeping, not a step's forward
+                    log.exception("gpuflow serve: the engine core failed a step")
+                    report = core.fail_all(f"{type(exc).__name__}: {exc}")
                 if report is not None:
                     publish(report)
         finally:
