@@ -16,6 +16,13 @@ leaves what it measured, and says what it skipped):
    and with ``--cuda-graphs`` (decode steps replayed as a CUDA graph per batch bucket):
    output tokens/s at 1, 8, 32 and 64 clients (the Hugging Face export's server is the CPU
    benchmark's contender, left out here).
+   ``generation-real``: ``benchmarks/gpu_generation.py`` (issue 50): SmolLM2-135M-Instruct
+   and a config-only 1B Llama in bf16 at 1, 8, 64 and 256 clients, 128-token prompts and
+   outputs: tokens/s, TTFT and ITL p50/p99, the share of graphed steps. Targets: SmolLM2
+   ITL p50 <= 2 ms at one client and >= 25,000 tok/s at 256; the 1B >= 250 tok/s at one
+   client and >= 10,000 at 256. SmolLM2 comes from ``$GPUFLOW_SMOLLM2_DIR`` (a carried
+   folder of its config and tokenizer files gives random weights of its shape; the script's
+   docstring says more), else it and the 1B are skipped, saying why.
 4. ``cuda-graphs``: a launch-bound configuration (textlm tiny, micro-batch 16) compiled, then
    with ``--cuda-graphs``. Target: >= 1.3x the steps/s.
 5. ``serving``: ``benchmarks/serving.py --device cuda``, dynamic batching against batch size 1,
@@ -70,9 +77,10 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 import _common  # noqa: E402
 
-STAGES = ("matmul", "train", "generation", "cuda-graphs", "serving", "plan", "fsdp-comm",
-          "compare", "batch-auto", "fp16-resume")
-DEFAULT_STAGES = STAGES[:8]
+STAGES = ("matmul", "train", "generation", "generation-real", "cuda-graphs", "serving", "plan",
+          "fsdp-comm", "compare", "batch-auto", "fp16-resume")
+DEFAULT_STAGES = STAGES[:9]
+GENERATION_REAL_BUDGET_S = 300  # gpu_generation.py's own estimate: 4-5 minutes on an H100
 DEFAULT_BUDGET_S = 450
 TARGETS = {"mfu_bf16": {"124m": 0.50, "1b": 0.62}, "fp8_speedup": 1.25, "fp8_loss_rel": 0.02,
            "cuda_graphs_speedup": 1.3, "planner_error": 0.15, "vllm_tokens_ratio": 0.5}
@@ -342,6 +350,8 @@ def judge(result: dict[str, Any]) -> dict[str, Any]:
             "decode": result["generation_cuda_graphs"]["gpuflow_runs_on"]["decode"]}
     verdicts["generation vs vllm"] = _against_vllm(
         result.get("generation_cuda_graphs") or result.get("generation") or {})
+    for name, verdict in (result.get("generation_real") or {}).get("verdicts", {}).items():
+        verdicts[f"generation-real {name}"] = verdict
     # The planner has no fp8 model (it plans fp8 as bf16): those errors are shown, not judged.
     for name, fp8_runs in (("planner", False), ("planner, fp8 planned as bf16", True)):
         errors = {f"{run['label']} {key}": pair["error"] for run in train
@@ -482,6 +492,34 @@ def generation_stage(suite: Suite, device: str, name: str, *extra: str) -> None:
     suite.save()
 
 
+def generation_real_stage(suite: Suite, device: str) -> None:
+    """Issue 50's stage: the engine on SmolLM2-135M-Instruct and a 1B Llama config in bf16,
+    1 to 256 clients (the dry run: one tiny model on the CPU, 1 and 2 clients). On a GPU the
+    script's own results file is kept in benchmarks/results too."""
+    import gpu_generation
+
+    work = suite.work / "generation-real"
+    out = gpu_generation.default_out(suite.dry_run, work)
+    budget = max(60.0, min(GENERATION_REAL_BUDGET_S, suite.left_s() - 60))
+    flags = ["--dry-run"] if suite.dry_run else ["--budget-s", f"{budget:.0f}"]
+    suite.log("generation, SmolLM2-135M-Instruct and the 1B Llama config")
+    code, log = suite.run("generation-real", [
+        sys.executable, "benchmarks/gpu_generation.py", "--device", device, *flags,
+        "--workdir", str(work), "--out", str(out)], 120 if suite.dry_run else budget + 90)
+    # Rewritten after every window: a run stopped at its limit still left its figures.
+    if out.is_file():
+        result = json.loads(out.read_text())
+        suite.result["generation_real"] = {
+            "exit_code": code, "results_file": str(out),
+            **{key: result.get(key) for key in ("dry_run", "settings", "models", "verdicts",
+                                                "table", "notes", "wall_time_s")}}
+        if code != 0:
+            suite.result["generation_real"]["log_tail"] = tail(log)
+    else:
+        suite.result["generation_real"] = failure(code, log)
+    suite.save()
+
+
 def compare_stage(suite: Suite, device: str) -> None:
     compare_json = suite.work / "compare_trainers.json"
     suite.log("compare_trainers")
@@ -574,6 +612,8 @@ def report(result: dict[str, Any]) -> None:
         if figures:
             print(f"{name}: /v1/completions output tokens/s " + ", ".join(
                 f"c{level} {value:.0f}" for level, value in figures.items()))
+    for line in result.get("generation_real", {}).get("table") or []:
+        print(f"generation-real {line}")
     for verdict in result.get("compare_trainers", {}).get("verdicts", []):
         print(f"compare_trainers {verdict}")
     if result.get("skipped"):
@@ -637,6 +677,8 @@ def main() -> int:
                                                          else []))
         if device == "cuda":
             generation_stage(suite, device, "generation_cuda_graphs", "--cuda-graphs")
+    if "generation-real" in stages:
+        generation_real_stage(suite, device)
     if "cuda-graphs" in stages:
         train_stage(suite, "cuda_graphs", graph_runs(args.dry_run), device, limit_s=90)
     if "serving" in stages:

@@ -65,6 +65,21 @@ def test_the_dry_run_walks_every_stage_and_records_where_it_came_from(tmp_path: 
     assert generation["gpuflow_runs_on"]["decode"] == "decode eager, one row per running sequence"
     assert verdicts["generation vs vllm"] == {
         "measured": False, "why": "vLLM is not installed here: no vLLM contender"}
+    # Issue 50's stage walks its whole path on one tiny model: server, load, /metrics, judging.
+    real = suite["generation_real"]
+    assert real["exit_code"] == 0 and real["dry_run"] is True, real
+    tiny = real["models"]["tiny-llama"]
+    assert tiny["server"]["runs_on"].startswith("cpu") and tiny["server"]["decode"], tiny
+    assert tiny["prompt_tokens"]["server"] == tiny["prompt_tokens"]["tokenizer"] > 0, tiny
+    for clients in ("1", "2"):
+        got = tiny["levels"][clients]
+        assert got["errors"] == 0 and got["tokens_per_s"] > 0, got
+        assert got["ttft_p99_ms"] >= got["ttft_p50_ms"] > 0, got
+        assert got["itl_p99_ms"] >= got["itl_p50_ms"] > 0, got
+        assert got["engine"]["steps"] > 0 and got["engine"]["graphed_step_share"] == 0.0, got
+    assert "skipped" in real["models"]["smollm2"]  # looked for, not served in a dry run
+    assert verdicts["generation-real tiny-llama tokens_per_s c1"]["dry_run"] is True
+    assert verdicts["generation-real llama-1b tokens_per_s c256"]["measured"] is False
     compared = suite["compare_trainers"]
     assert [(c["model"], c["precision"]) for c in compared["cases"]] == [("linear", "fp32")]
     assert compared["cases"][0]["vs_plain"]["gpuflow"]["median_ratio"] > 0, compared
