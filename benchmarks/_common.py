@@ -8,6 +8,7 @@ with ``provenance()``: nothing in it is edited by hand afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import importlib.metadata
 import json
@@ -19,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -202,3 +204,18 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(payload, indent=2) + "\n")
     tmp.replace(path)
+
+
+@contextlib.contextmanager
+def checked_out(ref: str, folder: Path) -> Iterator[Path]:
+    """``ref`` in a git worktree under ``folder`` (a baseline to run beside this checkout,
+    with the same virtual environment), removed afterwards."""
+    path = folder / "baseline"
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run(["git", "worktree", "add", "--detach", str(path), ref], cwd=root,
+                   check=True, capture_output=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=root,
+                       capture_output=True)

@@ -39,6 +39,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(ROOT / "tests"))  # hub_models: the tokenizer
 from _common import (  # noqa: E402
+    checked_out,
     default_result_path,
     machine_info,
     provenance,
@@ -67,14 +68,6 @@ def stub_directory(folder: Path) -> Path:
                          max_position_embeddings=512)
     LlamaForCausalLM(config).save_pretrained(out)
     return out
-
-
-def worktree(ref: str, folder: Path) -> Path:
-    """``ref`` checked out beside this checkout (its src/ is what the baseline runs)."""
-    path = folder / "baseline"
-    subprocess.run(["git", "worktree", "add", "--detach", str(path), ref], cwd=ROOT,
-                   check=True, capture_output=True)
-    return path
 
 
 def server_cpu_s(pid: int) -> float:
@@ -141,11 +134,10 @@ def parse() -> argparse.Namespace:
 def main() -> int:
     args = parse()
     levels = [int(c) for c in args.concurrency.split(",")]
-    with tempfile.TemporaryDirectory(prefix="host-ceiling-") as scratch:
-        folder = Path(scratch)
-        model = stub_directory(folder)
-        trees = {"gpuflow": ROOT, "gpuflow-thread-core": ROOT,
-                 "baseline": worktree(args.baseline, folder)}
+    with (tempfile.TemporaryDirectory(prefix="host-ceiling-") as scratch,
+          checked_out(args.baseline, Path(scratch)) as baseline):
+        model = stub_directory(Path(scratch))
+        trees = {"gpuflow": ROOT, "gpuflow-thread-core": ROOT, "baseline": baseline}
         extra = {"gpuflow": [], "gpuflow-thread-core": ["--no-engine-process"], "baseline": []}
         servers, runs = {}, {name: {str(c): [] for c in levels} for name in trees}
         try:
@@ -166,8 +158,6 @@ def main() -> int:
                                                        ["tokens_per_s"]), flush=True)
         finally:
             stop([process for process, _, _ in servers.values()])
-            subprocess.run(["git", "worktree", "remove", "--force", str(trees["baseline"])],
-                           cwd=ROOT, capture_output=True)
     results = {name: {c: median(r) for c, r in by_level.items()} for name, by_level in runs.items()}
     ratios = {c: results["gpuflow"][c]["tokens_per_s"] / results["baseline"][c]["tokens_per_s"]
               for c in map(str, levels)}

@@ -30,7 +30,13 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(ROOT / "tests"))
-from _common import default_result_path, machine_info, provenance, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    checked_out,
+    default_result_path,
+    machine_info,
+    provenance,
+    write_json,
+)
 
 VIEWS = {"slice", "select", "unsqueeze", "view", "transpose", "alias", "flatten", "detach",
          "detach_", "lift_fresh", "split", "split_with_sizes", "t", "as_strided", "expand",
@@ -112,18 +118,10 @@ def main() -> int:
     if args.count:
         print(json.dumps(count(args.count)))
         return 0
-    with tempfile.TemporaryDirectory(prefix="launches-") as scratch:
-        folder = Path(scratch)
-        baseline = folder / "baseline"
-        subprocess.run(["git", "worktree", "add", "--detach", str(baseline), args.baseline],
-                       cwd=ROOT, check=True, capture_output=True)
-        try:
-            results = {name: {"gpuflow": in_tree(ROOT, path),
-                              "baseline": in_tree(baseline, path)}
-                       for name, path in models(folder).items()}
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(baseline)], cwd=ROOT,
-                           capture_output=True)
+    with (tempfile.TemporaryDirectory(prefix="launches-") as scratch,
+          checked_out(args.baseline, Path(scratch)) as baseline):
+        results = {name: {"gpuflow": in_tree(ROOT, path), "baseline": in_tree(baseline, path)}
+                   for name, path in models(Path(scratch)).items()}
     ratios = {name: {step: {kind: pair["gpuflow"]["steps"][step][kind]
                             / pair["baseline"]["steps"][step][kind]
                             for kind in ("ops", "not_views")}
