@@ -20,6 +20,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from gpuflow.errors import UserError
 from gpuflow.serve.generate.core import EngineCore
 from gpuflow.serve.generate.messages import (
     Inbox,
@@ -119,11 +120,7 @@ class GenerationEngine:
         if answer is None:
             raise TimeoutError("the generation engine is still warming up")
         if isinstance(answer, WarmUpFailed):
-            if answer.user_error:
-                from gpuflow.errors import UserError
-
-                raise UserError(answer.message)
-            raise RuntimeError(answer.message)
+            raise (UserError if answer.user_error else RuntimeError)(answer.message)
         self.ready_info = answer
         return answer.warmup_s
 
