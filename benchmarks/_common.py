@@ -87,6 +87,13 @@ def machine_tag() -> str:
     return f"{slug or socket.gethostname()}-{usable_cores()}c"
 
 
+def gpu_slug() -> str | None:
+    """The first CUDA GPU's name as a file-name tag, e.g. ``nvidia-h200``; None without one."""
+    if not torch.cuda.is_available():
+        return None
+    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-")
+
+
 def default_result_path(benchmark: str) -> Path:
     return RESULTS_DIR / f"{benchmark}-{machine_tag()}.json"
 

@@ -643,13 +643,11 @@ def default_out(dry_run: bool, work: Path) -> Path:
     run's in its scratch folder (it measures nothing worth keeping)."""
     if dry_run:
         return work / "gpu_generation-dry-run.json"
-    import torch
-
     sys.path.insert(0, str(HERE))
     import _common
 
-    if torch.cuda.is_available():
-        slug = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-")
+    slug = _common.gpu_slug()
+    if slug:
         return _common.RESULTS_DIR / f"gpu_generation-{slug}.json"
     return _common.default_result_path("gpu_generation")
 

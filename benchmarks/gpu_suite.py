@@ -53,6 +53,9 @@ written beside the full run's file, never over it.
 
     bash benchmarks/gpu_suite.sh             # on the GPU machine
     bash benchmarks/gpu_suite.sh --dry-run   # every stage on the CPU at tiny sizes (CI)
+
+``gpu_suite.sh --pending`` runs instead the stages whose results are missing or stale
+(``gpu_queue.py``), each into a file of its own.
 """
 
 from __future__ import annotations
@@ -586,8 +589,7 @@ def default_out(dry_run: bool, partial: bool, work: Path) -> Path:
     scratch folder (it measures nothing worth keeping)."""
     if dry_run:
         return work / "gpu_suite-dry-run.json"
-    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no-gpu"
-    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    slug = _common.gpu_slug() or "no-gpu"
     return _common.RESULTS_DIR / f"gpu_suite-{slug}{'-partial' if partial else ''}.json"
 
 

@@ -4,6 +4,9 @@
 #
 #   bash benchmarks/gpu_suite.sh [--out FILE] [--workdir DIR]   # on the GPU machine
 #   bash benchmarks/gpu_suite.sh --dry-run                       # tiny sizes on the CPU (CI)
+#   bash benchmarks/gpu_suite.sh --pending --budget-s 450        # what needs measuring, in
+#   bash benchmarks/gpu_suite.sh --pending --dry-run             # order; the queue, listed
+#                                                                # (benchmarks/gpu_queue.py)
 #
 # A GPU machine without a registry lacks torchao (--precision fp8), fastapi/uvicorn
 # (serving) and nvImageCodec (images --decode gpu): `bash benchmarks/gpu_wheels.sh` here
@@ -23,4 +26,7 @@ if compgen -G ".wheels/*.whl" >/dev/null && ! "$PY" -c \
     echo "gpu_suite.sh: could not install .wheels/*.whl; the stages that need them say so" >&2
   fi
 fi
+for arg in "$@"; do
+  [[ $arg == --pending ]] && exec "$PY" benchmarks/gpu_queue.py "$@"
+done
 exec "$PY" benchmarks/gpu_suite.py "$@"

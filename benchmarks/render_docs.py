@@ -6,6 +6,9 @@ Every result file holds ``benchmark``, ``created``, ``command``, ``git``, ``mach
 printed ``table`` too. A result without a table gets its headline figures listed instead.
 Files from before the scripts recorded their commit say so.
 
+It also renders docs/performance.md's table of every GPU stage's figures (``gpu_stages``),
+between that page's two markers, so that neither page can drift from the files.
+
 Run: ``python benchmarks/render_docs.py`` (``make bench`` runs it after the benchmarks).
 """
 
@@ -13,12 +16,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import gpu_stages  # noqa: E402
+
 RESULTS = HERE / "results"
 DOC = HERE.parent / "docs" / "benchmarks.md"
+PERFORMANCE = HERE.parent / "docs" / "performance.md"
+GPU_TABLE = ("<!-- GPU figures: rendered by benchmarks/render_docs.py -->",
+             "<!-- end of the GPU figures -->")
 
 ABOUT = {
     "overhead": "gpuflow's Trainer against a plain PyTorch loop (and Lightning Fabric): "
@@ -226,13 +236,22 @@ def render(results_dir: Path = RESULTS) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def with_gpu_table(page: str, results_dir: Path = RESULTS) -> str:
+    """``page`` with the GPU figures between ``GPU_TABLE``'s markers rendered afresh."""
+    begin, end = GPU_TABLE
+    head, rest = page.split(begin, 1)
+    tail = rest.split(end, 1)[1]
+    return "\n".join([head + begin, *gpu_stages.table(results_dir), end]) + tail
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--out", type=Path, default=DOC)
     args = parser.parse_args(argv)
     args.out.write_text(render(args.results))
-    print(f"wrote {args.out}")
+    PERFORMANCE.write_text(with_gpu_table(PERFORMANCE.read_text(), args.results))
+    print(f"wrote {args.out} and the GPU figures of {PERFORMANCE}")
     return 0
 
 

@@ -16,6 +16,8 @@ import torch
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_queue  # noqa: E402
+import gpu_stages  # noqa: E402
 import gpu_suite  # noqa: E402
 import render_docs  # noqa: E402
 
@@ -147,3 +149,88 @@ def test_the_targets_are_judged_from_the_measured_runs() -> None:
     assert verdicts["planner"] == {"errors": {"1b-bf16 step_time_s": 0.10},
                                    "target_max": 0.15, "met": True}
     assert verdicts["planner, fp8 planned as bf16"] == {"errors": {"1b-fp8 step_time_s": -0.20}}
+
+
+def test_the_pending_dry_run_lists_the_queue_in_order_with_reasons(tmp_path: Path) -> None:
+    """`--pending --dry-run` on this checkout: every stage pending for a reason, in the fixed
+    order (the never-measured first), saved for a GPU machine that has no git."""
+    names = [stage.name for stage in gpu_stages.STAGES]
+    assert names[:7] == ["generation", "generation-real", "fp8-1b", "images", "finetune",
+                         "asr", "fashion"]
+    for stage in gpu_stages.STAGES:
+        assert all(any(ROOT.glob(source)) for source in stage.sources), stage.name
+    saved = tmp_path / "queue.json"
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_suite.sh"), "--pending",
+                           "--dry-run", "--save", str(saved)], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    header, *lines = done.stdout.splitlines()
+    queue = gpu_queue.Queue.load(saved)
+    assert header.startswith(f"GPU queue at {queue.commit[:12]}: {len(lines)} of {len(names)}")
+    listed = [line.split()[1] for line in lines]
+    assert listed == [stage.name for stage, _ in queue.pending]
+    assert listed == sorted(listed, key=names.index)
+    for line in lines:
+        assert re.search(r" s  (missing|stale since commit [0-9a-f]{7,} \(\d+ commits? after "
+                         r"\S+\.json's [0-9a-f]{7}\): \S)", line), line
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                          cwd=repo, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def test_a_stage_is_missing_fresh_or_stale_by_its_sources_commits(tmp_path: Path) -> None:
+    repo, results = tmp_path / "repo", tmp_path / "repo" / "results"
+    (repo / "src").mkdir(parents=True)
+    results.mkdir()
+    stage = gpu_stages.Stage("s", "", ("src/measured.py",), "s-*.json",
+                             lambda result: "figure" in result, lambda gpu, left: [], 1,
+                             lambda result: "")
+    _git(repo, "init", "-q")
+    (repo / "src" / "measured.py").write_text("1\n")
+    (repo / "src" / "other.py").write_text("1\n")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-qm", "code")
+    measured = _git(repo, "rev-parse", "HEAD")
+    assert gpu_queue.reason(stage, repo, results) == "missing"
+    (results / "s-gpu.json").write_text(json.dumps({"dry_run": True, "figure": 1}))
+    assert gpu_queue.reason(stage, repo, results) == "missing"  # a dry run measures nothing
+    (results / "s-gpu.json").write_text(json.dumps({"git": {"commit": measured}, "figure": 1}))
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-qm", "results")
+    (repo / "src" / "other.py").write_text("2\n")
+    _git(repo, "commit", "-qam", "other code")
+    assert gpu_queue.reason(stage, repo, results) is None
+    (repo / "src" / "measured.py").write_text("2\n")
+    _git(repo, "commit", "-qam", "measured code")
+    changed = _git(repo, "rev-parse", "--short=7", "HEAD")
+    assert gpu_queue.reason(stage, repo, results) == (
+        f"stale since commit {changed} (1 commit after s-gpu.json's {measured[:7]}): "
+        "src/measured.py")
+    # No commit recorded: the file stands for the commit that last wrote it.
+    (results / "s-gpu.json").write_text(json.dumps({"figure": 2}))
+    _git(repo, "commit", "-qam", "results without a commit")
+    assert gpu_queue.reason(stage, repo, results) is None
+    assert gpu_queue.pending(tmp_path / "no-git", results) is None
+
+
+def test_the_queue_runs_what_fits_the_budget_and_stops_at_its_end() -> None:
+    def stage(name: str, estimate_s: float, code: str) -> gpu_stages.Stage:
+        return gpu_stages.Stage(name, "", (), "", lambda result: False,
+                                lambda gpu, left: ["-c", code], estimate_s, lambda result: "")
+
+    queue = gpu_queue.Queue("c" * 40, False, [(stage("big", 99, "pass"), "missing"),
+                                              (stage("quick", 0, "pass"), "missing"),
+                                              (stage("slow", 0, "import time; time.sleep(30)"),
+                                               "stale")])
+    big, quick, slow = gpu_queue.run(queue, budget_s=1.5, gpu="gpu")
+    assert big["skipped"].startswith("needs ~99 s")
+    assert quick["exit_code"] == 0
+    assert slow["exit_code"] is None and slow["stopped"].startswith("at the budget's end")
+
+
+def test_the_gpu_figures_in_the_docs_are_rendered_from_the_results() -> None:
+    page = render_docs.PERFORMANCE.read_text()
+    assert render_docs.with_gpu_table(page) == page, "run benchmarks/render_docs.py"
+    assert "| `generation` |" in page and "| never measured |" in page
