@@ -16,7 +16,7 @@ from torch.utils.data import Dataset, default_collate
 
 from gpuflow import hf
 from gpuflow.data.iterable import is_sized, is_stream, peek
-from gpuflow.data.loader import BatchPlan
+from gpuflow.data.sampler import BatchPlan
 from gpuflow.errors import UserError
 from gpuflow.input_schema import InputSchema, mask_keywords, sequence_schema
 from gpuflow.serving import Codec, ServingSpec, TensorCodec

@@ -10,15 +10,12 @@ would.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from torch.utils.data import Dataset
 
-from gpuflow.data.sampler import ResumableSampler
-
-if TYPE_CHECKING:
-    from gpuflow.data.loader import BatchPlan
+from gpuflow.data.sampler import BatchPlan, ResumableSampler
 
 Augment = Callable[[Any, np.random.Generator], Any]
 

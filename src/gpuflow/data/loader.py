@@ -7,29 +7,16 @@ import multiprocessing
 import signal
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, TensorDataset
 
 from gpuflow.data.augment import Augment, AugmentedDataset, EpochKeyedBatches, EpochKeys
 from gpuflow.data.iterable import StreamBatches, StreamPosition, is_stream
-from gpuflow.data.sampler import ResumableSampler
+from gpuflow.data.sampler import BatchPlan, ResumableSampler
 from gpuflow.data.streaming import StreamingDataset
 from gpuflow.errors import UserError
-
-
-class BatchPlan(Protocol):
-    """A workload's own training batches for one rank (``Workload.batch_sampler``)."""
-
-    per_rank: int  # batches this rank takes each epoch, the same on every rank
-    epoch: int  # the epoch its next iteration yields
-
-    def set_position(self, epoch: int, start: int) -> None: ...
-
-    def __iter__(self) -> Iterator[list[int]]: ...
-
-    def __len__(self) -> int: ...
 
 
 def batches_per_epoch(dataset: Dataset, batch_size: int, world_size: int = 1) -> int:

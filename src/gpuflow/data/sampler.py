@@ -1,11 +1,26 @@
-"""A shuffling sampler whose position can be saved and restored exactly."""
+"""A shuffling sampler whose position can be saved and restored exactly, and the shape of a
+workload's own batches (``BatchPlan``), which the loader and the augmentation both take."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 from torch.utils.data import Sampler
+
+
+class BatchPlan(Protocol):
+    """A workload's own training batches for one rank (``Workload.batch_sampler``)."""
+
+    per_rank: int  # batches this rank takes each epoch, the same on every rank
+    epoch: int  # the epoch its next iteration yields
+
+    def set_position(self, epoch: int, start: int) -> None: ...
+
+    def __iter__(self) -> Iterator[list[int]]: ...
+
+    def __len__(self) -> int: ...
 
 
 class ResumableSampler(Sampler[int]):
