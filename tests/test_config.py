@@ -117,18 +117,39 @@ def test_a_layout_option_given_with_a_layout_it_does_not_tune_is_refused(
         build_config({}, values)
 
 
-@pytest.mark.parametrize("values", [
-    {"strategy": "ddp", "nproc": 2, "bucket_mb": 4},
-    {"strategy": "fsdp", "nproc": 2, "fsdp_prefetch": 2, "reshard_after_forward": False},
-    {"strategy": "fsdp", "nproc": 4, "pp": 2, "microbatches": 4, "fsdp_wrap": "model"},
-    {"strategy": "pp", "nproc": 2, "pp_schedule": "gpipe", "pp_split": "manual"},
-    {"strategy": "ddp", "nproc": 2, "fsdp_wrap": "block", "reshard_after_forward": True},
-    {"bucket_mb": 4},  # one process may be a rank of torchrun's ddp job: the run warns
-    {"strategy": "auto", "fsdp_prefetch": 2},  # the planner's choice: the run warns
-    {"strategy": "fsdp", "nproc": 2, "bucket_mb": 4, "resume": "runs/a"},  # saved: warns
+@pytest.mark.parametrize(("values", "warned"), [
+    ({"strategy": "ddp", "nproc": 2, "bucket_mb": 4}, None),
+    ({"strategy": "fsdp", "nproc": 2, "fsdp_prefetch": 2, "reshard_after_forward": False},
+     None),
+    ({"strategy": "fsdp", "nproc": 4, "pp": 2, "microbatches": 4, "fsdp_wrap": "model"}, None),
+    ({"strategy": "pp", "nproc": 2, "pp_schedule": "gpipe", "pp_split": "manual"}, None),
+    ({"strategy": "ddp", "nproc": 2, "fsdp_wrap": "block", "reshard_after_forward": True},
+     None),
+    # One process may be a rank of torchrun's ddp job: accepted, the run warns.
+    ({"bucket_mb": 4}, r"--bucket-mb 4 tunes DDP's .*\(single dp1xtp1xpp1\) .*: ignored"),
+    # The planner's choice (here: single): accepted, the run warns.
+    ({"strategy": "auto", "fsdp_prefetch": 2},
+     r"--fsdp-prefetch 2 tunes FSDP's .*\(single dp1xtp1xpp1\) .*: ignored"),
+    # A resumed run's saved options: accepted, the run warns.
+    ({"strategy": "fsdp", "nproc": 2, "bucket_mb": 4, "resume": "runs/a"},
+     r"--bucket-mb 4 tunes DDP's .*\(fsdp dp2xtp1xpp1\) .*: ignored"),
 ])
-def test_layout_options_the_layout_tunes_or_cannot_know_yet_pass(values: dict) -> None:
-    build_config({}, values)
+def test_layout_options_the_layout_tunes_or_cannot_know_yet_pass(values: dict,
+                                                                   warned: str | None) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config = build_config({}, values)
+    if config.strategy == "auto":
+        config = dataclasses.replace(config, strategy="single")
+    world = config.nproc * config.nnodes
+    if warned is None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ParallelDims.from_config(config, world)
+        return
+    with pytest.warns(UserWarning, match=warned) as caught:
+        ParallelDims.from_config(config, world)
+    assert len(caught) == 1
 
 
 def test_layout_options_the_chosen_layout_ignores_are_named_once() -> None:
@@ -139,8 +160,3 @@ def test_layout_options_the_chosen_layout_ignores_are_named_once() -> None:
     assert [str(w.message) for w in caught] == [
         "--fsdp-prefetch 2 tunes FSDP's sharding (--strategy fsdp), which this run "
         "(ddp dp2xtp1xpp1) does not have: ignored."]
-    with pytest.warns(UserWarning, match=r"--bucket-mb 4 tunes DDP's .*\(single dp1xtp1xpp1\)"):
-        ParallelDims.from_config(TrainConfig(bucket_mb=4), 1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        ParallelDims.from_config(TrainConfig(strategy="ddp", bucket_mb=4), 2)

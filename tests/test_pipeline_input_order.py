@@ -35,14 +35,19 @@ class _InOrder(nn.Module):
         super().__init__()
         self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
 
-    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        x = x * scale
+    def forward(self, x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        x = x - shift  # not symmetric: swapped inputs would give another output
         for block in self.blocks:
             x = block(x)
         return x
 
 
 def test_a_first_stage_taking_the_inputs_in_order_passes() -> None:
-    pipe = pipeline(_InOrder(), mb_args=(torch.ones(2, 4), torch.ones(2, 1)),
-                    split_spec={"blocks.1": SplitPoint.BEGINNING})
-    _check_input_order(pipe.split_gm.graph)
+    torch.manual_seed(0)
+    model, inputs = _InOrder(), (torch.randn(2, 4), torch.randn(2, 1))
+    pipe = pipeline(model, mb_args=inputs, split_spec={"blocks.1": SplitPoint.BEGINNING})
+    graph = pipe.split_gm.graph
+    first = next(node for node in graph.nodes if node.op == "call_module")
+    assert [arg.name for arg in first.args if isinstance(arg, torch.fx.Node)] == ["x", "shift"]
+    assert _check_input_order(graph) is None
+    torch.testing.assert_close(pipe(*inputs), (model(*inputs),))  # the Pipe returns a tuple
