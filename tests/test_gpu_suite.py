@@ -159,6 +159,7 @@ def test_the_pending_dry_run_lists_the_queue_in_order_with_reasons(tmp_path: Pat
                          "asr", "fashion"]
     for stage in gpu_stages.STAGES:
         assert all(any(ROOT.glob(source)) for source in stage.sources), stage.name
+        assert (ROOT / stage.command("nvidia-h100", 300)[0]).is_file(), stage.name
     saved = tmp_path / "queue.json"
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_suite.sh"), "--pending",
                            "--dry-run", "--save", str(saved)], capture_output=True, text=True,
