@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="safetensors (default): one file gpuflow serve reads; hf: a "
                              "directory transformers' from_pretrained opens (needs "
                              "gpuflow[hf])")
+    export.add_argument("--merge", action="store_true",
+                        help="a LoRA run: the base with the adapters merged into it (with "
+                             "--format hf, a whole model directory instead of PEFT's adapter "
+                             "files)")
     export.set_defaults(handler=_export)
     env = commands.add_parser("env", help="devices, versions and the peak FLOP/s used for MFU")
     env.add_argument("--json", action="store_true", help="print JSON")
@@ -143,7 +147,7 @@ def _saved_config(run_dir: Path) -> dict[str, Any]:
 def _export(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from gpuflow.export import export_model
 
-    path, step = export_model(Path(args.run_dir), Path(args.out), args.format)
+    path, step = export_model(Path(args.run_dir), Path(args.out), args.format, args.merge)
     print(f"exported step {step} of {args.run_dir} to {path}"
           + (" (Hugging Face format)" if args.format == "hf" else ""))
     return 0

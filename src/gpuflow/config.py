@@ -34,6 +34,7 @@ Decode = Literal["auto", "cpu", "gpu"]
 DEFAULT_BATCH_SIZE = 64
 DEFAULT_EVAL_BATCHES = 20  # see gpuflow.data.eval_set
 DISTRIBUTED = "distributed (torch.distributed, elastic launcher)"  # the flags' help group
+LORA = "LoRA adapters (needs gpuflow[hf]: PEFT)"
 
 
 def default_strategy(world: int) -> StrategyName:
@@ -227,6 +228,18 @@ class TrainConfig:
     progress: bool = option(
         True, flag="no-progress",
         help="no live progress output (the summary table still prints)")
+    lora_rank: int | None = option(
+        None, group=LORA, metavar="R", unset="off: every weight trains",
+        help="train rank-R LoRA adapters beside a frozen base instead of every weight",
+        details="see [workloads/finetune.md](workloads/finetune.md#lora-adapters)")
+    lora_alpha: float | None = option(
+        None, group=LORA, metavar="A", unset="2 x rank",
+        help="the adapters' scale is A / rank")
+    lora_dropout: float = option(0.0, group=LORA, help="dropout on the adapters' input")
+    lora_targets: str = option(
+        "all-linear", group=LORA, metavar="NAMES|all-linear",
+        help="modules that get adapters, comma-separated (q_proj,v_proj), or every linear "
+             "layer but the output layer")
     strategy: Strategy | None = option(
         None, group=DISTRIBUTED, unset="single for 1 process, ddp for more",
         help="how the model and the data are spread over the processes; auto: the "

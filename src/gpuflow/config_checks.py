@@ -85,6 +85,41 @@ def check_values(config: TrainConfig) -> None:
         value = getattr(config, name)
         if value is not None and value < 1:
             raise UserError(f"--{_flag(name)} must be at least 1 (got {value}).")
+    check_lora_values(config)
+
+
+def check_lora_values(config: TrainConfig) -> None:
+    """The LoRA flags: in range, and only beside --lora-rank."""
+    if config.lora_rank is None:
+        given = [f"--{_flag(name)}" for name, default in
+                 (("lora_alpha", None), ("lora_dropout", 0.0), ("lora_targets", "all-linear"))
+                 if getattr(config, name) != default]
+        if given:
+            raise UserError(f"{', '.join(given)} tune{'s' * (len(given) == 1)} LoRA adapters, "
+                            "which only --lora-rank R turns on: add it, or drop them.")
+        return
+    if config.lora_rank < 1:
+        raise UserError(f"--lora-rank must be at least 1 (got {config.lora_rank}).")
+    if config.lora_alpha is not None and config.lora_alpha <= 0:
+        raise UserError(f"--lora-alpha must be positive (got {config.lora_alpha}).")
+    if not 0.0 <= config.lora_dropout < 1.0:
+        raise UserError(f"--lora-dropout must be in [0, 1) (got {config.lora_dropout}).")
+    if config.strategy == "auto":
+        raise UserError("--lora-rank with --strategy auto: the planner does not count frozen "
+                        "weights yet. Choose --strategy single, ddp or fsdp.")
+    if config.precision == "fp8":
+        raise UserError("--lora-rank with --precision fp8: float8 training converts the "
+                        "linear layers the adapters attach to. Use --precision bf16.")
+
+
+def check_lora_layout(strategy: str, tp: int, pp: int) -> None:
+    """Adapters train under single, ddp and fsdp; tensor and pipeline parallelism would
+    have to split the adapters as they split their base layers, which gpuflow does not."""
+    if strategy in ("tp", "pp") or tp > 1 or pp > 1:
+        raise UserError(
+            f"--lora-rank trains under --strategy single, ddp and fsdp (this run: --strategy "
+            f"{strategy}{f' --tp {tp}' if tp > 1 else ''}{f' --pp {pp}' if pp > 1 else ''}): "
+            "tensor and pipeline parallelism do not split the adapters beside their layers.")
 
 
 def check_step_modes(config: TrainConfig, strategy: str, tp: int, pp: int) -> None:
@@ -146,6 +181,8 @@ def check_layout(config: TrainConfig, strategy: str, chosen: bool) -> None:
     ``--bucket-mb`` is left to the run's warning."""
     if config.precision == "fp8" or config.cuda_graphs:
         check_step_modes(config, strategy, config.tp, config.pp)
+    if config.lora_rank is not None:
+        check_lora_layout(strategy, config.tp, config.pp)
     if config.resume:
         return  # the saved options may be another layout's: the run warns of them
     idle = idle_layout_options(config, strategy, config.pp)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from gpuflow import checkpoint as ckpt
-from gpuflow import storage
+from gpuflow import lora, storage
 from gpuflow.byte_vocab import BYTE_VOCAB_SIZE
 from gpuflow.errors import UserError
 from gpuflow.serving import RUN_CONFIG_FILE, SERVING_FILE
@@ -40,19 +40,37 @@ def _newest(run_dir: Path) -> tuple[ckpt.Checkpoint, dict[str, torch.Tensor], di
     return checkpoint, model_state, json.loads(config_path.read_text())
 
 
-def export_model(run_dir: Path, out: Path,
-                 format: ExportFormat = "safetensors") -> tuple[Path, int]:
+def export_model(run_dir: Path, out: Path, format: ExportFormat = "safetensors",
+                 merge: bool = False) -> tuple[Path, int]:
     """Write the newest verified checkpoint's full weights to ``out``; return (path, step).
 
     ``safetensors``: one file carrying the run's configuration in its metadata, so a server
     can rebuild the workload's model without the run dir. ``hf``: a directory that
     ``transformers``' ``from_pretrained`` opens, written by the workload
     (``Workload.hf_writer``), with the run's configuration beside it.
+
+    A LoRA run's checkpoint holds only its adapters: ``hf`` writes them in PEFT's format
+    (``merge``: the base with the adapters merged, as a whole model directory), and
+    ``safetensors`` the merged weights, the only whole model one file can hold.
     """
     checkpoint, model_state, config = _newest(run_dir)
     saved = run_dir / SERVING_FILE
     serving = json.loads(saved.read_text()) if saved.is_file() else None
-    if format == "hf":
+    spec = lora.LoraSpec.of(config)
+    if merge and spec is None:
+        raise UserError(f"--merge merges LoRA adapters into their base, and {run_dir} trained "
+                        "every weight (no --lora-rank): export it without --merge.")
+    if spec is not None:
+        workload = _with_adapters(config, spec, model_state, checkpoint, serving)
+        if format == "hf" and not merge:
+            _write_adapters(workload.model, out)
+            return out, checkpoint.step
+        workload.model = lora.merged(workload.model)
+        model_state = workload.model.state_dict()
+        if format == "hf":
+            write_hf_export(workload, config, checkpoint.step, out, serving)
+            return out, checkpoint.step
+    elif format == "hf":
         _export_hf(config, serving, model_state, checkpoint, out)
         return out, checkpoint.step
     metadata = {
@@ -90,6 +108,44 @@ def _export_hf(config: dict[str, Any], serving: dict[str, Any] | None,
         write_hf_export(workload, config, checkpoint.step, out, serving)
 
 
+def _with_adapters(config: dict[str, Any], spec: lora.LoraSpec,
+                   adapters: dict[str, torch.Tensor], checkpoint: ckpt.Checkpoint,
+                   serving: dict[str, Any] | None) -> Workload:
+    """The run's workload rebuilt in fp32, its model the base (seeded as training seeded
+    it, for a base of random weights) wrapped with the checkpoint's adapters."""
+    from gpuflow.serve.model import build_workload
+
+    torch.manual_seed(int(config.get("seed", 0)))
+    workload = build_workload(config, serving=serving)
+    workload.model = lora.wrap(workload.model, spec)
+    lora.load_adapters(workload.model, adapters, checkpoint.path)
+    workload.model.eval()
+    return workload
+
+
+def _write_adapters(model: torch.nn.Module, out: Path) -> None:
+    """PEFT's adapter files into ``out``, which appears whole or not at all."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; an adapter export is a directory.")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        lora.save_adapters(model, tmp)
+        _replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """``tmp`` renamed to ``out``, the old ``out`` removed only once the new one is there."""
+    old = out.with_name(f".{out.name}.old{os.getpid()}")
+    if out.exists():
+        out.rename(old)
+    tmp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def _byte_vocabulary(model: torch.nn.Module) -> bool:
     """Whether the model's tokens are the 256 bytes, as gpuflow's text workloads train
     language models, Hugging Face ones too: then its tokenizer maps id ``i`` to byte ``i``."""
@@ -116,10 +172,6 @@ def write_hf_export(workload: Workload, config: dict[str, Any], step: int, out: 
         record = {"step": step, "config": config,
                   **({"serving": serving} if serving is not None else {})}
         (tmp / RUN_CONFIG_FILE).write_text(json.dumps(record, indent=2))
-        old = out.with_name(f".{out.name}.old{os.getpid()}")
-        if out.exists():
-            out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
+        _replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

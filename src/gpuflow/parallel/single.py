@@ -26,6 +26,7 @@ class Single(Strategy):
     def setup(self, model: nn.Module, parts: ModelParts, example: Any, batch_size: int
               ) -> None:
         self.call_model: Callable[[nn.Module, Any], Any] = parts.call_model
+        self.saves_frozen = parts.saves_frozen
         self.model = model
         self.forward_model = self.wrap(model, parts)
 

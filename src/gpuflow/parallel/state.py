@@ -29,23 +29,52 @@ FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 State = tuple[dict[str, torch.Tensor], dict[str, Any]]
 
 
-def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> State:
+def _options(full: bool, frozen: bool) -> StateDictOptions:
+    """``frozen`` False leaves out the weights that do not train (a LoRA run's base, which
+    the workload rebuilds): saving skips them, loading expects them absent."""
+    return StateDictOptions(full_state_dict=full, cpu_offload=full,
+                            ignore_frozen_params=not frozen)
+
+
+def _weights(model: nn.Module, full: bool, frozen: bool) -> dict[str, torch.Tensor]:
+    weights = get_model_state_dict(model, options=_options(full, frozen))
+    if frozen:
+        return weights
+    # A frozen weight tied to another name (an LM head tied to the embedding) is still
+    # listed under that name: only the trained parameters' names are kept.
+    trained = {_plain_name(name) for name, param in model.named_parameters()
+               if param.requires_grad}
+    return {name: tensor for name, tensor in weights.items() if name in trained}
+
+
+def _plain_name(name: str) -> str:
+    """A parameter's name without the wrappers' parts (DDP, activation checkpointing,
+    compile), as state dicts name it."""
+    name = name.removeprefix("module.")
+    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod."):
+        name = name.replace(wrapper, "")
+    return name
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, frozen: bool = True
+               ) -> State:
     """Unsharded weights and optimizer state keyed by parameter name."""
-    return (get_model_state_dict(model, options=FULL_STATE),
+    return (_weights(model, True, frozen),
             get_optimizer_state_dict(model, optimizer, options=FULL_STATE))
 
 
-def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> State:
+def local_state(model: nn.Module, optimizer: torch.optim.Optimizer, frozen: bool = True
+                ) -> State:
     """This rank's share of the weights and optimizer state, keyed by parameter name."""
-    return get_model_state_dict(model), get_optimizer_state_dict(model, optimizer)
+    return _weights(model, False, frozen), get_optimizer_state_dict(model, optimizer)
 
 
 def load(model: nn.Module, weights: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
-         optimizer_state: dict[str, Any], full: bool) -> None:
+         optimizer_state: dict[str, Any], full: bool, frozen: bool = True) -> None:
     """Load a complete state (``full``) into any wrapping, or this rank's own share."""
-    options = FULL_STATE if full else None
-    set_model_state_dict(model, weights, options=options)
-    set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
+    set_model_state_dict(model, weights, options=_options(full, frozen))
+    set_optimizer_state_dict(model, optimizer, optimizer_state,
+                             options=FULL_STATE if full else None)
 
 
 def read_sharded(request: State, path: Path, param_groups: list[dict[str, Any]]) -> State:

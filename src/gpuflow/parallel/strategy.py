@@ -66,6 +66,7 @@ class ModelParts:
     tensor_plan: Callable[[int], Mapping[str, ParallelStyle] | None]
     call_model: Callable[[nn.Module, Any], Any]
     activation_checkpointing: bool = False
+    saves_frozen: bool = True  # False: checkpoints leave out frozen weights (LoRA's base)
 
 
 def apply_activation_checkpointing(model: nn.Module, blocks: list[nn.Module]) -> int:
@@ -107,6 +108,7 @@ class Strategy(ABC):
         else:
             self.dp_rank = dist.get_rank() if dist.is_initialized() else 0
         self.model: nn.Module = nn.Module()  # set by setup()
+        self.saves_frozen = True  # set by setup() from ModelParts
         self.forward_model: nn.Module = self.model
         self.waits = self.timed_waits()
         self._collective_waits: contextlib.AbstractContextManager[Any] = (
@@ -178,20 +180,20 @@ class Strategy(ABC):
         """Unsharded weights and optimizer state keyed by parameter name (one process)."""
         from gpuflow.parallel import state  # torch's state-dict helpers: ~50 MB to import
 
-        return state.full_state(self.model, optimizer)
+        return state.full_state(self.model, optimizer, self.saves_frozen)
 
     def local_state(self, optimizer: torch.optim.Optimizer) -> State:
         """This rank's share of the weights and optimizer state, keyed by parameter name."""
         from gpuflow.parallel import state
 
-        return state.local_state(self.model, optimizer)
+        return state.local_state(self.model, optimizer, self.saves_frozen)
 
     def load_state(self, weights: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
                    optimizer_state: dict[str, Any], full: bool) -> None:
         """Load a complete state (``full``, as one process saves it) or this rank's share."""
         from gpuflow.parallel import state
 
-        state.load(self.model, weights, optimizer, optimizer_state, full)
+        state.load(self.model, weights, optimizer, optimizer_state, full, self.saves_frozen)
 
     def load_sharded(self, optimizer: torch.optim.Optimizer, path: Path,
                      param_groups: list[dict[str, Any]]) -> None:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from gpuflow import lora
 from gpuflow.config import TrainConfig
 from gpuflow.data.eval_set import eval_set
 from gpuflow.data.iterable import StreamBatches, is_sized, is_stream, resume_note
@@ -90,8 +91,9 @@ class Trainer:
         self.strategy = build_strategy(self.dims, self.device, self.policy, self.timer,
                                        compile=config.compile)
         self.run_dir = record.run_dir(config.run_dir, workload.name)
-        self.model = workload.model.to(self.device)
-        self.model.train()
+        self.lora = lora.LoraSpec.of(vars(config))
+        self.model = lora.wrap(workload.model, self.lora, self.policy.autocast_dtype)
+        self.model = self.model.to(self.device).train()
         # Counted whole, before any strategy shards or splits the model.
         self.trainable_params = sum(p.numel() for p in self.model.parameters()
                                     if p.requires_grad)
@@ -109,15 +111,14 @@ class Trainer:
                                 fsdp_all_gather=self.dims.sharded)
                     if config.precision == "fp8" else None)
         parts = ModelParts(workload.blocks, workload.loss_fn, workload.parallel_plan,
-                           call_model, config.activation_checkpointing)
+                           call_model, config.activation_checkpointing, self.lora is None)
         self.strategy.setup(self.model, parts, example[0], config.batch_size)
         self.model = self.strategy.model
         self.compiled: Compiled | None = self._compile(example) if config.compile else None
         self.optimizer = build_optimizer(self.model, config, self.device)
         self.scheduler = build_scheduler(self.optimizer, config, self.total_steps)
         self.scaler = self.policy.make_scaler()
-        decay = (config.ema_decay if config.ema_decay is not None
-                 else workload.default_ema_decay)
+        decay = workload.default_ema_decay if config.ema_decay is None else config.ema_decay
         self.average = WeightAverage(self.optimizer, decay) if decay else None
         if self.fp8 is not None and self.fp8.fsdp_float8_all_gather:
             fp8.precompute_scales_after_step(self.optimizer, self.model)
@@ -352,9 +353,8 @@ class Trainer:
                 final = self.evaluate()
         finally:
             self.close()
-        last = self.state.last
-        data = all_ranks_report(self.workload.data_report, self.strategy.dp_rank,
-                                self.dist.world_size)
+        last, data = self.state.last, all_ranks_report(
+            self.workload.data_report, self.strategy.dp_rank, self.dist.world_size)
         summary = record.write_summary(self.description, final, self.position,
                                        medians(self.metrics.step_records()), self.eval_time_s,
                                        last.path if last else None, data)

@@ -1,0 +1,185 @@
+"""LoRA adapters through PEFT: the base frozen, low-rank adapters trained beside it.
+
+Training wraps the workload's model here (``--lora-rank``); the export reads the same
+wrapping back to write PEFT's own files (``adapter_config.json`` and
+``adapter_model.safetensors``) or to merge the adapters into the base. PEFT is imported
+only when a run asks for adapters (``gpuflow[hf]``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from gpuflow import hf
+from gpuflow.errors import UserError
+
+ALL_LINEAR = "all-linear"
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+TORCHAO_CHECK = "is_torchao_available"
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """What ``--lora-rank``, ``--lora-alpha``, ``--lora-dropout`` and ``--lora-targets``
+    ask for; ``alpha`` None means twice the rank (a scale of 2, whatever the rank)."""
+
+    rank: int
+    alpha: float | None = None
+    dropout: float = 0.0
+    targets: str = ALL_LINEAR
+
+    @classmethod
+    def of(cls, options: Mapping[str, Any]) -> LoraSpec | None:
+        """The spec in a run's options (a ``TrainConfig``'s fields, or its saved
+        ``config.json``); None when the run trains every weight."""
+        if options.get("lora_rank") is None:
+            return None
+        return cls(int(options["lora_rank"]), options.get("lora_alpha"),
+                   float(options.get("lora_dropout") or 0.0),
+                   options.get("lora_targets") or ALL_LINEAR)
+
+    @property
+    def scale_alpha(self) -> float:
+        return self.alpha if self.alpha is not None else 2.0 * self.rank
+
+
+def _output_layer(model: nn.Module) -> nn.Module | None:
+    """The layer that maps hidden states to the vocabulary: adapters leave it alone, as
+    PEFT's ``all-linear`` does (it is often tied to the input embedding)."""
+    getter = getattr(model, "get_output_embeddings", None)
+    found = getter() if callable(getter) else None
+    return found if isinstance(found, nn.Module) else getattr(model, "lm_head", None)
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    """The last name components of the model's linear layers, the output layer's left out:
+    what ``all-linear`` targets, in the order the model holds them."""
+    output = _output_layer(model)
+    names = [name.rpartition(".")[2] for name, module in model.named_modules()
+             if isinstance(module, nn.Linear) and module is not output]
+    return list(dict.fromkeys(names))
+
+
+def _targets(model: nn.Module, spec: LoraSpec) -> list[str]:
+    """The module names the adapters attach to, each checked to match a module."""
+    present = linear_names(model)
+    if spec.targets == ALL_LINEAR:
+        if not present:
+            raise UserError(f"--lora-targets all-linear: {type(model).__name__} has no linear "
+                            "layer besides its output layer to attach adapters to.")
+        return present
+    wanted = [name.strip() for name in spec.targets.split(",") if name.strip()]
+    names = [name for name, _ in model.named_modules()]
+    unmatched = [target for target in wanted
+                 if not any(name == target or name.endswith(f".{target}") for name in names)]
+    if unmatched or not wanted:
+        raise UserError(f"--lora-targets {spec.targets}: {', '.join(unmatched) or 'nothing'} "
+                        f"names no module of {type(model).__name__}. Its linear layers are "
+                        f"{', '.join(present) or 'none'}; or give all-linear.")
+    return wanted
+
+
+def frozen_dtype(model: nn.Module, autocast: torch.dtype | None) -> torch.dtype:
+    """The dtype the frozen base is held in: the one its directory saved it in when the run
+    autocasts to that dtype, fp32 otherwise (a bf16 weight cannot meet an fp32 activation
+    outside autocast, and fp32 is what the workload loaded)."""
+    saved = _saved_dtype(model)
+    return saved if saved in HALF_DTYPES and saved == autocast else torch.float32
+
+
+def _saved_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype in the ``config.json`` of the directory a Hugging Face model was read from
+    (the loaded model's own config says the dtype it was loaded in)."""
+    path = Path(getattr(model, "name_or_path", "") or "") / "config.json"
+    if not hf.is_hf_model(model) or not path.is_file():
+        return None
+    config = json.loads(path.read_text())
+    name = config.get("dtype") or config.get("torch_dtype")
+    found = getattr(torch, name, None) if isinstance(name, str) else None
+    return found if isinstance(found, torch.dtype) else None
+
+
+def wrap(model: nn.Module, spec: LoraSpec | None, autocast: torch.dtype | None = None
+         ) -> nn.Module:
+    """``model`` with adapters (a ``peft.PeftModel``), or as it is when ``spec`` is None.
+    The base is frozen and held in :func:`frozen_dtype`; the adapters train in fp32."""
+    if spec is None:
+        return model
+    import peft
+
+    targets = _targets(model, spec)
+    dtype = frozen_dtype(model, autocast)
+    for param in model.parameters():  # not the buffers: rotary frequencies stay fp32
+        param.data = param.data.to(dtype)
+    config = peft.LoraConfig(r=spec.rank, lora_alpha=spec.scale_alpha, task_type=_task(model),
+                             lora_dropout=spec.dropout, target_modules=targets)
+    with warnings.catch_warnings(), _torchao_unasked():
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
+        # PEFT's default keeps adapters beside a 16-bit base in fp32.
+        return peft.get_peft_model(model, config, autocast_adapter_dtype=True)
+
+
+@contextlib.contextmanager
+def _torchao_unasked() -> Iterator[None]:
+    """PEFT imports torchao, whenever it is installed, to ask whether a layer is quantized
+    by it, and torchao's import is noisy (``gpuflow.lazy_torchao``): until something has
+    imported torchao no layer can be, so PEFT is told it is absent meanwhile."""
+    if "torchao" in sys.modules:
+        yield
+        return
+    checks = [module for name, module in list(sys.modules.items())
+              if name.startswith("peft") and hasattr(module, TORCHAO_CHECK)]
+    real = [getattr(module, TORCHAO_CHECK) for module in checks]
+    for module in checks:
+        setattr(module, TORCHAO_CHECK, lambda: False)
+    try:
+        yield
+    finally:
+        for module, check in zip(checks, real, strict=True):
+            setattr(module, TORCHAO_CHECK, check)
+
+
+def _task(model: nn.Module) -> str | None:
+    """PEFT's ``CAUSAL_LM`` for a ``transformers`` causal LM: its adapter config then says
+    so, as ``AutoPeftModelForCausalLM`` expects; None for any other model."""
+    if not hf.is_hf_model(model):
+        return None
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    causal = type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+    return "CAUSAL_LM" if causal else None
+
+
+def load_adapters(model: nn.Module, weights: Mapping[str, torch.Tensor], source: Path
+                  ) -> None:
+    """The adapter weights a checkpoint holds (the trained ones only) into ``model``, a
+    :func:`wrap` of the base: every adapter weight must be there, and nothing else."""
+    trained = {name for name, param in model.named_parameters() if param.requires_grad}
+    missing, unexpected = sorted(trained - weights.keys()), sorted(weights.keys() - trained)
+    if missing or unexpected:
+        wrong = "; ".join(f"{kind}: {', '.join(names[:3])}" for kind, names in
+                          (("missing", missing), ("unexpected", unexpected)) if names)
+        raise UserError(f"The adapters in {source} do not fit the run's LoRA settings "
+                        f"({wrong}).")
+    model.load_state_dict(dict(weights), strict=False)
+
+
+def save_adapters(model: nn.Module, out: Path) -> None:
+    """PEFT's files: ``adapter_config.json`` and ``adapter_model.safetensors``, which
+    ``peft.PeftModel.from_pretrained(base, out)`` opens."""
+    model.save_pretrained(out, safe_serialization=True)  # type: ignore[operator]
+
+
+def merged(model: nn.Module) -> nn.Module:
+    """The base with the adapters added into its weights, PEFT's wrapping gone."""
+    return model.merge_and_unload()  # type: ignore[operator]

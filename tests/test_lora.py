@@ -1,0 +1,212 @@
+"""LoRA adapters (--lora-rank): only the adapters train, sit in the optimizer and in the
+checkpoint; a resumed run is bitwise the uninterrupted one; PEFT opens the exported adapter on
+the base with the trained logits, and the merged export gives them too; a 16-bit base stays
+16-bit; 2 DDP ranks and 2 FSDP ranks follow one process; bad input is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from hub_models import one_thread
+from runs import losses, newest_weights
+
+from gpuflow import TrainConfig, Trainer, train
+from gpuflow.cli import main
+from gpuflow.errors import EXIT_USER_ERROR
+from gpuflow.export import export_model
+from gpuflow.parallel.env import free_port
+from gpuflow.workload import resolve_workload
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+SEQ = 32
+STEPS = 3
+# The adapter export is PEFT's own files over the same base: the logits PEFT computes equal
+# the trained model's within fp32 rounding (docs/workloads/finetune.md states both bounds).
+ADAPTER_ATOL = 1e-6
+# Merged weights (W + s·BA) round differently from the adapters added beside W: measured
+# 1.2e-5 on logits of magnitude up to 5.
+MERGED_ATOL = 5e-5
+# Ranks that split a batch follow one process of the whole batch (the full fine-tune's bound).
+RANKS_ATOL = 1e-5
+
+
+def setup(directory: Path, run_dir: Path, **options: Any) -> tuple[Any, TrainConfig]:
+    """``hf:directory`` with rank-4 adapters on random ids for ``STEPS`` steps, seeded."""
+    torch.manual_seed(0)
+    workload = resolve_workload(f"hf:{directory}", {"data": "synthetic", "seq_len": SEQ})
+    settings = {"batch_size": 4, "lora_rank": 4, "max_steps": STEPS, **options}
+    config = TrainConfig(workload=f"hf:{directory}", data="synthetic", seq_len=SEQ,
+                         eval_every=0, log_every=1, progress=False, schedule="constant",
+                         warmup_steps=0, lr=1e-2, run_dir=str(run_dir), **settings)
+    return workload, config
+
+
+def adapters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: param for name, param in model.named_parameters() if param.requires_grad}
+
+
+@pytest.fixture(scope="module")
+def lora_run(hub_models: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A trained LoRA run of the tiny Llama."""
+    run_dir = tmp_path_factory.mktemp("lora") / "run"
+    with one_thread():  # as every test of the module trains
+        return train(*setup(hub_models["llama"], run_dir))
+
+
+def test_only_the_adapters_train_and_are_saved(lora_run: Any) -> None:
+    model = lora_run.model
+    trained = adapters(model)
+    assert trained and all(".lora_A." in name or ".lora_B." in name for name in trained)
+    assert all(param.dtype == torch.float32 for param in trained.values())
+    frozen = [name for name, param in model.named_parameters() if not param.requires_grad]
+    assert any(name.endswith("q_proj.base_layer.weight") for name in frozen)
+    # Every linear layer but the LM head got adapters (all-linear).
+    wrapped = {name.split(".lora_")[0].rpartition(".")[2] for name in trained}
+    assert wrapped == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                       "down_proj"}
+    assert set(newest_weights(lora_run.run_dir)) == set(trained)
+    assert lora_run.summary["trainable_params"] == sum(p.numel() for p in trained.values())
+    assert any(bool(p.abs().sum()) for name, p in trained.items() if ".lora_B." in name)
+
+
+@pytest.mark.slow
+def test_a_resumed_lora_run_is_bitwise_the_uninterrupted_one(hub_models: Any,
+                                                             tmp_path: Path) -> None:
+    """With dropout on the adapters: the resumed run draws the same masks."""
+    directory = hub_models["llama"]
+    full = train(*setup(directory, tmp_path / "full", lora_dropout=0.1))
+    first = Trainer(*setup(directory, tmp_path / "split", lora_dropout=0.1))
+    optimized = {id(p) for group in first.optimizer.param_groups for p in group["params"]}
+    assert optimized == {id(p) for p in adapters(first.model).values()}
+    first.run_steps(1)
+    first.save_checkpoint()
+    first.close()
+    resumed = train(*setup(directory, tmp_path / "split", lora_dropout=0.1, resume=True))
+    assert losses(tmp_path / "split")[-1] == losses(tmp_path / "full")[-1]
+    for (name, a), b in zip(adapters(full.model).items(),
+                            adapters(resumed.model).values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_exports_open_in_peft_and_transformers_with_the_trained_logits(
+        hub_models: Any, lora_run: Any, tmp_path: Path) -> None:
+    import peft
+    import transformers
+
+    directory = hub_models["llama"]
+    ids = torch.randint(0, 4096, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    trained = _logits(lora_run.model.eval(), ids)
+    export_model(lora_run.run_dir, tmp_path / "adapter", "hf")
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {
+        path.name for path in (tmp_path / "adapter").iterdir()}
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["task_type"]) == (4, 8, "CAUSAL_LM")
+    assert config["base_model_name_or_path"] == str(directory)
+    base = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    opened = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    assert (_logits(opened, ids) - trained).abs().max().item() <= ADAPTER_ATOL
+
+    export_model(lora_run.run_dir, tmp_path / "merged", "hf", merge=True)
+    for name in ("tokenizer.json", "chat_template.jinja", "generation_config.json"):
+        assert (tmp_path / "merged" / name).is_file(), name
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert (_logits(merged.eval(), ids) - trained).abs().max().item() <= MERGED_ATOL
+
+    _, step = export_model(lora_run.run_dir, tmp_path / "merged.safetensors")
+    from safetensors.torch import load_file
+
+    weights = load_file(tmp_path / "merged.safetensors")
+    assert step == STEPS and set(weights) == set(merged.state_dict())
+
+
+def test_textlm_adapters_on_named_modules_export_to_peft(tmp_path: Path) -> None:
+    import peft
+
+    from gpuflow.workloads import textlm
+
+    def workload() -> Any:
+        torch.manual_seed(0)
+        return textlm.build(data="synthetic")
+
+    config = TrainConfig(workload="textlm", data="synthetic", max_steps=2, batch_size=2,
+                         eval_every=0, progress=False, lr=1e-2, warmup_steps=0,
+                         run_dir=str(tmp_path / "run"), lora_rank=2, lora_targets="qkv")
+    result = train(workload(), config)
+    trained = adapters(result.model)
+    assert trained and all(".attn.qkv.lora_" in name for name in trained)
+    # The tied LM head (the embedding's weight under a second name) is frozen: not saved.
+    assert set(newest_weights(tmp_path / "run")) == set(trained)
+    export_model(tmp_path / "run", tmp_path / "adapter", "hf")
+    opened = peft.PeftModel.from_pretrained(workload().model, tmp_path / "adapter").eval()
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        worst = (opened(ids) - result.model.eval()(ids)).abs().max().item()
+    assert worst <= ADAPTER_ATOL
+
+
+def test_a_16_bit_base_stays_16_bit_under_autocast(hub_models: Any, tmp_path: Path) -> None:
+    import transformers
+
+    source, directory = hub_models["llama"], tmp_path / "llama-bf16"
+    shutil.copytree(source, directory)
+    model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
+    model.save_pretrained(directory)
+    result = train(*setup(directory, tmp_path / "run", max_steps=1, precision="bf16"))
+    dtypes = {name: param.dtype for name, param in result.model.named_parameters()}
+    assert {dtypes[name] for name in adapters(result.model)} == {torch.float32}
+    assert {dtype for name, dtype in dtypes.items() if "lora_" not in name} == {torch.bfloat16}
+
+
+def _ranks(rank: int, port: int, directory: str, run_dir: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from gpuflow.parallel.env import shutdown
+
+    try:
+        for strategy in ("ddp", "fsdp"):
+            train(*setup(Path(directory), Path(f"{run_dir}-{strategy}"), batch_size=2,
+                         strategy=strategy, nproc=2))
+    finally:
+        shutdown()
+
+
+@pytest.mark.slow
+def test_two_ddp_and_two_fsdp_ranks_train_adapters_as_one_process(
+        hub_models: Any, lora_run: Any, tmp_path: Path) -> None:
+    mp.spawn(_ranks, args=(free_port(), str(hub_models["llama"]), str(tmp_path / "run")),
+             nprocs=2)
+    one = losses(lora_run.run_dir)
+    for strategy in ("ddp", "fsdp"):
+        assert losses(tmp_path / f"run-{strategy}") == pytest.approx(one, abs=RANKS_ATOL)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--lora-rank", "0"], "--lora-rank must be at least 1"),
+    (["--lora-alpha", "8"], "--lora-alpha tunes LoRA adapters, which only --lora-rank"),
+    (["--lora-rank", "4", "--strategy", "tp", "--nproc", "2"],
+     "--lora-rank trains under --strategy single, ddp and fsdp"),
+    (["--lora-rank", "4", "--lora-targets", "q_proj,nope"],
+     "nope names no module of LlamaForCausalLM. Its linear layers are q_proj, k_proj"),
+])
+def test_bad_lora_flags_exit_2_naming_the_problem(
+        hub_models: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        flags: list[str], message: str) -> None:
+    code = main(["train", "--workload", f"hf:{hub_models['llama']}", "--data", "synthetic",
+                 "--seq-len", str(SEQ), "--max-steps", "1", "--no-progress",
+                 "--run-dir", str(tmp_path / "run"), *flags])
+    assert code == EXIT_USER_ERROR
+    assert message in capsys.readouterr().err
