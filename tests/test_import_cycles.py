@@ -36,15 +36,29 @@ def test_a_circle_through_a_subpackage_counts_at_the_level_they_share(cycles, tm
     assert cycles.find_circles(root) == [("pkg.sub", "pkg.top")]
 
 
-def test_deferred_and_type_only_imports_are_no_circle(cycles, tmp_path: Path) -> None:
+def test_a_type_only_import_closes_a_circle_and_a_deferred_one_does_not(cycles, tmp_path: Path
+                                                                         ) -> None:
+    typed = write(tmp_path / "typed", {
+        "pkg/__init__.py": "", "pkg/a.py": "from pkg import b\n",
+        "pkg/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import a\n"})
+    assert cycles.find_circles(typed) == [("pkg.a", "pkg.b")]
+    deferred = write(tmp_path / "deferred", {
+        "pkg/__init__.py": "", "pkg/a.py": "from pkg import b\n",
+        "pkg/b.py": "def f():\n    from pkg import a\n"})
+    assert cycles.find_circles(deferred) == []
+    assert cycles.main([str(deferred)]) == 0
+
+
+def test_from_a_package_import_a_module_names_that_module_alone(cycles, tmp_path: Path) -> None:
+    """A package's __init__ naming its public modules for typing is no circle with a module
+    that imports a sibling through the package's name."""
     root = write(tmp_path, {
-        "pkg/__init__.py": "",
-        "pkg/a.py": "from pkg import b\n",
-        "pkg/b.py": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                     "    from pkg import a\n\ndef f():\n    from pkg import a\n"),
-    })
+        "pkg/__init__.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                           "    from pkg.a import A\n",
+        "pkg/a.py": "from pkg import b\nA = 1\n", "pkg/b.py": ""})
     assert cycles.find_circles(root) == []
-    assert cycles.main([str(root)]) == 0
+    (root / "pkg" / "b.py").write_text("from pkg import A\n")  # a name of __init__'s own
+    assert cycles.find_circles(root) == [("pkg", "pkg.a", "pkg.b")]
 
 
 def test_an_allowed_circle_that_is_gone_fails_the_check(cycles, tmp_path: Path,

@@ -2,11 +2,12 @@
 
 import-linter's contracts keep packages apart (layers, forbidden imports), but a circle
 between two modules of the same package passes them all. This check reads every module's
-imports that run when it is imported: statements at module level, including those under a
-module-level ``if`` or ``try``, but not those under ``if TYPE_CHECKING:`` nor inside a
-function (a deferred import is how a module keeps a heavy or optional dependency off its
-import path). Within each package, a child module or subpackage stands for everything
-under it; a circle is a strongly connected group of two or more children.
+imports at module level, including those under a module-level ``if`` (``if TYPE_CHECKING:``
+too: a module that names, even for typing, one that imports it is in a circle) or ``try``,
+but not those inside a function (a deferred import is how a module keeps a heavy or
+optional dependency off its import path). ``from pkg import mod`` names ``pkg.mod``, not
+``pkg``'s ``__init__``. Within each package, a child module or subpackage stands for
+everything under it; a circle is a strongly connected group of two or more children.
 
 Usage: ``python tools/import_cycles.py [SRC_ROOT]`` (default ``src``); exit 1 on a circle.
 """
@@ -31,35 +32,29 @@ def module_name(path: Path, root: Path) -> str:
     return ".".join(parts)
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
-def _import_time_statements(body: list[ast.stmt]) -> list[ast.stmt]:
-    """Statements that run on import: module level, into ``if``/``try`` blocks but not into
-    ``if TYPE_CHECKING:``, functions or classes' methods."""
+def _module_level_statements(body: list[ast.stmt]) -> list[ast.stmt]:
+    """Statements at module level, into ``if``/``try`` blocks (``if TYPE_CHECKING:`` too)
+    and class bodies, but not into functions or methods."""
     found: list[ast.stmt] = []
     for node in body:
         found.append(node)
         if isinstance(node, ast.If):
-            if not _is_type_checking(node.test):
-                found += _import_time_statements(node.body)
-            found += _import_time_statements(node.orelse)
+            found += _module_level_statements(node.body)
+            found += _module_level_statements(node.orelse)
         elif isinstance(node, ast.Try):
             for block in (node.body, node.orelse, node.finalbody,
                           *(handler.body for handler in node.handlers)):
-                found += _import_time_statements(block)
+                found += _module_level_statements(block)
         elif isinstance(node, ast.ClassDef):
-            found += _import_time_statements(node.body)
+            found += _module_level_statements(node.body)
     return found
 
 
 def imported_modules(path: Path, name: str, known: set[str]) -> set[str]:
-    """The project's modules that ``name`` (read from ``path``) imports when imported."""
+    """The project's modules that ``name`` (read from ``path``) names at module level."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     targets: set[str] = set()
-    for node in _import_time_statements(ast.parse(path.read_text()).body):
+    for node in _module_level_statements(ast.parse(path.read_text()).body):
         if isinstance(node, ast.Import):
             targets.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -67,8 +62,10 @@ def imported_modules(path: Path, name: str, known: set[str]) -> set[str]:
             if node.level:
                 anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
                 base = ".".join([*anchor, base] if base else anchor)
-            targets.add(base)
-            targets.update(f"{base}.{alias.name}" for alias in node.names)
+            names = {f"{base}.{alias.name}" for alias in node.names}
+            targets.update(names)
+            if not names <= known:  # a name defined in base itself, not only its modules
+                targets.add(base)
     resolved = set()
     for target in targets:
         while target and target not in known:

@@ -1,9 +1,10 @@
 """The checks of a training configuration: values in range, and options that only some
 parallel layouts can use.
 
-:class:`gpuflow.config.TrainConfig` declares the fields; this module refuses what cannot run
-(a UserError, exit code 2) before any process starts, and names the options a layout would
-ignore. A layout option set away from its default for a layout that has no use for it is
+:class:`gpuflow.config_fields.TrainFields` declares the fields (this module names that type,
+below :class:`gpuflow.config.TrainConfig`, which calls it); this module refuses what cannot
+run (a UserError, exit code 2) before any process starts, and names the options a layout
+would ignore. A layout option set away from its default for a layout that has no use for it is
 refused when the layout was chosen with it; when the layout comes from the planner
 (``--strategy auto``) or a resumed run's saved options, the run says so once and goes on.
 """
@@ -11,13 +12,11 @@ refused when the layout was chosen with it; when the layout comes from the plann
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from gpuflow.config_fields import TrainFields
 from gpuflow.errors import UserError
 from gpuflow.options import check_choices
-
-if TYPE_CHECKING:
-    from gpuflow.config import TrainConfig
 
 # Why a captured CUDA graph cannot replay a step of each multi-process strategy.
 _UNGRAPHABLE = {
@@ -42,7 +41,7 @@ def _flag(name: str) -> str:
     return name.replace("_", "-")
 
 
-def check_values(config: TrainConfig) -> None:
+def check_values(config: TrainFields) -> None:
     """Reject values that would fail later with an unhelpful traceback."""
     check_choices(config)
     if config.batch_size != "auto" and config.batch_size < 1:
@@ -88,7 +87,7 @@ def check_values(config: TrainConfig) -> None:
     check_lora_values(config)
 
 
-def check_lora_values(config: TrainConfig) -> None:
+def check_lora_values(config: TrainFields) -> None:
     """The LoRA flags: in range, and only beside --lora-rank."""
     if config.lora_rank is None:
         given = [f"--{_flag(name)}" for name, default in
@@ -122,7 +121,7 @@ def check_lora_layout(strategy: str, tp: int, pp: int) -> None:
             "tensor and pipeline parallelism do not split the adapters beside their layers.")
 
 
-def check_step_modes(config: TrainConfig, strategy: str, tp: int, pp: int) -> None:
+def check_step_modes(config: TrainFields, strategy: str, tp: int, pp: int) -> None:
     """fp8 and CUDA graphs only with the strategies they compose with."""
     if config.precision == "fp8" and (tp > 1 or pp > 1 or strategy in ("tp", "pp")):
         raise UserError(
@@ -145,7 +144,7 @@ def check_step_modes(config: TrainConfig, strategy: str, tp: int, pp: int) -> No
             "--cuda-graphs, or train on one GPU.")
 
 
-def idle_layout_options(config: TrainConfig, strategy: str, pp: int) -> dict[str, str]:
+def idle_layout_options(config: TrainFields, strategy: str, pp: int) -> dict[str, str]:
     """The layout options set away from their defaults that ``strategy`` with ``pp``
     pipeline stages does not use: each one's flag as given (``--bucket-mb 4``) by its
     family (``ddp``, ``fsdp`` or ``pp``)."""
@@ -174,7 +173,7 @@ def describe_idle(idle: dict[str, str], layout: str) -> str:
     return f"{'; '.join(tuned)}, which this run ({layout}) does not have"
 
 
-def check_layout(config: TrainConfig, strategy: str, chosen: bool) -> None:
+def check_layout(config: TrainFields, strategy: str, chosen: bool) -> None:
     """Refuse fp8 and CUDA graphs with a layout they do not compose with, and options that
     tune another layout. ``chosen``: the strategy was given, rather than the default for the
     job's size; one process may then still be a rank of an outside launcher's job, so

@@ -10,7 +10,8 @@ import warnings
 from collections.abc import Sequence
 from typing import Any, get_args
 
-from gpuflow.config import OptimizerName, TrainConfig
+from gpuflow.config import TrainConfig
+from gpuflow.config_fields import OptimizerName
 from gpuflow.errors import UserError
 from gpuflow.precision import PEAK_KEYS
 

@@ -13,15 +13,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, get_args
 
-from gpuflow.config import (
+from gpuflow.config import TrainConfig
+from gpuflow.config_checks import describe_idle, idle_layout_options
+from gpuflow.config_fields import (
     FsdpWrap,
     PipelineSchedule,
     PipelineSplit,
     StrategyName,
-    TrainConfig,
     default_strategy,
 )
-from gpuflow.config_checks import describe_idle, idle_layout_options
 from gpuflow.errors import UserError
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gpuflow.config import DDP_DEFAULT_BUCKET_MIB
+from gpuflow.config_fields import DDP_DEFAULT_BUCKET_MIB
 from gpuflow.planner.layout import Layout
 from gpuflow.planner.machine import Hardware, Link
 from gpuflow.planner.memory import FP32, local_share

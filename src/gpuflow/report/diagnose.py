@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpuflow.config import DDP_DEFAULT_BUCKET_MIB
+from gpuflow.config_fields import DDP_DEFAULT_BUCKET_MIB
 from gpuflow.gpu_specs import lookup_gpu
 
 INPUT_WAIT_FRAC = 0.10

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpuflow.config import DEFAULT_BATCH_SIZE, TrainConfig
+from gpuflow.config import TrainConfig
+from gpuflow.config_fields import DEFAULT_BATCH_SIZE
 from gpuflow.devices import total_memory
 from gpuflow.errors import UserError
 from gpuflow.parallel.strategy import resize_rows

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpuflow.config import Fp8Recipe
+from gpuflow.config_fields import Fp8Recipe
 from gpuflow.errors import UserError
 
 # float8 tensor cores: Ada (sm_89) and Hopper (sm_90) onwards.
