@@ -1,0 +1,177 @@
+"""Every figure the docs quote from a results file, against that file: a rerun that moves a
+figure, or an edit that misquotes one, fails here (docs/benchmarks.md and the GPU table of
+docs/performance.md are rendered from the files instead).
+
+A row: the page, the quoted text with ``{}`` where each figure stands (white space as in a
+sentence: line breaks count as spaces), the results file (``name@commit`` reads the version
+of a file that a later run replaced), and each figure's JSON path and format. A path is dot
+separated; ``[key=value]`` picks the item of a list, ``[1:]`` slices one; ``|min`` and
+``|max`` reduce a list; ``*1000`` scales (seconds to ms), ``/GiB`` divides by 2**30.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from functools import cache
+from typing import Any
+
+import pytest
+from conftest import ROOT
+
+RESULTS = ROOT / "benchmarks" / "results"
+PERF, PLANNER = "docs/performance.md", "docs/planner.md"
+H200, H200_OLD = "gpu_suite-nvidia-h200.json", "gpu_suite-nvidia-h200.json@74802e9"
+RERUN, SERVING = "gpu_suite-nvidia-h200-rerun.json", "gpu_suite-nvidia-h200-serving.json"
+
+
+def _ratio(model: str) -> list[tuple[str, str]]:
+    """compare_trainers: gpuflow/plain's median and 95% interval for one model."""
+    base = f"cases[model={model}].vs_plain.gpuflow.median_ratio"
+    return [(base, ".3f"), (f"{base}_ci95.0", ".3f"), (f"{base}_ci95.1", ".3f")]
+
+
+def _plan(label: str, key: str, unit: str, spec: str) -> list[tuple[str, str]]:
+    """The planner's prediction, the measurement and the error for one train run."""
+    base = f"train[label={label}].planner.{key}"
+    return [(f"{base}.predicted{unit}", spec), (f"{base}.measured{unit}", spec),
+            (f"{base}.error", "+.0%")]
+
+
+FIGURES: list[tuple[str, str, str, list[tuple[str, str]]]] = [
+    (PERF, "measured gpuflow/plain at {} (95% interval {}-{}) on the transformer",
+     "compare_trainers-amd-epyc-2c.json", _ratio("transformer")),
+    (PERF, "and {} ({}-{}) on the CNN, within 1%", "compare_trainers-amd-epyc-2c.json",
+     _ratio("cnn")),
+    (PERF, "Fabric and Accelerate beyond that noise ({} and {})",
+     "compare_trainers-amd-epyc-2c.json",
+     [("cases[model=cnn].target.gpuflow_vs.fabric.median_ratio", ".3f"),
+      ("cases[model=cnn].target.gpuflow_vs.accelerate.median_ratio", ".3f")]),
+    (PERF, "measured gpuflow/plain at {} ({}-{}) on the transformer and {} ({}-{}) on the "
+     "CNN; the same", "compare_trainers-intel-r-xeon-r-2c.json",
+     _ratio("transformer") + _ratio("cnn")),
+    (PERF, "gave {} ({}-{}) and {} ({}-{}), so the split",
+     "compare_trainers-intel-r-xeon-r-2c-before-split.json",
+     _ratio("transformer") + _ratio("cnn")),
+    (PERF, "measured gpuflow/plain at {} ({}-{}) on the transformer and {} ({}-{}) on the "
+     "CNN (`benchmarks/results/compare_trainers-amd-epyc-2c-after-house.json`",
+     "compare_trainers-amd-epyc-2c-after-house.json",
+     _ratio("transformer") + _ratio("cnn")),
+    (PERF, "gave {} ({}-{}) and {} ({}-{}): no change",
+     "compare_trainers-amd-epyc-2c-before-house.json",
+     _ratio("transformer") + _ratio("cnn")),
+    (PERF, "are {} for ddp ({} with `--bucket-mb 1`), {} for fsdp per block and {} for fsdp "
+     "as one unit", "scaling-amd-epyc-2c.json",
+     [(f"efficiency.{name}.median", ".3f") for name in ("ddp", "ddp-bucket1", "fsdp",
+                                                         "fsdp-model")]),
+    (PERF, "| textlm 124m bf16, micro-batch 64 | {} | {} |", H200,
+     [("train[label=124m-bf16].tokens_per_s", ",.0f"), ("train[label=124m-bf16].mfu", ".1%")]),
+    (PERF, "| textlm 1b bf16, micro-batch 16 | {} | {} |", H200,
+     [("train[label=1b-bf16].tokens_per_s", ",.0f"), ("train[label=1b-bf16].mfu", ".1%")]),
+    (PERF, "| textlm 1b fp8 (tensorwise) | {} ({}x bf16) | {} of the bf16 peak |", H200,
+     [("train[label=1b-fp8].tokens_per_s", ",.0f"),
+      ("verdicts.fp8 vs bf16 1b.tokens_per_s_ratio", ".2f"), ("train[label=1b-fp8].mfu", ".1%")]),
+    (PERF, "| textlm 124m fp8 | {} ({}x bf16) | {} |", H200,
+     [("train[label=124m-fp8].tokens_per_s", ",.0f"),
+      ("verdicts.fp8 vs bf16 124m.tokens_per_s_ratio", ".2f"),
+      ("train[label=124m-fp8].mfu", ".1%")]),
+    (PERF, "`--cuda-graphs` over compiled | {}x the steps/s", H200,
+     [("verdicts.cuda graphs.steps_per_s_ratio", ".2f")]),
+    (PERF, "the 1b model was {} against bf16's {} ({} apart, fp8 lower; the target asks for "
+     "within 2%), at 124m {} against {}.", H200,
+     [("verdicts.fp8 vs bf16 1b.val_loss.fp8", ".2f"),
+      ("verdicts.fp8 vs bf16 1b.val_loss.bf16", ".2f"),
+      ("verdicts.fp8 vs bf16 1b.val_loss_rel_diff", ".1%"),
+      ("verdicts.fp8 vs bf16 124m.val_loss.fp8", ".2f"),
+      ("verdicts.fp8 vs bf16 124m.val_loss.bf16", ".2f")]),
+    (PERF, "exposed {}-{} ms of communication in steps of {}-{} ms after the first ({} ms)",
+     H200, [("fsdp_comm.comm_s|min*1000", ".0f"), ("fsdp_comm.comm_s|max*1000", ".0f"),
+            ("fsdp_comm.step_time_s[1:]|min*1000", ".0f"),
+            ("fsdp_comm.step_time_s[1:]|max*1000", ".0f"),
+            ("fsdp_comm.step_time_s.0*1000", ".0f")]),
+    (PERF, "measured /v1/predict at {} req/s with dynamic batching against {} at batch size 1 "
+     "({} and {} with `--cuda-graphs`)", SERVING,
+     [("serving.runs.dynamic.requests_per_s", ".0f"),
+      ("serving.runs.max_batch_size_1.requests_per_s", ".0f"),
+      ("serving_cuda_graphs.runs.dynamic.requests_per_s", ".0f"),
+      ("serving_cuda_graphs.runs.max_batch_size_1.requests_per_s", ".0f")]),
+    (PERF, "measured 124m at {}k tokens/s, {} MFU at micro-batch 128", RERUN,
+     [("train[label=124m-b128].tokens_per_s*0.001", ".0f"),
+      ("train[label=124m-b128].mfu", ".1%")]),
+    (PLANNER, "| 124m | 32 | {} ms / {} ms ({}) | {} / {} GiB ({}) |", H200_OLD,
+     _plan("124m-b32", "step_time_s", "*1000", ".1f")
+     + _plan("124m-b32", "peak_mem_bytes", "/GiB", ".1f")),
+    (PLANNER, "| 124m | 64 | {} ms / {} ms ({}) | {} / {} GiB ({}) |", RERUN,
+     _plan("124m-b64", "step_time_s", "*1000", ".1f")
+     + _plan("124m-b64", "peak_mem_bytes", "/GiB", ".1f")),
+    (PLANNER, "| 124m | 128 | {} ms / {} ms ({}) | {} / {} GiB ({}) |", RERUN,
+     _plan("124m-b128", "step_time_s", "*1000", ".1f")
+     + _plan("124m-b128", "peak_mem_bytes", "/GiB", ".1f")),
+    (PLANNER, "| 1b | 8 | {} ms / {} ms ({}) | {} / {} GiB ({}) |", H200_OLD,
+     _plan("1b-b8", "step_time_s", "*1000", ".1f")
+     + _plan("1b-b8", "peak_mem_bytes", "/GiB", ".1f")),
+    (PLANNER, "| 1b | 16 | {} ms / {} ms ({}) | {} / {} GiB ({}) |", H200_OLD,
+     _plan("1b-b16", "step_time_s", "*1000", ".1f")
+     + _plan("1b-b16", "peak_mem_bytes", "/GiB", ".1f")),
+    (PLANNER, "124m at micro-batch 64, {} / {} ms ({}) and {} / {} GiB ({}); 1b at "
+     "micro-batch 16, {} / {} ms ({}) and {} / {} GiB ({}).", H200,
+     _plan("124m-bf16", "step_time_s", "*1000", ".1f")
+     + _plan("124m-bf16", "peak_mem_bytes", "/GiB", ".1f")
+     + _plan("1b-bf16", "step_time_s", "*1000", ".1f")
+     + _plan("1b-bf16", "peak_mem_bytes", "/GiB", ".1f")),
+    (PLANNER, "calibrated the 124m efficiency to {} and then predicted its step within {}.",
+     H200, [("plan.measured.efficiency", ".3f"),
+            ("plan.measured.step_error_vs_train|abs", ".1%")]),
+    (PLANNER, "1b fp8 steps took {} ms, 37% under the bf16 prediction, with {} GiB of the {} "
+     "predicted", H200, [("train[label=1b-fp8].step_time_s*1000", ".0f"),
+                         ("train[label=1b-fp8].peak_mem_bytes/GiB", ".1f"),
+                         ("train[label=1b-fp8].planner.peak_mem_bytes.predicted/GiB", ".1f")]),
+]
+
+
+@cache
+def results(name: str) -> Any:
+    """A results file, or (``name@commit``) the version of it at that commit."""
+    if "@" not in name:
+        return json.loads((RESULTS / name).read_text())
+    name, commit = name.split("@")
+    shown = subprocess.run(["git", "show", f"{commit}:benchmarks/results/{name}"], cwd=ROOT,
+                           capture_output=True, text=True, check=True)
+    return json.loads(shown.stdout)
+
+
+def lookup(result: Any, path: str) -> float:
+    path, _, scale = path.partition("*")
+    path, _, per = path.partition("/")
+    path, *reducers = path.split("|")
+    value = result
+    for part in path.split("."):
+        key, _, select = part.partition("[")
+        if key:
+            value = value[int(key)] if isinstance(value, list) else value[key]
+        if ":" in select:
+            start, end = (int(bound) if bound else None
+                          for bound in select.rstrip("]").split(":"))
+            value = value[start:end]
+        elif select:
+            field, want = select.rstrip("]").split("=")
+            value = next(item for item in value if str(item.get(field)) == want)
+    for reducer in reducers:
+        value = {"min": min, "max": max, "abs": abs}[reducer](value)
+    value *= float(scale or 1)
+    return value / 2**30 if per == "GiB" else value
+
+
+@cache
+def page(doc: str) -> str:
+    return re.sub(r"\s+", " ", (ROOT / doc).read_text())
+
+
+@pytest.mark.parametrize(("doc", "text", "file", "values"), FIGURES,
+                         ids=[f"{doc}: {text[:40]}" for doc, text, _, _ in FIGURES])
+def test_the_docs_quote_their_results_files(doc: str, text: str, file: str,
+                                            values: list[tuple[str, str]]) -> None:
+    figures = [format(lookup(results(file), path), spec) for path, spec in values]
+    quoted = text.format(*figures)
+    assert quoted in page(doc), f"{doc} should say: {quoted}"
