@@ -32,11 +32,15 @@ def _ratio(model: str) -> list[tuple[str, str]]:
     return [(base, ".3f"), (f"{base}_ci95.0", ".3f"), (f"{base}_ci95.1", ".3f")]
 
 
-def _plan(label: str, key: str, unit: str, spec: str) -> list[tuple[str, str]]:
-    """The planner's prediction, the measurement and the error for one train run."""
-    base = f"train[label={label}].planner.{key}"
-    return [(f"{base}.predicted{unit}", spec), (f"{base}.measured{unit}", spec),
-            (f"{base}.error", "+.0%")]
+def _plan(label: str) -> list[tuple[str, str]]:
+    """The planner's predicted and measured step (ms) and peak memory (GiB) for one train
+    run, each with its error."""
+    figures = []
+    for key, unit in (("step_time_s", "*1000"), ("peak_mem_bytes", "/GiB")):
+        base = f"train[label={label}].planner.{key}"
+        figures += [(f"{base}.predicted{unit}", ".1f"), (f"{base}.measured{unit}", ".1f"),
+                    (f"{base}.error", "+.0%")]
+    return figures
 
 
 FIGURES: list[tuple[str, str, str, list[tuple[str, str]]]] = [
@@ -100,26 +104,19 @@ FIGURES: list[tuple[str, str, str, list[tuple[str, str]]]] = [
      [("train[label=124m-b128].tokens_per_s*0.001", ".0f"),
       ("train[label=124m-b128].mfu", ".1%")]),
     (PLANNER, "| 124m | 32 | {} ms / {} ms ({}) | {} / {} GiB ({}) |", H200_OLD,
-     _plan("124m-b32", "step_time_s", "*1000", ".1f")
-     + _plan("124m-b32", "peak_mem_bytes", "/GiB", ".1f")),
+     _plan("124m-b32")),
     (PLANNER, "| 124m | 64 | {} ms / {} ms ({}) | {} / {} GiB ({}) |", RERUN,
-     _plan("124m-b64", "step_time_s", "*1000", ".1f")
-     + _plan("124m-b64", "peak_mem_bytes", "/GiB", ".1f")),
+     _plan("124m-b64")),
     (PLANNER, "| 124m | 128 | {} ms / {} ms ({}) | {} / {} GiB ({}) |", RERUN,
-     _plan("124m-b128", "step_time_s", "*1000", ".1f")
-     + _plan("124m-b128", "peak_mem_bytes", "/GiB", ".1f")),
+     _plan("124m-b128")),
     (PLANNER, "| 1b | 8 | {} ms / {} ms ({}) | {} / {} GiB ({}) |", H200_OLD,
-     _plan("1b-b8", "step_time_s", "*1000", ".1f")
-     + _plan("1b-b8", "peak_mem_bytes", "/GiB", ".1f")),
+     _plan("1b-b8")),
     (PLANNER, "| 1b | 16 | {} ms / {} ms ({}) | {} / {} GiB ({}) |", H200_OLD,
-     _plan("1b-b16", "step_time_s", "*1000", ".1f")
-     + _plan("1b-b16", "peak_mem_bytes", "/GiB", ".1f")),
+     _plan("1b-b16")),
     (PLANNER, "124m at micro-batch 64, {} / {} ms ({}) and {} / {} GiB ({}); 1b at "
      "micro-batch 16, {} / {} ms ({}) and {} / {} GiB ({}).", H200,
-     _plan("124m-bf16", "step_time_s", "*1000", ".1f")
-     + _plan("124m-bf16", "peak_mem_bytes", "/GiB", ".1f")
-     + _plan("1b-bf16", "step_time_s", "*1000", ".1f")
-     + _plan("1b-bf16", "peak_mem_bytes", "/GiB", ".1f")),
+     _plan("124m-bf16")
+     + _plan("1b-bf16")),
     (PLANNER, "calibrated the 124m efficiency to {} and then predicted its step within {}.",
      H200, [("plan.measured.efficiency", ".3f"),
             ("plan.measured.step_error_vs_train|abs", ".1%")]),
