@@ -177,9 +177,11 @@ def _ranks(rank: int, port: int, directory: str, run_dir: str) -> None:
     from gpuflow.parallel.env import shutdown
 
     try:
-        for strategy in ("ddp", "fsdp"):
+        for strategy, steps in (("ddp", STEPS), ("fsdp", STEPS - 1), ("fsdp", STEPS)):
+            # The second FSDP run resumes the first from its sharded adapters.
             train(*setup(Path(directory), Path(f"{run_dir}-{strategy}"), batch_size=2,
-                         strategy=strategy, nproc=2))
+                         strategy=strategy, nproc=2, max_steps=steps,
+                         resume=steps == STEPS and strategy == "fsdp"))
     finally:
         shutdown()
 
@@ -187,6 +189,7 @@ def _ranks(rank: int, port: int, directory: str, run_dir: str) -> None:
 @pytest.mark.slow
 def test_two_ddp_and_two_fsdp_ranks_train_adapters_as_one_process(
         hub_models: Any, lora_run: Any, tmp_path: Path) -> None:
+    """FSDP's run is stopped and resumed on the way."""
     mp.spawn(_ranks, args=(free_port(), str(hub_models["llama"]), str(tmp_path / "run")),
              nprocs=2)
     one = losses(lora_run.run_dir)
@@ -210,3 +213,14 @@ def test_bad_lora_flags_exit_2_naming_the_problem(
                  "--run-dir", str(tmp_path / "run"), *flags])
     assert code == EXIT_USER_ERROR
     assert message in capsys.readouterr().err
+
+
+def test_merge_is_refused_for_a_run_without_adapters(tmp_path: Path) -> None:
+    from gpuflow.errors import UserError
+    from gpuflow.workloads import textlm
+
+    config = TrainConfig(workload="textlm", data="synthetic", max_steps=1, batch_size=2,
+                         eval_every=0, progress=False, run_dir=str(tmp_path / "run"))
+    train(textlm.build(data="synthetic"), config)
+    with pytest.raises(UserError, match="--merge merges LoRA adapters into their base"):
+        export_model(tmp_path / "run", tmp_path / "out", "hf", merge=True)

@@ -33,7 +33,7 @@ def _options(full: bool, frozen: bool) -> StateDictOptions:
     """``frozen`` False leaves out the weights that do not train (a LoRA run's base, which
     the workload rebuilds): saving skips them, loading expects them absent."""
     return StateDictOptions(full_state_dict=full, cpu_offload=full,
-                            ignore_frozen_params=not frozen)
+                            ignore_frozen_params=not frozen, strict=frozen)
 
 
 def _weights(model: nn.Module, full: bool, frozen: bool) -> dict[str, torch.Tensor]:
@@ -42,9 +42,13 @@ def _weights(model: nn.Module, full: bool, frozen: bool) -> dict[str, torch.Tens
         return weights
     # A frozen weight tied to another name (an LM head tied to the embedding) is still
     # listed under that name: only the trained parameters' names are kept.
-    trained = {_plain_name(name) for name, param in model.named_parameters()
-               if param.requires_grad}
+    trained = _trained_names(model)
     return {name: tensor for name, tensor in weights.items() if name in trained}
+
+
+def _trained_names(model: nn.Module) -> set[str]:
+    return {_plain_name(name) for name, param in model.named_parameters()
+            if param.requires_grad}
 
 
 def _plain_name(name: str) -> str:
@@ -72,7 +76,10 @@ def local_state(model: nn.Module, optimizer: torch.optim.Optimizer, frozen: bool
 def load(model: nn.Module, weights: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
          optimizer_state: dict[str, Any], full: bool, frozen: bool = True) -> None:
     """Load a complete state (``full``) into any wrapping, or this rank's own share."""
-    set_model_state_dict(model, weights, options=_options(full, frozen))
+    missing, unexpected = set_model_state_dict(model, weights, options=_options(full, frozen))
+    wrong = sorted({*unexpected, *_trained_names(model).intersection(map(_plain_name, missing))})
+    if wrong:  # only without strict loading: frozen weights are expected to be absent
+        raise RuntimeError(f"weights missing or unexpected: {', '.join(wrong[:3])}")
     set_optimizer_state_dict(model, optimizer, optimizer_state,
                              options=FULL_STATE if full else None)
 
