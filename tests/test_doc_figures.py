@@ -1,7 +1,7 @@
 """The figures the docs quote from results files, against those files: a rerun that moves a
 figure, or an edit that misquotes one, fails here (docs/benchmarks.md and the GPU table of
 docs/performance.md are rendered from the files instead). Listed so far: performance.md,
-planner.md, and the images, finetune and asr workload pages; serving.md, data.md and
+planner.md, data.md, and the images, finetune and asr workload pages; serving.md and
 speech.md are not yet.
 
 A row: the page, the quoted text with ``{}`` where each figure stands (white space as in a
@@ -9,8 +9,9 @@ sentence: line breaks count as spaces), the results file (``name@commit`` reads 
 of a file that a later run replaced), and each figure's JSON path and format. A path is dot
 separated; ``[key=value]`` picks the item of a list, ``[1:]`` slices one; ``|min``,
 ``|max`` and ``|abs`` reduce a list (or a mapping's values) or a number; ``*1000`` scales
-(seconds to ms), ``/GiB`` divides by 2**30; a string (a speaker's name) is quoted as it is.
-A figure the file holds only as parts (a ratio of two of its numbers) is a function of it.
+(seconds to ms), ``/GiB`` and ``/MiB`` divide by 2**30 and 2**20; a string (a speaker's
+name) is quoted as it is. A figure the file holds only as parts (a ratio of two of its
+numbers) is a function of it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 PERF, PLANNER = "docs/performance.md", "docs/planner.md"
 IMAGES, FINETUNE = "docs/workloads/images.md", "docs/workloads/finetune.md"
 ASR, BATCHING = "docs/workloads/asr.md", "figures.batching"
+DATA, SCALE = "docs/data.md", "data_scale-intel-r-xeon-r-2c.json"
 H200, H200_OLD = "gpu_suite-nvidia-h200.json", "gpu_suite-nvidia-h200.json@74802e9"
 RERUN, SERVING = "gpu_suite-nvidia-h200-rerun.json", "gpu_suite-nvidia-h200-serving.json"
 
@@ -64,6 +66,16 @@ def _speaker(name: str) -> list[tuple[JsonPath, str]]:
             (f"figures.lexicon.per_speaker.{name}", ".1%"),
             (f"runs[held_out={name}].cer_greedy", ".1%"),
             (f"figures.isolated_digit_error.{name}", ".1%")]
+
+
+def _scale(run: str, size: str) -> list[tuple[JsonPath, str]]:
+    """data_scale: one corpus's packing and training figures."""
+    pack, train = f"runs.{run}.pack", f"runs.{run}.train"
+    return [(f"runs.{run}.corpus_bytes*1e-9", size), (f"{pack}.wall_s", ".1f"),
+            (f"{pack}.mb_per_s", ".0f"), (f"{pack}.peak_rss_bytes/MiB", ".0f"),
+            (f"{pack}.shards.train", ".0f"), (f"{pack}.shards.val", ".0f"),
+            (f"{train}.peak_rss_bytes/MiB", ".0f"), (f"{train}.data_wait_frac", ".4f"),
+            (f"{train}.eval_share", ".1%")]
 
 
 def _ratio(model: str) -> list[tuple[JsonPath, str]]:
@@ -208,6 +220,15 @@ FIGURES: list[tuple[str, str, str, list[tuple[JsonPath, str]]]] = [
      [("figures.greedy.worst", ".1%"), ("figures.greedy.worst_speaker", "s"),
       ("figures.lexicon.worst", ".1%"), ("figures.lexicon.worst_speaker", "s"),
       ("figures.isolated_digit_error|max", ".1%")]),
+    (DATA, "other jobs using {} of the CPUs meanwhile", SCALE, [("foreign_cpu_share", ".0%")]),
+    *((DATA, "| {} GB | {} s | {} MB/s | {} MiB | {} / {} | {} MiB | {} | {} |", SCALE,
+       _scale(run, size)) for run, size in (("1x", ".1f"), ("4x", ".0f"))),
+    (DATA, "the same at both sizes (ratio {};", SCALE,
+     [("verdicts.pack_rss_ratio_4x_to_1x", ".4f")]),
+    (DATA, "Training's peak RSS grows {} for 4x the data.", SCALE,
+     [(lambda result: result["verdicts"]["train_rss_ratio_4x_to_1x"] - 1, ".0%")]),
+    (DATA, "(steps 100 and 200) took {} of its wall time", SCALE,
+     [("runs.4x.train.eval_share", ".1%")]),
 ]
 
 
@@ -246,7 +267,7 @@ def lookup(result: Any, path: JsonPath) -> float | str:
     if isinstance(value, str):
         return value
     value *= float(scale or 1)
-    return value / 2**30 if per == "GiB" else value
+    return value / {"": 1, "MiB": 2**20, "GiB": 2**30}[per]
 
 
 @cache
