@@ -17,6 +17,11 @@ export, `transformers serve` and vLLM on that export (the GPU suite's stage), an
 llama.cpp's `llama-server` on a GGUF conversion of it (one thread; found or built:
 ``contenders/llama_cpp.py``), against which gpuflow's engine is judged.
 
+``--model smollm2``: the real SmolLM2-135M-Instruct (``real_model.py``; 30 layers, a
+49,152-token vocabulary), fp32, through gpuflow's engine and `llama-server` on its float32
+GGUF conversion, one thread each, the same prompt ids (a real text, ``--prompt-tokens``
+long); judged against llama.cpp by the targets of issue 50.
+
 Closed-loop clients ask for the same greedy completion at each concurrency, the contenders
 taking turns round by round so that a change in machine load hits all of them, each window
 waiting (up to a minute) for the CPUs to go idle first. Per contender and concurrency:
@@ -27,6 +32,7 @@ time and their forward's, their mean rows), which tells a slow step from a slow 
 
     .venv/bin/python benchmarks/generation.py                 # ~30 minutes on 2 cores
     .venv/bin/python benchmarks/generation.py --quick         # seconds
+    .venv/bin/python benchmarks/generation.py --model smollm2 --concurrency 1,8
     python benchmarks/generation.py --model textlm --device cuda --precision bf16 --cuda-graphs
 """
 
@@ -65,6 +71,7 @@ ARGS: argparse.Namespace  # the command line, parsed once in __main__
 QUIET_SHARE = 0.05  # a machine is quiet when other processes use under 5% of the CPUs
 # Targets of the issue: gpuflow's output tokens/s over transformers serve's, by concurrency.
 TARGETS = {"1": 1.0, "8": 1.5, "32": 1.5}
+TEXTLM_CONTEXT = 128  # textlm's positions: a slot's context, prompt and completion together
 PROMPT_TEXT = ("The Python interpreter reads a program text, splits it into tokens and "
                "builds a tree of the statements it finds; ") * 4  # textlm: a byte a token
 
@@ -235,10 +242,41 @@ def textlm_contenders(servers: Servers, folder: Path) -> tuple[list[Contender], 
         servers.notes.append("llama.cpp: its build here is for the CPU; not run on CUDA")
     llama = None if ARGS.no_llama_cpp or ARGS.device.startswith("cuda") else (
         llama_cpp.contender(servers, hf_dir, folder, greedy, ARGS.llama_server,
-                            max(ARGS.levels), ARGS.tokens, may_build=not ARGS.quick))
+                            max(ARGS.levels), ARGS.tokens, not ARGS.quick,
+                            (prompt, list(prompt.encode())), TEXTLM_CONTEXT, textlm=True))
     return contenders + ([llama[0]] if llama else []), {
         "model": f"textlm {ARGS.model_size or 'tiny (4 x 128, 128 context)'}, untrained",
         "gpuflow_runs_on": runs_on(url), "llama_cpp": llama[1] if llama else None}
+
+
+def smollm2_contenders(servers: Servers, folder: Path
+                       ) -> tuple[list[Contender], dict[str, Any]]:
+    """SmolLM2-135M-Instruct (``real_model.py``) through gpuflow's engine and llama.cpp's
+    `llama-server` on its float32 GGUF conversion: the same weights, the same prompt ids
+    (``--prompt-tokens`` of a real text), every request generating all its tokens."""
+    from hub_models import lessons
+    from real_model import smollm2_directory
+    from transformers import AutoTokenizer
+
+    path = smollm2_directory()
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    text = tokenizer.decode(tokenizer(" ".join(lessons()))["input_ids"][:ARGS.prompt_tokens])
+    ids = tokenizer(text)["input_ids"]
+    greedy = {"prompt": ids, "max_tokens": ARGS.tokens, "temperature": 0.0, "stream": True,
+              "ignore_eos": True, "stream_options": {"include_usage": True}}
+    url = servers.start("gpuflow", gpuflow_command(path, free_port()), "/readyz",
+                        600 if ARGS.compile or ARGS.max_autotune else 180)
+    if url is None:
+        raise RuntimeError("; ".join(servers.notes))
+    contenders = [Contender("gpuflow", url, "/v1/completions", greedy, True, ARGS.tokens)]
+    llama = None if ARGS.no_llama_cpp else llama_cpp.contender(
+        servers, path, folder, greedy, ARGS.llama_server, max(ARGS.levels), ARGS.tokens,
+        not ARGS.quick, (text, ids), len(ids) + ARGS.tokens + 8, textlm=False)
+    if llama:
+        contenders.append(llama[0])
+    return contenders, {"model": f"{path.name}: SmolLM2-135M-Instruct, fp32 directory",
+                        "prompt_tokens": len(ids), "gpuflow_runs_on": runs_on(url),
+                        "llama_cpp": llama[1] if llama else None}
 
 
 def runs_on(url: str) -> dict[str, Any]:
@@ -335,7 +373,7 @@ def measure(contenders: list[Contender], servers: Servers) -> dict[str, dict[str
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
-    add("--model", choices=["hub-llama", "textlm"], default="hub-llama")
+    add("--model", choices=["hub-llama", "textlm", "smollm2"], default="hub-llama")
     add("--model-size", help="textlm: --model-size of the served model (default tiny)")
     add("--routes", default="completions,chat", help="hub-llama: comma-separated routes")
     add("--concurrency", default="1,8,32", help="comma-separated client counts")
@@ -354,9 +392,9 @@ def parse() -> argparse.Namespace:
     add("--no-transformers", action="store_true", help="leave `transformers serve` out")
     add("--no-vllm", action="store_true", help="leave vLLM out")
     add("--no-hf", action="store_true", help="textlm: leave out gpuflow on the HF export")
-    add("--no-llama-cpp", action="store_true", help="textlm: leave llama.cpp out")
+    add("--no-llama-cpp", action="store_true", help="textlm, smollm2: leave llama.cpp out")
     add("--llama-server", default=os.environ.get("LLAMA_SERVER"),
-        help="textlm: a built llama-server (default $LLAMA_SERVER, else built in "
+        help="textlm, smollm2: a built llama-server (default $LLAMA_SERVER, else built in "
         ".cache-llama, except with --quick)")
     add("--quiet-wait-s", type=float, default=60.0,
         help="before each window, wait up to this long for the CPUs to go idle (0: do not)")
@@ -365,7 +403,8 @@ def parse() -> argparse.Namespace:
     add("--out", type=Path, help="default benchmarks/results/generation-<machine>.json")
     args = parser.parse_args()
     args.out = args.out or default_result_path(
-        "generation" if args.model == "textlm" else "generation-hub-llama")
+        {"textlm": "generation", "hub-llama": "generation-hub-llama"}.get(
+            args.model, f"generation-{args.model}"))
     if args.quick:
         args.rounds, args.warmup_s, args.window_s, args.concurrency = 1, 0.5, 1.0, "4"
         args.quiet_wait_s, args.tokens, args.no_transformers = 0.0, 16, True
@@ -398,7 +437,8 @@ def main() -> int:
     servers = Servers(env, server_cores)
     with tempfile.TemporaryDirectory() as scratch:
         try:
-            build = hub_contenders if ARGS.model == "hub-llama" else textlm_contenders
+            build = {"hub-llama": hub_contenders, "textlm": textlm_contenders,
+                     "smollm2": smollm2_contenders}[ARGS.model]
             contenders, info = build(servers, Path(scratch))
             runs = measure(contenders, servers)
         finally:
@@ -415,7 +455,8 @@ def main() -> int:
             "compile", "max_autotune", "cuda_graphs")}
         | {"server_cores": sorted(server_cores or [])},
         "runs": runs,
-        "targets": judge(runs) if ARGS.model == "hub-llama" else llama_cpp.judge(runs),
+        "targets": judge(runs) if ARGS.model == "hub-llama" else llama_cpp.judge(
+            runs, ARGS.model),
         "table": table(runs),
         "notes": servers.notes,
         "machine": machine,

@@ -46,3 +46,21 @@ def test_modules_that_cannot_be_fused_are_left_alone() -> None:
     assert fuse(mixed) is None
     assert all(m.weight.untyped_storage().data_ptr() != mixed[0].weight.untyped_storage()
                .data_ptr() for m in mixed[1:])
+
+
+def test_input_major_weights_are_one_row_major_product_and_viewed_again() -> None:
+    """fp32 on the CPU: the fused weight's transpose is contiguous (``x @ W`` over a
+    row-major ``W``), the modules multiply as before through views of it, and a second
+    fusion (the engine's process) views it again."""
+    modules = linears(bias=True)
+    x = torch.randn(5, 8)
+    before = torch.cat([module(x) for module in modules], dim=-1)
+    weight, bias = fuse(modules, input_major=True)  # type: ignore[misc]
+    assert weight.shape == (16, 8) and weight.t().is_contiguous()
+    torch.testing.assert_close(torch.addmm(bias, x, weight.t()), before)
+    torch.testing.assert_close(torch.cat([m(x) for m in modules], dim=-1), before)
+    again, _ = fuse(modules, input_major=True)  # type: ignore[misc]
+    assert again.data_ptr() == weight.data_ptr() and again.stride() == weight.stride()
+    [single] = linears(bias=False)[:1]
+    alone, _ = fuse([single], input_major=True)  # type: ignore[misc]
+    assert alone.t().is_contiguous() and single.weight.data_ptr() == alone.data_ptr()

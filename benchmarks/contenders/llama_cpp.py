@@ -2,10 +2,11 @@
 
 With no GitHub at hand, llama.cpp comes from `llama-cpp-python`'s source distribution on
 PyPI, which vendors it (``vendor/llama.cpp``, a git checkout): `llama-server` is built from
-it with cmake into ``.cache-llama/`` (about 20 minutes on 2 cores, once), unless
+it with cmake into ``.cache-llama/`` (7-20 minutes on 2 cores, once), unless
 ``--llama-server PATH`` or ``$LLAMA_SERVER`` names a built one. Its ``convert_hf_to_gguf.py``
-turns textlm's Hugging Face export into a float32 GGUF file, with two shims, both checked
-by the benchmark before it measures anything:
+turns a Hugging Face directory into a float32 GGUF file: a real model's (SmolLM2, a Llama
+with a BPE tokenizer the converter knows) as it is; textlm's export with two shims, both
+checked by the benchmark before it measures anything:
 
 - the export's config names its context ``n_positions`` (as transformers does) and the
   converter reads GPT-2's older ``n_ctx``: a copy of the export gets both;
@@ -38,8 +39,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CACHE = ROOT / ".cache-llama"  # git-ignored
 SDIST = "llama-cpp-python"
 SDIST_VERSION = "0.3.36"  # vendors llama.cpp 0c1e570
-TARGETS = {"1": 0.5, "8": 1.0, "32": 1.5}  # the issue's: gpuflow's tokens/s over llama.cpp's
-CONTEXT = 128  # textlm's positions: a slot's context, prompt and completion together
+# gpuflow's tokens/s over llama.cpp's, by clients: textlm's (issue 41), SmolLM2's (issue 50).
+TARGETS = {"textlm": {"1": 0.5, "8": 1.0, "32": 1.5}, "smollm2": {"1": 0.8, "8": 1.0}}
 CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
                "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DGGML_NATIVE=ON",
                "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TESTS=OFF",
@@ -113,27 +114,33 @@ def version(binary: Path, tree: Path) -> dict[str, Any]:
             "source_commit": commit.stdout.strip() or None}
 
 
-def convert(hf_dir: Path, folder: Path, tree: Path) -> Path:
-    """A float32 GGUF file of the export (through a copy given ``n_ctx``)."""
-    copy = folder / "hf-for-gguf"
-    shutil.copytree(hf_dir, copy)
-    config = json.loads((copy / "config.json").read_text())
-    config["n_ctx"] = config["n_positions"]
-    (copy / "config.json").write_text(json.dumps(config, indent=2))
-    out = folder / "textlm-f32.gguf"
+def convert(hf_dir: Path, folder: Path, tree: Path, textlm: bool) -> Path:
+    """A float32 GGUF file of the directory; textlm's export through a copy given
+    ``n_ctx`` and the converter's shims (the module docstring)."""
+    source, script = hf_dir, ["convert_hf_to_gguf.py"]
+    if textlm:
+        source = folder / "hf-for-gguf"
+        shutil.copytree(hf_dir, source)
+        config = json.loads((source / "config.json").read_text())
+        config["n_ctx"] = config["n_positions"]
+        (source / "config.json").write_text(json.dumps(config, indent=2))
+        script = ["-c", CONVERT]
+    out = folder / f"{hf_dir.name}-f32.gguf"
     path = f"{tree}:{tree / 'gguf-py'}"
-    subprocess.run([sys.executable, "-c", CONVERT, str(copy), "--outfile", str(out),
+    subprocess.run([sys.executable, *script, str(source), "--outfile", str(out),
                     "--outtype", "f32"], cwd=tree, check=True, capture_output=True, text=True,
                    env={**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1"})
     return out
 
 
-def server_command(binary: Path, gguf: Path, port: int, slots: int) -> list[str]:
-    """One thread, ``slots`` parallel sequences of textlm's whole context each, logging
-    errors only (its stderr is a pipe nobody reads while it serves)."""
+def server_command(binary: Path, gguf: Path, port: int, slots: int, context: int
+                   ) -> list[str]:
+    """One thread, ``slots`` parallel sequences of ``context`` tokens each (prompt and
+    completion together), logging errors only (its stderr is a pipe nobody reads while it
+    serves)."""
     return [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
             "--threads", "1", "--threads-batch", "1", "--parallel", str(slots),
-            "--ctx-size", str(slots * CONTEXT), "--no-webui", "--log-verbosity", "1"]
+            "--ctx-size", str(slots * context), "--no-webui", "--log-verbosity", "1"]
 
 
 def request_body(greedy: dict[str, Any]) -> dict[str, Any]:
@@ -142,52 +149,54 @@ def request_body(greedy: dict[str, Any]) -> dict[str, Any]:
     return {**greedy, "ignore_eos": True}
 
 
-def check_tokens(url: str, prompt: str) -> str | None:
-    """Why the server's tokens for ``prompt`` differ from the export's (one a byte), or
-    None when they agree."""
+def check_tokens(url: str, prompt: str, wanted: list[int]) -> str | None:
+    """Why the server's tokens for ``prompt`` differ from ``wanted`` (the model's own
+    tokenizer's), or None when they agree."""
     ids = httpx.post(url + "/tokenize", json={"content": prompt}, timeout=30).json()["tokens"]
-    wanted = list(prompt.encode())
     return None if ids == wanted else f"llama.cpp tokenized the prompt as {ids[:16]}..."
 
 
 def contender(servers: Any, hf_dir: Path, folder: Path, greedy: dict[str, Any],
-              given: str | None, slots: int, tokens: int, may_build: bool
+              given: str | None, slots: int, tokens: int, may_build: bool,
+              prompt: tuple[str, list[int]], context: int, textlm: bool
               ) -> tuple[Contender, dict[str, Any]] | None:
-    """llama-server on a GGUF conversion of the export, with ``slots`` slots, started by
-    the benchmark's ``servers``; None (and a note) where it cannot be found, built,
-    converted to or started, or where it tokenizes the prompt otherwise than the export."""
+    """llama-server on a GGUF conversion of the directory, with ``slots`` slots of
+    ``context`` tokens, started by the benchmark's ``servers``, sent ``greedy``; None (and
+    a note) where it cannot be found, built, converted to or started, or where it
+    tokenizes the prompt's text otherwise than the directory's tokenizer (``prompt``: the
+    text and those ids)."""
     try:
         binary, tree = find_server(given, may_build)
-        gguf = convert(hf_dir, folder, tree)
+        gguf = convert(hf_dir, folder, tree, textlm)
         about = version(binary, tree)
     except (OSError, subprocess.SubprocessError) as exc:
         stderr = getattr(exc, "stderr", None)
         servers.notes.append(f"llama.cpp skipped: {exc}" + (
             f": {stderr[-1000:]}" if isinstance(stderr, str) else ""))
         return None
-    command = server_command(binary, gguf, free_port(), slots)
+    command = server_command(binary, gguf, free_port(), slots, context)
     url = servers.start("llama.cpp", command, "/health", 180)
     if url is None:
         return None
-    if (why := check_tokens(url, greedy["prompt"])) is not None:
+    if (why := check_tokens(url, *prompt)) is not None:
         servers.notes.append(f"llama.cpp skipped: {why}")
         stop([servers.processes.pop()])
         servers.started.pop()
         return None
-    about |= {"command": command, "gguf": "float32, by the vendored convert_hf_to_gguf.py "
-              "with the shims contenders/llama_cpp.py describes; prompt tokens checked: one "
-              "a byte, as the export's"}
+    about |= {"command": command, "gguf": "float32, by the vendored convert_hf_to_gguf.py"
+              + (" with the shims contenders/llama_cpp.py describes" if textlm else "")
+              + "; the prompt's tokens checked against the directory's tokenizer"}
     return Contender("llama.cpp", url, "/v1/completions", request_body(greedy), True,
                      tokens), about
 
 
-def judge(runs: dict[str, dict[str, Any]], ours: str = "gpuflow",
+def judge(runs: dict[str, dict[str, Any]], model: str, ours: str = "gpuflow",
           theirs: str = "llama.cpp") -> dict[str, Any]:
     """gpuflow's engine against llama-server, by concurrency: the tokens/s ratio against
-    the issue's target."""
+    the issue's target for ``model`` (``TARGETS``)."""
     verdicts: dict[str, Any] = {}
     mine, other = runs.get(ours), runs.get(theirs)
-    for level, target in TARGETS.items():
+    for level, target in TARGETS[model].items():
         if not mine or not other or level not in mine or level not in other:
             continue
         if not other[level]["tokens_per_s"]:

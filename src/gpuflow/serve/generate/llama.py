@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from transformers import PreTrainedModel
 
 from gpuflow.serve.generate.attention import decode_attention, paged_attention
-from gpuflow.serve.generate.fused import fuse
+from gpuflow.serve.generate.fused import fuse, input_major_for
 from gpuflow.serve.generate.hf_models import HFCausalLM
 from gpuflow.serve.generate.paged import (
     KVPool,
@@ -94,10 +94,11 @@ def _project(x: torch.Tensor, layers: tuple[Dense, ...]) -> torch.Tensor:
     return torch.cat([_dense(x, layer) for layer in layers], dim=-1)
 
 
-def _linears(modules: list[nn.Linear]) -> tuple[Dense, ...]:
-    """The modules as one fused ``Dense`` (``fused.fuse``), or each its own where they
-    cannot be fused (a quantized weight multiplies through its own module)."""
-    fused = fuse(modules)
+def _linears(modules: list[nn.Linear], input_major: bool) -> tuple[Dense, ...]:
+    """The modules as one fused ``Dense`` (``fused.fuse``, its weight input-major where
+    asked), or each its own where they cannot be fused (a quantized weight multiplies
+    through its own module)."""
+    fused = fuse(modules, input_major)
     if fused is not None:
         weight, bias = fused
         return ((weight.t(), bias),)
@@ -119,19 +120,17 @@ class _Layer:
     down: Dense
 
     @classmethod
-    def of(cls, layer: nn.Module) -> _Layer:
-        def linear(module: nn.Linear) -> Dense:
-            if is_traceable_wrapper_subclass(module.weight):
-                return module
-            return module.weight.t(), module.bias
-
+    def of(cls, layer: nn.Module, input_major: bool) -> _Layer:
         attention, mlp = layer.self_attn, layer.mlp
+        [o] = _linears([attention.o_proj], input_major)
+        [down] = _linears([mlp.down_proj], input_major)
         return cls((layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
-                   _linears([attention.q_proj, attention.k_proj, attention.v_proj]),
-                   linear(attention.o_proj), attention.scaling,
+                   _linears([attention.q_proj, attention.k_proj, attention.v_proj],
+                            input_major),
+                   o, attention.scaling,
                    (layer.post_attention_layernorm.weight,
                     layer.post_attention_layernorm.variance_epsilon),
-                   _linears([mlp.gate_proj, mlp.up_proj]), linear(mlp.down_proj))
+                   _linears([mlp.gate_proj, mlp.up_proj], input_major), down)
 
 
 class LlamaDecoder(HFCausalLM):
@@ -141,10 +140,14 @@ class LlamaDecoder(HFCausalLM):
                  context: int | None = None) -> None:
         super().__init__(model, dtype, tokenized, context)
         inner: Any = model.model
+        input_major = input_major_for(inner.embed_tokens.weight)
+        self._layers = [_Layer.of(layer, input_major) for layer in inner.layers]
+        tied = model.lm_head.weight is inner.embed_tokens.weight
+        [self._head] = _linears([model.lm_head], input_major)
+        if tied:  # the embedding reads the head's weight, in its layout (a row gather)
+            inner.embed_tokens.weight = model.lm_head.weight
         self._embed, self._rotary = inner.embed_tokens.weight, inner.rotary_emb
-        self._layers = [_Layer.of(layer) for layer in inner.layers]
         self._norm = (inner.norm.weight, inner.norm.variance_epsilon)
-        self._head = model.lm_head.weight
         config = model.config
         self._heads = config.num_attention_heads
         self._kv_heads = config.num_key_value_heads
@@ -201,7 +204,7 @@ class LlamaDecoder(HFCausalLM):
         return x
 
     def _head_over(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(_rms_norm(hidden, *self._norm), self._head)
+        logits = _dense(_rms_norm(hidden, *self._norm), self._head)
         return logits[..., :self.vocab_size]
 
     def _rotation(self, x: torch.Tensor, positions: torch.Tensor
