@@ -202,6 +202,8 @@ def test_two_ddp_and_two_fsdp_ranks_train_adapters_as_one_process(
     (["--lora-alpha", "8"], "--lora-alpha tunes LoRA adapters, which only --lora-rank"),
     (["--lora-rank", "4", "--strategy", "tp", "--nproc", "2"],
      "--lora-rank trains under --strategy single, ddp and fsdp"),
+    (["--lora-rank", "4", "--batch-size", "auto"],
+     "--lora-rank with --batch-size auto: the planner does not count frozen weights"),
     (["--lora-rank", "4", "--lora-targets", "q_proj,nope"],
      "nope names no module of LlamaForCausalLM. Its linear layers are q_proj, k_proj"),
 ])
