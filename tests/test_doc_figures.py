@@ -1,8 +1,8 @@
 """The figures the docs quote from results files, against those files: a rerun that moves a
 figure, or an edit that misquotes one, fails here (docs/benchmarks.md and the GPU table of
 docs/performance.md are rendered from the files instead). Listed so far: performance.md,
-planner.md, data.md, and the images, finetune and asr workload pages; serving.md and
-speech.md are not yet.
+planner.md, data.md, and the images, finetune, asr and speech workload pages; serving.md
+is not yet.
 
 A row: the page, the quoted text with ``{}`` where each figure stands (white space as in a
 sentence: line breaks count as spaces), the results file (``name@commit`` reads the version
@@ -32,6 +32,8 @@ PERF, PLANNER = "docs/performance.md", "docs/planner.md"
 IMAGES, FINETUNE = "docs/workloads/images.md", "docs/workloads/finetune.md"
 ASR, BATCHING = "docs/workloads/asr.md", "figures.batching"
 DATA, SCALE = "docs/data.md", "data_scale-intel-r-xeon-r-2c.json"
+SPEECH, SPEAKERS = "docs/workloads/speech.md", ("george", "jackson", "nicolas", "theo", "yweweler")
+FOLDS = "speech-speakers-amd-epyc-2c.json"
 H200, H200_OLD = "gpu_suite-nvidia-h200.json", "gpu_suite-nvidia-h200.json@74802e9"
 RERUN, SERVING = "gpu_suite-nvidia-h200-rerun.json", "gpu_suite-nvidia-h200-serving.json"
 
@@ -76,6 +78,33 @@ def _scale(run: str, size: str) -> list[tuple[JsonPath, str]]:
             (f"{pack}.shards.train", ".0f"), (f"{pack}.shards.val", ".0f"),
             (f"{train}.peak_rss_bytes/MiB", ".0f"), (f"{train}.data_wait_frac", ".4f"),
             (f"{train}.eval_share", ".1%")]
+
+
+def _accuracy(name: str, seed: int) -> Callable[[Any], float]:
+    """speech-speakers: one fold's held-out accuracy (``none``: the same-speaker run)."""
+    return lambda result: next(run["accuracy"] for run in result["runs"]
+                               if run["held_out"] == name and run["seed"] == seed)
+
+
+def _seed(seed: int) -> list[tuple[JsonPath, str]]:
+    """speech-speakers: one seed's row, each held-out speaker, their mean and the worst."""
+    folds = [_accuracy(name, seed) for name in SPEAKERS]
+    return [*((fold, ".1%") for fold in folds),
+            (lambda result: statistics.mean(fold(result) for fold in folds), ".1%"),
+            (lambda result: min(fold(result) for fold in folds), ".1%")]
+
+
+def _history(label: str, what: str, file: str, bold: str = "") -> tuple:
+    """One row of speech.md's history: the mean of the seeds by speaker, the mean, the worst,
+    the same-speaker accuracy and the range of a leave-one-speaker-out run's wall time."""
+    walls = [(lambda result, pick=pick: pick(run["command_wall_s"] for run in result["runs"]
+                                             if run["held_out"] != "none"), ".0f")
+             for pick in (min, max)]
+    figures = [(f"figures.per_speaker.{name}", ".1%") for name in SPEAKERS]
+    return (SPEECH, f"| {label} | {what} | {' | '.join(['{}'] * 5)} | {bold}{{}}{bold} | "
+            f"{bold}{{}}{bold} | {{}} | {{}}-{{}} s", file,
+            [*figures, ("figures.mean", ".1%"), ("figures.worst", ".1%"),
+             ("figures.same_speaker", ".1%"), *walls])
 
 
 def _ratio(model: str) -> list[tuple[JsonPath, str]]:
@@ -229,6 +258,24 @@ FIGURES: list[tuple[str, str, str, list[tuple[JsonPath, str]]]] = [
      [(lambda result: result["verdicts"]["train_rss_ratio_4x_to_1x"] - 1, ".0%")]),
     (DATA, "(steps 100 and 200) took {} of its wall time", SCALE,
      [("runs.4x.train.eval_share", ".1%")]),
+    *((SPEECH, f"| seed {seed} | {' | '.join(['{}'] * 7)} |", FOLDS, _seed(seed))
+      for seed in (0, 1, 2)),
+    (SPEECH, f"| **mean of the seeds** | {' | '.join(['{}'] * 5)} | **{{}}** | **{{}}** |", FOLDS,
+     [*((f"figures.per_speaker.{name}", ".1%") for name in SPEAKERS), ("figures.mean", ".1%"),
+      ("figures.worst", ".1%")]),
+    (SPEECH, "a mean of {} (>= 90%) and a worst speaker of {} ({}, >= 85%)", FOLDS,
+     [("figures.mean", ".1%"), ("figures.worst", ".1%"), ("figures.worst_speaker", "s")]),
+    (SPEECH, "{} ({}, {} and {}% for seeds 0-2)", FOLDS,
+     [("figures.same_speaker", ".1%"),
+      *((lambda result, seed=seed: 100 * _accuracy("none", seed)(result), ".1f")
+        for seed in (0, 1, 2))]),
+    _history("aef2a5b", "the 2-D convolution front end", "speech-speakers-intel-r-xeon-r-2c.json"),
+    _history("0893644", "waveform mixup, 25 epochs", f"{FOLDS}@0893644"),
+    _history("2dba14b", "40 epochs", f"{FOLDS}@85ecb1f"),
+    _history("a130cf6", "sub-spectral batch norm in the front end", f"{FOLDS}@dd0da1e"),
+    _history("27d9474", "two broadcasted residual blocks", f"{FOLDS}@51265e8"),
+    _history("b35dedc", "a high-pass on half the training clips (39928d8), and the weights "
+             "averaged (EMA 0.99)", FOLDS, bold="**"),
 ]
 
 
