@@ -26,6 +26,7 @@ from gpuflow.serve.app import ServeSettings, create_app
 from gpuflow.serve.engine import Engine
 from gpuflow.serve.generate.models import GPTDecoder
 from gpuflow.serve.generate.runner import ModelRunner
+from gpuflow.serve.routes.generation import Reply, sse
 
 
 def test_the_openai_client_completes_and_streams_through_the_server(
@@ -325,3 +326,16 @@ def test_a_byte_model_stops_at_the_end_of_document_byte(tmp_path: Path) -> None:
     assert stopped["usage"]["completion_tokens"] == 0
     assert ignored["choices"][0]["finish_reason"] == "length"
     assert ignored["usage"]["completion_tokens"] == 6
+
+
+def test_a_templated_text_chunk_is_the_payload_rendered_whole() -> None:
+    """A streamed delta's event from its choice's template (rendered once) has the bytes
+    of its whole payload rendered, whatever the text holds."""
+    reply = Reply("served-model", "cmpl")
+
+    def chunk(text: str) -> dict[str, object]:
+        return reply.payload("text_completion", [{"text": text, "index": 1, "logprobs": None,
+                                                  "finish_reason": None}])
+
+    for text in ["plain", 'a "quote"', "new\nline\ttab", "ünïcödé 😀", "\x00", "", "\\"]:
+        assert reply.templated(1, chunk, text) == sse(chunk(text))

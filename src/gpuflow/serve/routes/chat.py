@@ -144,6 +144,12 @@ class _ChatAnswer(Reply):
             chunks.append(self._chunk(choice, {}, finish_reason=event.finish_reason))
         return chunks
 
+    def text_chunk(self, choice: Choice, delta: Delta) -> bytes | None:
+        if choice.index not in self.started or choice.generation.params.logprobs is not None:
+            return None
+        return self.templated(choice.index,
+                              lambda text: self._chunk(choice, {"content": text}), delta.text)
+
     def _chunk(self, choice: Choice, delta: dict[str, Any],
                logprobs: dict[str, Any] | None = None,
                finish_reason: str | None = None) -> dict[str, Any]:

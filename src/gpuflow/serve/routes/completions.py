@@ -114,6 +114,13 @@ class _Completion(Reply):
             part = self._choice(choice, "", [], event.finish_reason, echo)
         return [self.payload("text_completion", [part])]
 
+    def text_chunk(self, choice: Choice, delta: Delta) -> bytes | None:
+        if self.body.logprobs is not None or (self.body.echo
+                                               and choice.index not in self.echoed):
+            return None
+        return self.templated(choice.index, lambda text: self.payload(
+            "text_completion", [self._choice(choice, text, [], None, False)]), delta.text)
+
     def last(self, choices: list[Choice]) -> list[dict[str, Any]]:
         if not self.include_usage:
             return []

@@ -20,7 +20,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -112,8 +112,16 @@ class Answer(Protocol):
     def chunks(self, choice: Choice, event: Delta | Done) -> list[dict[str, Any]]:
         """The stream's chunks for one event of one choice."""
 
+    def text_chunk(self, choice: Choice, delta: Delta) -> bytes | None:
+        """The server-sent event of a plain text delta, rendered from the choice's template
+        (``Reply.templated``); None where the delta needs ``chunks`` (log-probabilities,
+        a choice's first chunk)."""
+
     def last(self, choices: list[Choice]) -> list[dict[str, Any]]:
         """The stream's chunks once every choice has finished (e.g. the usage)."""
+
+
+TEXT_MARK = "\x00text\x00"  # where a template's text goes; no model writes NUL into JSON
 
 
 class Reply:
@@ -122,6 +130,18 @@ class Reply:
     def __init__(self, model: str, id_prefix: str) -> None:
         self.model, self.id = model, f"{id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self.templates: dict[int, tuple[bytes, bytes]] = {}
+
+    def templated(self, index: int, chunk: Callable[[str], dict[str, Any]], text: str
+                  ) -> bytes:
+        """``sse(chunk(text))``, from the bytes of choice ``index``'s chunk rendered once
+        around its text: a streamed token then costs one string's JSON, not a payload's
+        (the chunks of a stream differ in their text alone)."""
+        parts = self.templates.get(index)
+        if parts is None:
+            head, _, tail = sse(chunk(TEXT_MARK)).partition(json.dumps(TEXT_MARK).encode())
+            parts = self.templates[index] = (head, tail)
+        return parts[0] + json.dumps(text).encode() + parts[1]
 
     def payload(self, kind: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
@@ -290,7 +310,11 @@ async def _stream(choices: list[Choice], firsts: list[Event],
                     parts.append(sse(_failed(event).body()))
                     continue
                 _record(choice, event)
-                parts += map(sse, answer.chunks(choice, event))
+                quick = answer.text_chunk(choice, event) if isinstance(event, Delta) else None
+                if quick is not None:
+                    parts.append(quick)
+                else:
+                    parts += map(sse, answer.chunks(choice, event))
             yield b"".join(parts)
         yield b"".join(map(sse, answer.last(choices))) + b"data: [DONE]\n\n"
     finally:
