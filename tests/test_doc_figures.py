@@ -1,8 +1,8 @@
 """The figures the docs quote from results files, against those files: a rerun that moves a
 figure, or an edit that misquotes one, fails here (docs/benchmarks.md and the GPU table of
 docs/performance.md are rendered from the files instead). Listed so far: performance.md,
-planner.md, data.md, and the images, finetune, asr and speech workload pages; serving.md
-is not yet.
+planner.md, data.md, the images, finetune, asr and speech workload pages, and serving.md's
+GPU runs; the rest of serving.md is not yet.
 
 A row: the page, the quoted text with ``{}`` where each figure stands (white space as in a
 sentence: line breaks count as spaces), the results file (``name@commit`` reads the version
@@ -34,6 +34,8 @@ ASR, BATCHING = "docs/workloads/asr.md", "figures.batching"
 DATA, SCALE = "docs/data.md", "data_scale-intel-r-xeon-r-2c.json"
 SPEECH, SPEAKERS = "docs/workloads/speech.md", ("george", "jackson", "nicolas", "theo", "yweweler")
 FOLDS = "speech-speakers-amd-epyc-2c.json"
+SERVE_DOC, GRAPHS_RUN = "docs/serving.md", "gpu_suite-nvidia-h200-generation.json"
+LEVELS = ("1", "8", "32", "64")
 H200, H200_OLD = "gpu_suite-nvidia-h200.json", "gpu_suite-nvidia-h200.json@74802e9"
 RERUN, SERVING = "gpu_suite-nvidia-h200-rerun.json", "gpu_suite-nvidia-h200-serving.json"
 
@@ -276,6 +278,18 @@ FIGURES: list[tuple[str, str, str, list[tuple[JsonPath, str]]]] = [
     _history("27d9474", "two broadcasted residual blocks", f"{FOLDS}@51265e8"),
     _history("b35dedc", "a high-pass on half the training clips (39928d8), and the weights "
              "averaged (EMA 0.99)", FOLDS, bold="**"),
+    *((SERVE_DOC, f"| {level} | {{}} tok/s | {{}} tok/s | {{}} ms, {{}} ms |", SERVING,
+       [(f"generation.tokens_per_s.gpuflow.{level}", ",.0f"),
+        (f"generation.tokens_per_s.gpuflow no cache.{level}", ",.0f"),
+        (f"generation.runs.gpuflow.{level}.ttft_p50_ms", ".0f"),
+        (f"generation.runs.gpuflow.{level}.itl_p50_ms", ".1f")]) for level in LEVELS),
+    (SERVE_DOC, "stage's launch-bound model ran {}x faster as a CUDA graph on the same machine",
+     H200, [("verdicts.cuda graphs.steps_per_s_ratio", ".1f")]),
+    (SERVE_DOC, "measured the eager engine at {} / {} / {} / {} tok/s for 1 / 8 / 32 / 64 "
+     "clients", GRAPHS_RUN,
+     [(f"generation.tokens_per_s.gpuflow.{level}", ",.0f") for level in LEVELS]),
+    (SERVE_DOC, "({} / {} / {} / {} tok/s, eager over the buckets)", GRAPHS_RUN,
+     [(f"generation_cuda_graphs.tokens_per_s.gpuflow.{level}", ",.0f") for level in LEVELS]),
 ]
 
 
