@@ -2,7 +2,7 @@
 figure, or an edit that misquotes one, fails here (docs/benchmarks.md and the GPU table of
 docs/performance.md are rendered from the files instead). Listed so far: performance.md,
 planner.md, data.md, the images, finetune, asr and speech workload pages, and serving.md's
-GPU runs; the rest of serving.md is not yet.
+GPU runs and its compiled textlm run; the rest of serving.md is not yet.
 
 A row: the page, the quoted text with ``{}`` where each figure stands (white space as in a
 sentence: line breaks count as spaces), the results file (``name@commit`` reads the version
@@ -35,6 +35,7 @@ DATA, SCALE = "docs/data.md", "data_scale-intel-r-xeon-r-2c.json"
 SPEECH, SPEAKERS = "docs/workloads/speech.md", ("george", "jackson", "nicolas", "theo", "yweweler")
 FOLDS = "speech-speakers-amd-epyc-2c.json"
 SERVE_DOC, GRAPHS_RUN = "docs/serving.md", "gpu_suite-nvidia-h200-generation.json"
+COMPILED = "generation-textlm-compile-amd-epyc-2c.json"
 LEVELS = ("1", "8", "32", "64")
 H200, H200_OLD = "gpu_suite-nvidia-h200.json", "gpu_suite-nvidia-h200.json@74802e9"
 RERUN, SERVING = "gpu_suite-nvidia-h200-rerun.json", "gpu_suite-nvidia-h200-serving.json"
@@ -107,6 +108,16 @@ def _history(label: str, what: str, file: str, bold: str = "") -> tuple:
             f"{bold}{{}}{bold} | {{}} | {{}}-{{}} s", file,
             [*figures, ("figures.mean", ".1%"), ("figures.worst", ".1%"),
              ("figures.same_speaker", ".1%"), *walls])
+
+
+def _against_llama_cpp(level: str) -> list[tuple[JsonPath, str]]:
+    """generation: gpuflow's and llama.cpp's median tokens/s at one level, and their ratio."""
+    def tokens(result: Any, contender: str) -> float:
+        return result["runs"][contender][level]["tokens_per_s"]
+
+    return [(lambda result: tokens(result, "gpuflow"), ",.0f"),
+            (lambda result: tokens(result, "llama.cpp"), ",.0f"),
+            (lambda result: tokens(result, "gpuflow") / tokens(result, "llama.cpp"), ".2f")]
 
 
 def _ratio(model: str) -> list[tuple[JsonPath, str]]:
@@ -290,6 +301,18 @@ FIGURES: list[tuple[str, str, str, list[tuple[JsonPath, str]]]] = [
      [(f"generation.tokens_per_s.gpuflow.{level}", ",.0f") for level in LEVELS]),
     (SERVE_DOC, "({} / {} / {} / {} tok/s, eager over the buckets)", GRAPHS_RUN,
      [(f"generation_cuda_graphs.tokens_per_s.gpuflow.{level}", ",.0f") for level in LEVELS]),
+    (SERVE_DOC, "{} against {} tok/s at one client ({}x; rounds {}, {} and {}), {} against {} "
+     "at 8 ({}x), {} against {} at 32 ({}x)", COMPILED,
+     [*_against_llama_cpp("1"), *((f"runs.gpuflow.1.rounds.{i}.tokens_per_s", ".0f")
+                                  for i in range(3)),
+      *_against_llama_cpp("8"), *_against_llama_cpp("32")]),
+    (SERVE_DOC, "gpuflow's one-client rounds fell from {} to {} tok/s while llama.cpp's held at "
+     "{}-{}", COMPILED,
+     [("runs.gpuflow.1.rounds.0.tokens_per_s", ".0f"),
+      ("runs.gpuflow.1.rounds.2.tokens_per_s", ".0f"),
+      *((lambda result, pick=pick: pick(round_["tokens_per_s"] for round_ in
+                                        result["runs"]["llama.cpp"]["1"]["rounds"]), ",.0f")
+        for pick in (min, max))]),
 ]
 
 
