@@ -20,7 +20,7 @@ from gpuflow.serve.generate.limits import EngineLimits
 from gpuflow.serve.generate.models import GPTDecoder
 from gpuflow.serve.generate.requests import Done, Event, Failed, Generation, WaitingFull
 from gpuflow.serve.generate.runner import ModelRunner, compile_mode
-from gpuflow.serve.generate.sampling import SamplingParams, filter_logits
+from gpuflow.serve.generate.sampling import SamplingParams, filter_logits, greedy_ids
 from gpuflow.serve.generate.text import TextStream
 
 
@@ -317,3 +317,11 @@ def test_top_k_and_top_p_keep_the_most_probable_tokens() -> None:
     kept = ~torch.isinf(filter_logits(logits, 0, 0.8))
     assert kept.tolist() == [True, True, False, False, False]
     assert probs[:2].sum() >= 0.8
+
+
+def test_greedy_ids_take_the_first_of_tied_maxima_as_argmax_does() -> None:
+    torch.manual_seed(0)
+    for _ in range(50):
+        logits = torch.randint(0, 4, (9, 64)).float()  # many ties
+        assert torch.equal(greedy_ids(logits), logits.argmax(dim=-1))
+    assert int(greedy_ids(torch.tensor([1.0, 3.0, 3.0]))) == 1

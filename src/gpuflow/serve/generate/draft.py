@@ -20,7 +20,7 @@ import torch
 
 from gpuflow.serve.generate.paged import RowSpec
 from gpuflow.serve.generate.runner import ModelRunner
-from gpuflow.serve.generate.sampling import Sampler, on_host
+from gpuflow.serve.generate.sampling import Sampler, greedy_ids, on_host
 from gpuflow.serve.generate.scheduler import Chunk, Sequence
 from gpuflow.serve.generate.speculate import Draft
 
@@ -97,6 +97,6 @@ def _draw(sampler: Sampler, logits: torch.Tensor) -> tuple[int, torch.Tensor | N
     (the request's temperature, top-k and top-p), or None for a greedy request (its argmax:
     verification compares argmaxes)."""
     if sampler.params.temperature == 0.0:
-        return int(logits.argmax()), None
+        return int(greedy_ids(logits)), None
     dist = sampler.probabilities(on_host(logits))
     return int(torch.multinomial(dist, 1, generator=sampler.generator)), dist

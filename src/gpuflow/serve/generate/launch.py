@@ -27,6 +27,7 @@ import torch
 
 from gpuflow.serve.generate.paged import RowSpec
 from gpuflow.serve.generate.runner import ModelRunner
+from gpuflow.serve.generate.sampling import greedy_ids
 from gpuflow.serve.generate.scheduler import Chunk, Plan, Sequence
 from gpuflow.serve.generate.speculate import Draft
 
@@ -103,4 +104,4 @@ def run_forward(runner: ModelRunner, rows: list[RowSpec], patch_rows: list[int],
     last = runner.run_flat(rows, patch)
     forward_s = time.perf_counter() - started
     assert last.shape[0] == len(finals)
-    return Forward([], last.argmax(dim=-1) if finals else None, forward_s, runner.graphed)
+    return Forward([], greedy_ids(last) if finals else None, forward_s, runner.graphed)
