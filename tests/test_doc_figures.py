@@ -2,7 +2,8 @@
 figure, or an edit that misquotes one, fails here (docs/benchmarks.md and the GPU table of
 docs/performance.md are rendered from the files instead). Listed so far: performance.md,
 planner.md, data.md, the images, finetune, asr and speech workload pages, and serving.md's
-GPU runs and its compiled textlm run; the rest of serving.md is not yet.
+GPU runs, its compiled textlm run and its batching tables; the rest of serving.md is not
+yet.
 
 A row: the page, the quoted text with ``{}`` where each figure stands (white space as in a
 sentence: line breaks count as spaces), the results file (``name@commit`` reads the version
@@ -118,6 +119,19 @@ def _against_llama_cpp(level: str) -> list[tuple[JsonPath, str]]:
     return [(lambda result: tokens(result, "gpuflow"), ",.0f"),
             (lambda result: tokens(result, "llama.cpp"), ",.0f"),
             (lambda result: tokens(result, "gpuflow") / tokens(result, "llama.cpp"), ".2f")]
+
+
+def _batching_run(run: str, p50: str, p99: str) -> list[tuple[JsonPath, str]]:
+    """serving: one configuration's requests/s, p50 and p99 latency (ms, in these formats)."""
+    return [(f"runs.{run}.requests_per_s", ".0f"), (f"runs.{run}.p50_ms", p50),
+            (f"runs.{run}.p99_ms", p99)]
+
+
+def _contender(server: str) -> list[tuple[JsonPath, str]]:
+    """serving --contenders: one server's req/s and p50 ms at 1, 8, 32 and 64 clients."""
+    return [figure for level in ("1", "8", "32", "64")
+            for figure in ((f"runs.{level}.{server}.requests_per_s", ",.0f"),
+                           (f"runs.{level}.{server}.p50_ms", ".2f"))]
 
 
 def _ratio(model: str) -> list[tuple[JsonPath, str]]:
@@ -239,6 +253,13 @@ FIGURES: list[tuple[str, str, str, list[tuple[JsonPath, str]]]] = [
      [*_rounds("gpuflow", "plain", "tokens_per_s"), ("rounds.0.gpuflow.tokens_per_s", ".0f"),
       ("rounds.0.plain.tokens_per_s", ".0f"), ("rounds.0.gpuflow.mfu", ".1%"),
       ("rounds.0.textlm.mfu", ".1%")]),
+    (FINETUNE, "adapters on every linear layer peak at {} GiB resident against {} GiB for the "
+     "full fine-tune, {}x (issue 52's target: at most 0.45x), and run at {}x and {}x its "
+     "tokens/s in two rounds (target 1.2x; other jobs used {} of the CPUs",
+     "lora_memory-intel-r-xeon-r-2c.json",
+     [("rounds.0.lora.peak_mem_bytes/GiB", ".2f"), ("rounds.0.full.peak_mem_bytes/GiB", ".2f"),
+      ("lora_over_full_peak_memory_median", ".2f"), *_rounds("lora", "full", "tokens_per_s"),
+      ("foreign_cpu_share", ".0%")]),
     (ASR, "| batches ({} an epoch, {} utterances on average) |", "asr-amd-epyc-2c.json",
      [(f"{BATCHING}.batches", ".0f"), (f"{BATCHING}.mean_batch_utterances", ".1f")]),
     (ASR, "| duration buckets, 60 s budget | **{}** | {} | {} | {} |", "asr-amd-epyc-2c.json",
@@ -313,6 +334,21 @@ FIGURES: list[tuple[str, str, str, list[tuple[JsonPath, str]]]] = [
       *((lambda result, pick=pick: pick(round_["tokens_per_s"] for round_ in
                                         result["runs"]["llama.cpp"]["1"]["rounds"]), ",.0f")
         for pick in (min, max))]),
+    (SERVE_DOC, "| `--concurrency 1` | dynamic batching | {} | {} | {} |",
+     "serving-c1-intel-xeon-2c.json", _batching_run("dynamic", ".2f", ".2f")),
+    (SERVE_DOC, "| | `--max-batch-size 1` | {} | {} | {} | same |",
+     "serving-c1-intel-xeon-2c.json", _batching_run("max_batch_size_1", ".2f", ".2f")),
+    (SERVE_DOC, "| 32 clients | dynamic batching | {} | {} | {} |",
+     "serving-intel-r-xeon-r-2c.json", _batching_run("dynamic", ".1f", ".0f")),
+    (SERVE_DOC, "| | `--max-batch-size 1` | {} | {} | {} | same |",
+     "serving-intel-r-xeon-r-2c.json", _batching_run("max_batch_size_1", ".1f", ".0f")),
+    (SERVE_DOC, "the model's batches stay small ({} rows on average)",
+     "serving-intel-r-xeon-r-2c.json", [("runs.dynamic.mean_batch_rows", ".1f")]),
+    *((SERVE_DOC, f"| {name} | {' | '.join(['{} ({})'] * 4)} |",
+       "serving-contenders-intel-r-xeon-r-2c.json", _contender(server))
+      for name, server in (("plain FastAPI endpoint, no batching", "fastapi_plain"),
+                           ("LitServe 0.2.19, max batch 32, 5 ms", "litserve"),
+                           ("gpuflow serve, max batch 32, 5 ms", "gpuflow"))),
 ]
 
 
