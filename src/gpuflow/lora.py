@@ -61,7 +61,7 @@ def _output_layer(model: nn.Module) -> nn.Module | None:
     return found if isinstance(found, nn.Module) else getattr(model, "lm_head", None)
 
 
-def linear_names(model: nn.Module) -> list[str]:
+def _linear_names(model: nn.Module) -> list[str]:
     """The last name components of the model's linear layers, the output layer's left out:
     what ``all-linear`` targets, in the order the model holds them."""
     output = _output_layer(model)
@@ -72,7 +72,7 @@ def linear_names(model: nn.Module) -> list[str]:
 
 def _targets(model: nn.Module, spec: LoraSpec) -> list[str]:
     """The module names the adapters attach to, each checked to match a module."""
-    present = linear_names(model)
+    present = _linear_names(model)
     if spec.targets == ALL_LINEAR:
         if not present:
             raise UserError(f"--lora-targets all-linear: {type(model).__name__} has no linear "
