@@ -2,8 +2,8 @@
 figure, or an edit that misquotes one, fails here (docs/benchmarks.md and the GPU table of
 docs/performance.md are rendered from the files instead). Listed so far: performance.md,
 planner.md, data.md, the images, finetune, asr and speech workload pages, and serving.md's
-GPU runs, its compiled textlm run and its batching tables; the rest of serving.md is not
-yet.
+GPU runs, its compiled textlm run, its quantization and batching tables; the rest of
+serving.md is not yet.
 
 A row: the page, the quoted text with ``{}`` where each figure stands (white space as in a
 sentence: line breaks count as spaces), the results file (``name@commit`` reads the version
@@ -37,6 +37,7 @@ SPEECH, SPEAKERS = "docs/workloads/speech.md", ("george", "jackson", "nicolas", 
 FOLDS = "speech-speakers-amd-epyc-2c.json"
 SERVE_DOC, GRAPHS_RUN = "docs/serving.md", "gpu_suite-nvidia-h200-generation.json"
 COMPILED = "generation-textlm-compile-amd-epyc-2c.json"
+QUANTIZE = "quantize-amd-epyc-2c.json"
 LEVELS = ("1", "8", "32", "64")
 H200, H200_OLD = "gpu_suite-nvidia-h200.json", "gpu_suite-nvidia-h200.json@74802e9"
 RERUN, SERVING = "gpu_suite-nvidia-h200-rerun.json", "gpu_suite-nvidia-h200-serving.json"
@@ -132,6 +133,17 @@ def _contender(server: str) -> list[tuple[JsonPath, str]]:
     return [figure for level in ("1", "8", "32", "64")
             for figure in ((f"runs.{level}.{server}.requests_per_s", ",.0f"),
                            (f"runs.{level}.{server}.p50_ms", ".2f"))]
+
+
+def _mode(mode: str, perplexity: bool) -> list[tuple[JsonPath, str]]:
+    """quantize: one mode's decode tokens/s, speed against fp32, (perplexity per byte and its
+    change,) and its weights' size."""
+    base = f"modes.{mode}"
+    quality = [(f"{base}.perplexity_per_byte", ".4f")]
+    if mode != "fp32":
+        quality.append((f"{base}.perplexity_change_vs_fp32", "+.2%"))
+    return [(f"{base}.decode_tokens_per_s", ",.0f"), (f"{base}.speed_vs_fp32", ".2f"),
+            *(quality if perplexity else []), (f"{base}.state_dict_bytes/MiB", ".2f")]
 
 
 def _ratio(model: str) -> list[tuple[JsonPath, str]]:
@@ -349,6 +361,15 @@ FIGURES: list[tuple[str, str, str, list[tuple[JsonPath, str]]]] = [
       for name, server in (("plain FastAPI endpoint, no batching", "fastapi_plain"),
                            ("LitServe 0.2.19, max batch 32, 5 ms", "litserve"),
                            ("gpuflow serve, max batch 32, 5 ms", "gpuflow"))),
+    (SERVE_DOC, "| fp32 | {} | {}x | {} | | {} MiB |", QUANTIZE, _mode("fp32", True)),
+    *((SERVE_DOC, f"| {name} | {{}} | {{}}x | {{}} | {{}} | {{}} MiB |", QUANTIZE,
+       _mode(mode, True)) for name, mode in (("bf16", "bf16"), ("int8", "int8"),
+                                             ("int8, bf16", "int8+bf16"))),
+    *((SERVE_DOC, f"| {name} `--compile` | {{}} | {{}}x | | | {{}} MiB |", QUANTIZE,
+       _mode(f"{name} compiled", False)) for name in ("fp32", "int8")),
+    (SERVE_DOC, "On a CPU, int8 weights are {}x smaller", QUANTIZE,
+     [(lambda result: result["modes"]["fp32"]["state_dict_bytes"]
+       / result["modes"]["int8"]["state_dict_bytes"], ".1f")]),
 ]
 
 
