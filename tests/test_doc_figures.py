@@ -2,8 +2,8 @@
 figure, or an edit that misquotes one, fails here (docs/benchmarks.md and the GPU table of
 docs/performance.md are rendered from the files instead). Listed so far: performance.md,
 planner.md, data.md, the images, finetune, asr and speech workload pages, and serving.md's
-GPU runs, its compiled textlm run, its quantization and batching tables; the rest of
-serving.md is not yet.
+GPU runs, its compiled textlm run, its KV paging, quantization and batching tables; the
+rest of serving.md is not yet.
 
 A row: the page, the quoted text with ``{}`` where each figure stands (white space as in a
 sentence: line breaks count as spaces), the results file (``name@commit`` reads the version
@@ -44,6 +44,7 @@ RERUN, SERVING = "gpu_suite-nvidia-h200-rerun.json", "gpu_suite-nvidia-h200-serv
 
 
 JsonPath = str | Callable[[Any], float]
+Figure = tuple[str, str, str, list[tuple[JsonPath, str]]]  # page, quote, file, figures
 
 
 def _rounds(top: str, bottom: str, figure: str) -> list[tuple[JsonPath, str]]:
@@ -99,7 +100,7 @@ def _seed(seed: int) -> list[tuple[JsonPath, str]]:
             (lambda result: min(fold(result) for fold in folds), ".1%")]
 
 
-def _history(label: str, what: str, file: str, bold: str = "") -> tuple:
+def _history(label: str, what: str, file: str, bold: str = "") -> Figure:
     """One row of speech.md's history: the mean of the seeds by speaker, the mean, the worst,
     the same-speaker accuracy and the range of a leave-one-speaker-out run's wall time."""
     walls = [(lambda result, pick=pick: pick(run["command_wall_s"] for run in result["runs"]
@@ -146,6 +147,37 @@ def _mode(mode: str, perplexity: bool) -> list[tuple[JsonPath, str]]:
             *(quality if perplexity else []), (f"{base}.state_dict_bytes/MiB", ".2f")]
 
 
+def _target(name: str, figure: str) -> Callable[[Any], float]:
+    """kv_paging: a figure of one target (their names hold '/', which paths cannot)."""
+    return lambda result: result["targets"][name][figure]
+
+
+def _kv_paging(file: str, whole_p99: str, capacity: str) -> list[Figure]:
+    """kv_paging's three scenarios, on against off, each with its target's ratio."""
+    prefix, chunked = "results.prefix", "results.chunked"
+    streams = {name: f"{chunked}.{name}.median.streams" for name in ("chunked", "whole prompts")}
+    return [
+        (SERVE_DOC, "| 32 clients sharing a 1,000-token system prompt: TTFT p50 | {} ms (prefix "
+         "caching) | {} ms (`--no-prefix-cache`) | >= 5x lower: {}x |", file,
+         [(f"{prefix}.prefix cache.median.ttft_p50_ms", ".0f"),
+          (f"{prefix}.no prefix cache.median.ttft_p50_ms", ".0f"),
+          (_target("prefix: TTFT p50 without / with", "ratio"), ".1f")]),
+        (SERVE_DOC, "ITL p50 / p99 / longest gap | {} / {} / {} ms (`--max-num-batched-tokens "
+         "64`) | {} / {} / {} ms (4096: whole prompts) | p99 <= 3x p50: {}x |", file,
+         [(f"{streams['chunked']}.itl_p50_ms", ".1f"), (f"{streams['chunked']}.itl_p99_ms", ".1f"),
+          (f"{streams['chunked']}.itl_max_ms", ".0f"),
+          (f"{streams['whole prompts']}.itl_p50_ms", ".1f"),
+          (f"{streams['whole prompts']}.itl_p99_ms", whole_p99),
+          (f"{streams['whole prompts']}.itl_max_ms", ".0f"),
+          (_target("chunked: streams' ITL p99 / p50, chunked", "ratio"), ".2f")]),
+        (SERVE_DOC, f"| 64 clients, 64 + 64 tokens each{capacity}: sequences running at once | "
+         "{} (the `--max-batch-size` cap) | {} whole-context slots fit that budget | >= 3x: {}x |",
+         file, [("results.capacity.paged.median.peak_active_sequences", ".0f"),
+                *((_target("capacity: running sequences / whole-context slots", figure), ".0f")
+                  for figure in ("slots", "ratio"))]),
+    ]
+
+
 def _ratio(model: str) -> list[tuple[JsonPath, str]]:
     """compare_trainers: gpuflow/plain's median and 95% interval for one model."""
     base = f"cases[model={model}].vs_plain.gpuflow.median_ratio"
@@ -163,7 +195,7 @@ def _plan(label: str) -> list[tuple[JsonPath, str]]:
     return figures
 
 
-FIGURES: list[tuple[str, str, str, list[tuple[JsonPath, str]]]] = [
+FIGURES: list[Figure] = [
     (PERF, "measured gpuflow/plain at {} (95% interval {}-{}) on the transformer",
      "compare_trainers-amd-epyc-2c.json", _ratio("transformer")),
     (PERF, "and {} ({}-{}) on the CNN, within 1%", "compare_trainers-amd-epyc-2c.json",
@@ -370,6 +402,11 @@ FIGURES: list[tuple[str, str, str, list[tuple[JsonPath, str]]]] = [
     (SERVE_DOC, "On a CPU, int8 weights are {}x smaller", QUANTIZE,
      [(lambda result: result["modes"]["fp32"]["state_dict_bytes"]
        / result["modes"]["int8"]["state_dict_bytes"], ".1f")]),
+    *_kv_paging("kv_paging-amd-epyc-2c.json", ".0f", ", `--kv-cache-gib 0.25`"),
+    *_kv_paging("kv_paging-hub-llama-amd-epyc-2c.json", ".1f", ""),
+    (SERVE_DOC, "the cached run's ITL p50 is {} ms and its TTFT p50 {} ms",
+     "kv_paging-amd-epyc-2c.json", [("results.prefix.prefix cache.median.itl_p50_ms", ".1f"),
+                                    ("results.prefix.prefix cache.median.ttft_p50_ms", ".0f")]),
 ]
 
 
