@@ -2,8 +2,8 @@
 figure, or an edit that misquotes one, fails here (docs/benchmarks.md and the GPU table of
 docs/performance.md are rendered from the files instead). Listed so far: performance.md,
 planner.md, data.md, the images, finetune, asr and speech workload pages, and serving.md's
-GPU runs, its compiled textlm run, its KV paging, quantization and batching tables; the
-rest of serving.md is not yet.
+GPU runs, its eager and compiled textlm runs against llama.cpp, its KV paging,
+quantization and batching tables; the rest of serving.md is not yet.
 
 A row: the page, the quoted text with ``{}`` where each figure stands (white space as in a
 sentence: line breaks count as spaces), the results file (``name@commit`` reads the version
@@ -38,6 +38,7 @@ FOLDS = "speech-speakers-amd-epyc-2c.json"
 SERVE_DOC, GRAPHS_RUN = "docs/serving.md", "gpu_suite-nvidia-h200-generation.json"
 COMPILED = "generation-textlm-compile-amd-epyc-2c.json"
 QUANTIZE = "quantize-amd-epyc-2c.json"
+EAGER = "generation-amd-epyc-2c.json"
 LEVELS = ("1", "8", "32", "64")
 H200, H200_OLD = "gpu_suite-nvidia-h200.json", "gpu_suite-nvidia-h200.json@74802e9"
 RERUN, SERVING = "gpu_suite-nvidia-h200-rerun.json", "gpu_suite-nvidia-h200-serving.json"
@@ -176,6 +177,14 @@ def _kv_paging(file: str, whole_p99: str, capacity: str) -> list[Figure]:
                 *((_target("capacity: running sequences / whole-context slots", figure), ".0f")
                   for figure in ("slots", "ratio"))]),
     ]
+
+
+def _engine(contender: str, level: str) -> list[tuple[JsonPath, str]]:
+    """generation: one contender's tokens/s, TTFT p50 / p99 and ITL p50 / p99 at one level
+    (``llama.cpp``'s dot rules out a path)."""
+    return [(lambda result, key=key: result["runs"][contender][level][key], spec)
+            for key, spec in (("tokens_per_s", ",.0f"), ("ttft_p50_ms", ".1f"),
+                              ("ttft_p99_ms", ".1f"), ("itl_p50_ms", "~"), ("itl_p99_ms", "~"))]
 
 
 def _ratio(model: str) -> list[tuple[JsonPath, str]]:
@@ -407,6 +416,11 @@ FIGURES: list[Figure] = [
     (SERVE_DOC, "the cached run's ITL p50 is {} ms and its TTFT p50 {} ms",
      "kv_paging-amd-epyc-2c.json", [("results.prefix.prefix cache.median.itl_p50_ms", ".1f"),
                                     ("results.prefix.prefix cache.median.ttft_p50_ms", ".0f")]),
+    *((SERVE_DOC, f"| {level} | {{}} tok/s; TTFT {{}} / {{}} ms; ITL {{}} / {{}} ms | {{}} "
+       f"tok/s{errors}; TTFT {{}} / {{}} ms; ITL {{}} / {{}} ms | {{}}x", EAGER,
+       [*_engine("gpuflow", level), *_engine("llama.cpp", level),
+        _against_llama_cpp(level)[2]])
+      for level, errors in (("1", ""), ("8", ", 1 error"), ("32", ", 1 error"))),
 ]
 
 
@@ -450,6 +464,15 @@ def lookup(result: Any, path: JsonPath) -> float | str:
     return value / {"": 1, "MiB": 2**20, "GiB": 2**30}[per]
 
 
+def _format(value: float | str, spec: str) -> str:
+    """``format`` with one spec of the docs' own: ``~``, two decimals under 10, one under 100
+    (how the latency tables write milliseconds)."""
+    if spec != "~":
+        return format(value, spec)
+    number = float(value)
+    return f"{number:.{2 if abs(number) < 10 else 1 if abs(number) < 100 else 0}f}"
+
+
 @cache
 def page(doc: str) -> str:
     return re.sub(r"\s+", " ", (ROOT / doc).read_text())
@@ -459,6 +482,6 @@ def page(doc: str) -> str:
                          ids=[f"{doc}: {text[:40]}" for doc, text, _, _ in FIGURES])
 def test_the_docs_quote_their_results_files(doc: str, text: str, file: str,
                                             values: list[tuple[JsonPath, str]]) -> None:
-    figures = [format(lookup(results(file), path), spec) for path, spec in values]
+    figures = [_format(lookup(results(file), path), spec) for path, spec in values]
     quoted = text.format(*figures)
     assert quoted in page(doc), f"{doc} should say: {quoted}"
