@@ -1,0 +1,149 @@
+"""serving.md's rows of the figure table (``doc_figures`` says what a row holds)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from doc_figures import H200, SERVING, Figure, JsonPath
+
+SERVE_DOC, GRAPHS_RUN = "docs/serving.md", "gpu_suite-nvidia-h200-generation.json"
+COMPILED = "generation-textlm-compile-amd-epyc-2c.json"
+QUANTIZE = "quantize-amd-epyc-2c.json"
+EAGER = "generation-amd-epyc-2c.json"
+LEVELS = ("1", "8", "32", "64")
+
+
+def _against_llama_cpp(level: str) -> list[tuple[JsonPath, str]]:
+    """generation: gpuflow's and llama.cpp's median tokens/s at one level, and their ratio."""
+    def tokens(result: Any, contender: str) -> float:
+        return result["runs"][contender][level]["tokens_per_s"]
+
+    return [(lambda result: tokens(result, "gpuflow"), ",.0f"),
+            (lambda result: tokens(result, "llama.cpp"), ",.0f"),
+            (lambda result: tokens(result, "gpuflow") / tokens(result, "llama.cpp"), ".2f")]
+
+
+def _batching_run(run: str, p50: str, p99: str) -> list[tuple[JsonPath, str]]:
+    """serving: one configuration's requests/s, p50 and p99 latency (ms, in these formats)."""
+    return [(f"runs.{run}.requests_per_s", ".0f"), (f"runs.{run}.p50_ms", p50),
+            (f"runs.{run}.p99_ms", p99)]
+
+
+def _contender(server: str) -> list[tuple[JsonPath, str]]:
+    """serving --contenders: one server's req/s and p50 ms at 1, 8, 32 and 64 clients."""
+    return [figure for level in ("1", "8", "32", "64")
+            for figure in ((f"runs.{level}.{server}.requests_per_s", ",.0f"),
+                           (f"runs.{level}.{server}.p50_ms", ".2f"))]
+
+
+def _mode(mode: str, perplexity: bool) -> list[tuple[JsonPath, str]]:
+    """quantize: one mode's decode tokens/s, speed against fp32, (perplexity per byte and its
+    change,) and its weights' size."""
+    base = f"modes.{mode}"
+    quality = [(f"{base}.perplexity_per_byte", ".4f")]
+    if mode != "fp32":
+        quality.append((f"{base}.perplexity_change_vs_fp32", "+.2%"))
+    return [(f"{base}.decode_tokens_per_s", ",.0f"), (f"{base}.speed_vs_fp32", ".2f"),
+            *(quality if perplexity else []), (f"{base}.state_dict_bytes/MiB", ".2f")]
+
+
+def _target(name: str, figure: str) -> Callable[[Any], float]:
+    """kv_paging: a figure of one target (their names hold '/', which paths cannot)."""
+    return lambda result: result["targets"][name][figure]
+
+
+def _kv_paging(file: str, whole_p99: str, capacity: str) -> list[Figure]:
+    """kv_paging's three scenarios, on against off, each with its target's ratio."""
+    prefix, chunked = "results.prefix", "results.chunked"
+    streams = {name: f"{chunked}.{name}.median.streams" for name in ("chunked", "whole prompts")}
+    return [
+        (SERVE_DOC, "| 32 clients sharing a 1,000-token system prompt: TTFT p50 | {} ms (prefix "
+         "caching) | {} ms (`--no-prefix-cache`) | >= 5x lower: {}x |", file,
+         [(f"{prefix}.prefix cache.median.ttft_p50_ms", ".0f"),
+          (f"{prefix}.no prefix cache.median.ttft_p50_ms", ".0f"),
+          (_target("prefix: TTFT p50 without / with", "ratio"), ".1f")]),
+        (SERVE_DOC, "ITL p50 / p99 / longest gap | {} / {} / {} ms (`--max-num-batched-tokens "
+         "64`) | {} / {} / {} ms (4096: whole prompts) | p99 <= 3x p50: {}x |", file,
+         [(f"{streams['chunked']}.itl_p50_ms", ".1f"), (f"{streams['chunked']}.itl_p99_ms", ".1f"),
+          (f"{streams['chunked']}.itl_max_ms", ".0f"),
+          (f"{streams['whole prompts']}.itl_p50_ms", ".1f"),
+          (f"{streams['whole prompts']}.itl_p99_ms", whole_p99),
+          (f"{streams['whole prompts']}.itl_max_ms", ".0f"),
+          (_target("chunked: streams' ITL p99 / p50, chunked", "ratio"), ".2f")]),
+        (SERVE_DOC, f"| 64 clients, 64 + 64 tokens each{capacity}: sequences running at once | "
+         "{} (the `--max-batch-size` cap) | {} whole-context slots fit that budget | >= 3x: {}x |",
+         file, [("results.capacity.paged.median.peak_active_sequences", ".0f"),
+                *((_target("capacity: running sequences / whole-context slots", figure), ".0f")
+                  for figure in ("slots", "ratio"))]),
+    ]
+
+
+def _engine(contender: str, level: str) -> list[tuple[JsonPath, str]]:
+    """generation: one contender's tokens/s, TTFT p50 / p99 and ITL p50 / p99 at one level
+    (``llama.cpp``'s dot rules out a path)."""
+    return [(lambda result, key=key: result["runs"][contender][level][key], spec)
+            for key, spec in (("tokens_per_s", ",.0f"), ("ttft_p50_ms", ".1f"),
+                              ("ttft_p99_ms", ".1f"), ("itl_p50_ms", "~"), ("itl_p99_ms", "~"))]
+
+
+FIGURES: list[Figure] = [
+    *((SERVE_DOC, f"| {level} | {{}} tok/s | {{}} tok/s | {{}} ms, {{}} ms |", SERVING,
+       [(f"generation.tokens_per_s.gpuflow.{level}", ",.0f"),
+        (f"generation.tokens_per_s.gpuflow no cache.{level}", ",.0f"),
+        (f"generation.runs.gpuflow.{level}.ttft_p50_ms", ".0f"),
+        (f"generation.runs.gpuflow.{level}.itl_p50_ms", ".1f")]) for level in LEVELS),
+    (SERVE_DOC, "stage's launch-bound model ran {}x faster as a CUDA graph on the same machine",
+     H200, [("verdicts.cuda graphs.steps_per_s_ratio", ".1f")]),
+    (SERVE_DOC, "measured the eager engine at {} / {} / {} / {} tok/s for 1 / 8 / 32 / 64 "
+     "clients", GRAPHS_RUN,
+     [(f"generation.tokens_per_s.gpuflow.{level}", ",.0f") for level in LEVELS]),
+    (SERVE_DOC, "({} / {} / {} / {} tok/s, eager over the buckets)", GRAPHS_RUN,
+     [(f"generation_cuda_graphs.tokens_per_s.gpuflow.{level}", ",.0f") for level in LEVELS]),
+    (SERVE_DOC, "{} against {} tok/s at one client ({}x; rounds {}, {} and {}), {} against {} "
+     "at 8 ({}x), {} against {} at 32 ({}x)", COMPILED,
+     [*_against_llama_cpp("1"), *((f"runs.gpuflow.1.rounds.{i}.tokens_per_s", ".0f")
+                                  for i in range(3)),
+      *_against_llama_cpp("8"), *_against_llama_cpp("32")]),
+    (SERVE_DOC, "gpuflow's one-client rounds fell from {} to {} tok/s while llama.cpp's held at "
+     "{}-{}", COMPILED,
+     [("runs.gpuflow.1.rounds.0.tokens_per_s", ".0f"),
+      ("runs.gpuflow.1.rounds.2.tokens_per_s", ".0f"),
+      *((lambda result, pick=pick: pick(round_["tokens_per_s"] for round_ in
+                                        result["runs"]["llama.cpp"]["1"]["rounds"]), ",.0f")
+        for pick in (min, max))]),
+    (SERVE_DOC, "| `--concurrency 1` | dynamic batching | {} | {} | {} |",
+     "serving-c1-intel-xeon-2c.json", _batching_run("dynamic", ".2f", ".2f")),
+    (SERVE_DOC, "| | `--max-batch-size 1` | {} | {} | {} | same |",
+     "serving-c1-intel-xeon-2c.json", _batching_run("max_batch_size_1", ".2f", ".2f")),
+    (SERVE_DOC, "| 32 clients | dynamic batching | {} | {} | {} |",
+     "serving-intel-r-xeon-r-2c.json", _batching_run("dynamic", ".1f", ".0f")),
+    (SERVE_DOC, "| | `--max-batch-size 1` | {} | {} | {} | same |",
+     "serving-intel-r-xeon-r-2c.json", _batching_run("max_batch_size_1", ".1f", ".0f")),
+    (SERVE_DOC, "the model's batches stay small ({} rows on average)",
+     "serving-intel-r-xeon-r-2c.json", [("runs.dynamic.mean_batch_rows", ".1f")]),
+    *((SERVE_DOC, f"| {name} | {' | '.join(['{} ({})'] * 4)} |",
+       "serving-contenders-intel-r-xeon-r-2c.json", _contender(server))
+      for name, server in (("plain FastAPI endpoint, no batching", "fastapi_plain"),
+                           ("LitServe 0.2.19, max batch 32, 5 ms", "litserve"),
+                           ("gpuflow serve, max batch 32, 5 ms", "gpuflow"))),
+    (SERVE_DOC, "| fp32 | {} | {}x | {} | | {} MiB |", QUANTIZE, _mode("fp32", True)),
+    *((SERVE_DOC, f"| {name} | {{}} | {{}}x | {{}} | {{}} | {{}} MiB |", QUANTIZE,
+       _mode(mode, True)) for name, mode in (("bf16", "bf16"), ("int8", "int8"),
+                                             ("int8, bf16", "int8+bf16"))),
+    *((SERVE_DOC, f"| {name} `--compile` | {{}} | {{}}x | | | {{}} MiB |", QUANTIZE,
+       _mode(f"{name} compiled", False)) for name in ("fp32", "int8")),
+    (SERVE_DOC, "On a CPU, int8 weights are {}x smaller", QUANTIZE,
+     [(lambda result: result["modes"]["fp32"]["state_dict_bytes"]
+       / result["modes"]["int8"]["state_dict_bytes"], ".1f")]),
+    *_kv_paging("kv_paging-amd-epyc-2c.json", ".0f", ", `--kv-cache-gib 0.25`"),
+    *_kv_paging("kv_paging-hub-llama-amd-epyc-2c.json", ".1f", ""),
+    (SERVE_DOC, "the cached run's ITL p50 is {} ms and its TTFT p50 {} ms",
+     "kv_paging-amd-epyc-2c.json", [("results.prefix.prefix cache.median.itl_p50_ms", ".1f"),
+                                    ("results.prefix.prefix cache.median.ttft_p50_ms", ".0f")]),
+    *((SERVE_DOC, f"| {level} | {{}} tok/s; TTFT {{}} / {{}} ms; ITL {{}} / {{}} ms | {{}} "
+       f"tok/s{errors}; TTFT {{}} / {{}} ms; ITL {{}} / {{}} ms | {{}}x", EAGER,
+       [*_engine("gpuflow", level), *_engine("llama.cpp", level),
+        _against_llama_cpp(level)[2]])
+      for level, errors in (("1", ""), ("8", ", 1 error"), ("32", ", 1 error"))),
+]
