@@ -132,7 +132,8 @@ def test_exports_open_in_peft_and_transformers_with_the_trained_logits(
     assert step == STEPS and set(weights) == set(merged.state_dict())
 
 
-def test_textlm_adapters_on_named_modules_export_to_peft(tmp_path: Path) -> None:
+def test_textlm_adapters_on_named_modules_export_to_peft(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import peft
 
     from gpuflow.workloads import textlm
@@ -147,6 +148,9 @@ def test_textlm_adapters_on_named_modules_export_to_peft(tmp_path: Path) -> None
     result = train(workload(), config)
     trained = adapters(result.model)
     assert trained and all(".attn.qkv.lora_" in name for name in trained)
+    count = sum(p.numel() for p in trained.values())
+    assert f"LoRA rank 2 on qkv ({count:,} parameters train, the base frozen)" in (
+        capsys.readouterr().err)
     # The tied LM head (the embedding's weight under a second name) is frozen: not saved.
     assert set(newest_weights(tmp_path / "run")) == set(trained)
     export_model(tmp_path / "run", tmp_path / "adapter", "hf")

@@ -98,11 +98,15 @@ def banner(run: RunDescription) -> str:
     fp8 = f"{run.fp8.describe()}; " if run.fp8 else ""
     averaged = (f"weights averaged (EMA {run.ema_decay:g} a step), "
                 if run.ema_decay is not None else "")
+    adapters = (f"LoRA rank {config['lora_rank']} on {config['lora_targets']} "
+                f"({run.trainable_params:,} parameters train, the base frozen), "
+                if config.get("lora_rank") is not None else "")
     return (
         f"gpuflow: {run.workload} on {device_name(run.device)} ({run.device})"
         f"{run.layout}, {run.precision}, global batch "
         f"{run.global_batch} = micro-batch {config['batch_size']} x accum "
-        f"{config['grad_accum']} x data-parallel {dims.dp}, {fp8}{averaged}{run.total_steps} "
+        f"{config['grad_accum']} x data-parallel {dims.dp}, {adapters}{fp8}{averaged}"
+        f"{run.total_steps} "
         f"steps{resumed}{compiled}; "
         f"{_eval_plan(run)}; run dir {run.run_dir}{_choices(run)}"
     )
