@@ -133,6 +133,16 @@ FIGURES: list[Figure] = [
                                              ("int8, bf16", "int8+bf16"))),
     *((SERVE_DOC, f"| {name} `--compile` | {{}} | {{}}x | | | {{}} MiB |", QUANTIZE,
        _mode(f"{name} compiled", False)) for name in ("fp32", "int8")),
+    (SERVE_DOC, "compiling textlm tiny's decode step took {} s for the buckets up to 8 and {} s "
+     "up to 32 on a first start, {}-{} s on a restart", "decode_warmup-amd-epyc-2c.json",
+     [("results.8.cold_s", ".0f"), ("results.32.cold_s", ".0f"),
+      ("results.8.warm_cache_s", ".0f"), ("results.32.warm_cache_s", ".0f")]),
+    (SERVE_DOC, "the device thread's work {} ms a step and the host's {} ms, a step took {} ms "
+     "left in flight ({}x the larger), against {} ms waited for ({}x)",
+     "overlap-amd-epyc-2c.json",
+     [("median.forward_ms", ".2f"), ("median.host_ms", ".2f"), ("median.overlapped_ms", ".2f"),
+      ("overlapped_over_max_forward_host", ".2f"), ("median.waited_ms", ".2f"),
+      ("waited_over_max_forward_host", ".2f")]),
     (SERVE_DOC, "it then decodes one client {}x faster ({} against {} tok/s", QUANTIZE,
      [(lambda result: result["modes"]["fp32 compiled"]["decode_tokens_per_s"]
        / result["modes"]["fp32"]["decode_tokens_per_s"], ".1f"),
