@@ -161,6 +161,29 @@ def test_textlm_adapters_on_named_modules_export_to_peft(
     assert worst <= ADAPTER_ATOL
 
 
+def test_packed_conversations_train_adapters_and_leave_the_base_as_saved(
+        hub_models: Any, tmp_path: Path) -> None:
+    """Conversations, several to a window with the assistant-only loss, through adapters."""
+    import transformers
+
+    directory, chats = hub_models["llama"], tmp_path / "chats"
+    chats.mkdir()
+    lines = [{"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
+                           {"role": "assistant", "content": f"{2 * i}."}]} for i in range(24)]
+    (chats / "chats.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    torch.manual_seed(0)
+    workload = resolve_workload(f"hf:{directory}", {"data_dir": str(chats), "seq_len": SEQ})
+    config = TrainConfig(workload=f"hf:{directory}", data_dir=str(chats), seq_len=SEQ,
+                         max_steps=2, batch_size=2, eval_every=0, progress=False,
+                         run_dir=str(tmp_path / "run"), lora_rank=4)
+    result = train(workload, config)
+    saved = transformers.AutoModelForCausalLM.from_pretrained(directory).state_dict()
+    base = {name.replace("base_model.model.", "").replace(".base_layer", ""): param
+            for name, param in result.model.named_parameters() if not param.requires_grad}
+    assert base.keys() <= saved.keys() and len(base) == len(saved)
+    assert all(torch.equal(param, saved[name]) for name, param in base.items())
+
+
 def test_a_16_bit_base_stays_16_bit_under_autocast(hub_models: Any, tmp_path: Path) -> None:
     import transformers
 
