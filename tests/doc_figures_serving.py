@@ -14,6 +14,25 @@ EAGER = "generation-amd-epyc-2c.json"
 LEVELS = ("1", "8", "32", "64")
 
 
+def _launches(model: str, step: str) -> list[tuple[JsonPath, str]]:
+    """launches: operators per layer of one step, not views and all, now and at the baseline."""
+    base = f"results.{model}"
+    return [(f"{base}.{who}.steps.{step}.{figure}_per_layer", ".1f")
+            for figure in ("not_views", "ops") for who in ("gpuflow", "baseline")]
+
+
+def _traffic(rows: int) -> list[tuple[JsonPath, str]]:
+    """attention_traffic: KV positions read over those held, FlexAttention's and the padded
+    path's at 8k, 32k and 128k contexts (16-token blocks, no sliding window)."""
+    def batch(result: Any, context: int) -> dict[str, Any]:
+        return next(b for b in result["batches"] if b["rows"] == rows and b["block_size"] == 16
+                    and b["sliding_window"] is None and b["context"] == context)
+
+    return [(lambda result: batch(result, 8192)["flex_over_held"], "g"),
+            *((lambda result, context=context: batch(result, context)["padded_over_held"], "g")
+              for context in (8192, 32768, 131072))]
+
+
 def _against_llama_cpp(level: str) -> list[tuple[JsonPath, str]]:
     """generation: gpuflow's and llama.cpp's median tokens/s at one level, and their ratio."""
     def tokens(result: Any, contender: str) -> float:
@@ -143,6 +162,18 @@ FIGURES: list[Figure] = [
      [("median.forward_ms", ".2f"), ("median.host_ms", ".2f"), ("median.overlapped_ms", ".2f"),
       ("overlapped_over_max_forward_host", ".2f"), ("median.waited_ms", ".2f"),
       ("waited_over_max_forward_host", ".2f")]),
+    *((SERVE_DOC, f"| {name} | {step} | {{}} ({{}}{before}) | {{}} ({{}}) |",
+       "launches-amd-epyc-2c.json", _launches(model, key))
+      for name, model, step, key, before in (
+          ("SmolLM2-135M-Instruct, 30 layers", "smollm2-135m-instruct", "8 decode rows",
+           "decode", " before"),
+          ("SmolLM2-135M-Instruct", "smollm2-135m-instruct", "8 decode rows and 2 prompt chunks",
+           "decode_and_chunks", ""),
+          ("the tests' 2-layer Llama", "hub-llama-2-layers", "8 decode rows", "decode", ""),
+          ("the tests' 2-layer Llama", "hub-llama-2-layers",
+           "8 decode rows and 2 prompt chunks", "decode_and_chunks", ""))),
+    *((SERVE_DOC, f"| {rows} | {{}} | {{}} / {{}} / {{}} |", "attention_traffic-amd-epyc-2c.json",
+       _traffic(rows)) for rows in (64, 256)),
     (SERVE_DOC, "it then decodes one client {}x faster ({} against {} tok/s", QUANTIZE,
      [(lambda result: result["modes"]["fp32 compiled"]["decode_tokens_per_s"]
        / result["modes"]["fp32"]["decode_tokens_per_s"], ".1f"),
