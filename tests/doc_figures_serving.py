@@ -11,6 +11,7 @@ SERVE_DOC, GRAPHS_RUN = "docs/serving.md", "gpu_suite-nvidia-h200-generation.jso
 COMPILED = "generation-textlm-compile-amd-epyc-2c.json"
 QUANTIZE = "quantize-amd-epyc-2c.json"
 EAGER = "generation-amd-epyc-2c.json"
+HUB_LLAMA = "generation-hub-llama-amd-epyc-2c.json"
 LEVELS = ("1", "8", "32", "64")
 
 
@@ -31,6 +32,20 @@ def _traffic(rows: int) -> list[tuple[JsonPath, str]]:
     return [(lambda result: batch(result, 8192)["flex_over_held"], "g"),
             *((lambda result, context=context: batch(result, context)["padded_over_held"], "g")
               for context in (8192, 32768, 131072))]
+
+
+def _hub_llama(route: str, level: str) -> Figure:
+    """generation on the hub Llama: one route and level, gpuflow against transformers serve
+    (at 32 clients, its errors: it answered none)."""
+    engine = " tok/s; TTFT {} / {} ms; ITL {} / {} ms"
+    ours, theirs = f"gpuflow {route}", f"transformers serve {route}"
+    if level == "32":
+        return (SERVE_DOC, f"| {route}, 32 | {{}}{engine} | none answered ({{}} errors) | |",
+                HUB_LLAMA, [*_engine(ours, level), (f"runs.{theirs}.32.errors", ".0f")])
+    return (SERVE_DOC, f"| {route}, {level} | {{}}{engine} | {{}}{engine} | {{}}x |", HUB_LLAMA,
+            [*_engine(ours, level), *_engine(theirs, level),
+             (lambda result: result["runs"][ours][level]["tokens_per_s"]
+              / result["runs"][theirs][level]["tokens_per_s"], ".2f")])
 
 
 def _against_llama_cpp(level: str) -> list[tuple[JsonPath, str]]:
@@ -174,6 +189,7 @@ FIGURES: list[Figure] = [
            "8 decode rows and 2 prompt chunks", "decode_and_chunks", ""))),
     *((SERVE_DOC, f"| {rows} | {{}} | {{}} / {{}} / {{}} |", "attention_traffic-amd-epyc-2c.json",
        _traffic(rows)) for rows in (64, 256)),
+    *(_hub_llama(route, level) for route in ("completions", "chat") for level in ("1", "8", "32")),
     (SERVE_DOC, "it then decodes one client {}x faster ({} against {} tok/s", QUANTIZE,
      [(lambda result: result["modes"]["fp32 compiled"]["decode_tokens_per_s"]
        / result["modes"]["fp32"]["decode_tokens_per_s"], ".1f"),

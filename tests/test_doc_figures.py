@@ -2,10 +2,10 @@
 figure, or an edit that misquotes one, fails here (docs/benchmarks.md and the GPU table of
 docs/performance.md are rendered from the files instead). The rows: ``doc_figures`` (what a
 row holds; performance.md, planner.md, data.md, the images, finetune, asr and speech
-workload pages) and ``doc_figures_serving`` (serving.md's GPU runs, its eager and compiled
-textlm runs against llama.cpp, decode warm-up, operators a step, steps in flight, attention
-traffic, its KV paging, quantization and batching tables; the rest of serving.md is not
-listed yet).
+workload pages) and ``doc_figures_serving`` (serving.md's GPU runs, the hub Llama against
+transformers serve, its eager and compiled textlm runs against llama.cpp, decode warm-up,
+operators a step, steps in flight, attention traffic, its KV paging, quantization and
+batching tables; the rest of serving.md is not listed yet).
 """
 
 from __future__ import annotations
