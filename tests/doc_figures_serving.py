@@ -48,6 +48,17 @@ def _hub_llama(route: str, level: str) -> Figure:
               / result["runs"][theirs][level]["tokens_per_s"], ".2f")])
 
 
+def _speculative(prompt: str) -> list[tuple[JsonPath, str]]:
+    """speculative: one prompt's plain tokens/s, then each drafting setting's tokens/s,
+    speed-up and acceptance."""
+    base = f"results.{prompt}"
+    return [(f"{base}.plain.tokens_per_s", ",.0f"),
+            *((f"{base}.{setting}.{figure}", spec)
+              for setting in ("lookup-4", "lookup-8", "draft-3")
+              for figure, spec in (("tokens_per_s", ",.0f"), ("speedup", ".2f"),
+                                   ("acceptance_rate", ".0%")))]
+
+
 def _against_llama_cpp(level: str) -> list[tuple[JsonPath, str]]:
     """generation: gpuflow's and llama.cpp's median tokens/s at one level, and their ratio."""
     def tokens(result: Any, contender: str) -> float:
@@ -190,6 +201,11 @@ FIGURES: list[Figure] = [
     *((SERVE_DOC, f"| {rows} | {{}} | {{}} / {{}} / {{}} |", "attention_traffic-amd-epyc-2c.json",
        _traffic(rows)) for rows in (64, 256)),
     *(_hub_llama(route, level) for route in ("completions", "chat") for level in ("1", "8", "32")),
+    (SERVE_DOC, "| code (a class, its methods alike) | {} tok/s | {} tok/s, {}x, {} accepted | "
+     "{} tok/s, {}x, {} | {} tok/s, {}x, {} |", "speculative-amd-epyc-2c.json",
+     _speculative("code")),
+    (SERVE_DOC, "| prose (a docstring's sentences) | {} tok/s | {} tok/s, {}x, {} | {} tok/s, {}x, "
+     "{} | {} tok/s, {}x, {} |", "speculative-amd-epyc-2c.json", _speculative("prose")),
     (SERVE_DOC, "it then decodes one client {}x faster ({} against {} tok/s", QUANTIZE,
      [(lambda result: result["modes"]["fp32 compiled"]["decode_tokens_per_s"]
        / result["modes"]["fp32"]["decode_tokens_per_s"], ".1f"),

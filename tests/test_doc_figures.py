@@ -4,8 +4,8 @@ docs/performance.md are rendered from the files instead). The rows: ``doc_figure
 row holds; performance.md, planner.md, data.md, the images, finetune, asr and speech
 workload pages) and ``doc_figures_serving`` (serving.md's GPU runs, the hub Llama against
 transformers serve, its eager and compiled textlm runs against llama.cpp, decode warm-up,
-operators a step, steps in flight, attention traffic, its KV paging, quantization and
-batching tables; the rest of serving.md is not listed yet).
+operators a step, steps in flight, attention traffic, speculative decoding, its KV paging,
+quantization and batching tables; the rest of serving.md is not listed yet).
 """
 
 from __future__ import annotations
