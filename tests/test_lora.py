@@ -232,7 +232,9 @@ def test_two_ddp_and_two_fsdp_ranks_train_adapters_as_one_process(
     (["--lora-rank", "4", "--batch-size", "auto"],
      "--lora-rank with --batch-size auto: the planner does not count frozen weights"),
     (["--lora-rank", "4", "--lora-targets", "q_proj,nope"],
-     "nope names no module of LlamaForCausalLM. Its linear layers are q_proj, k_proj"),
+     "nope names no module of LlamaForCausalLM, where adapters attach to linear, embedding "
+     "and convolution layers. Its linear layers are q_proj, k_proj"),
+    (["--lora-rank", "4", "--lora-targets", "mlp"], "mlp names a LlamaMLP of LlamaForCausalLM"),
 ])
 def test_bad_lora_flags_exit_2_naming_the_problem(
         hub_models: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str],

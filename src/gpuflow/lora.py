@@ -25,6 +25,7 @@ from gpuflow.errors import UserError
 
 ALL_LINEAR = "all-linear"
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+ADAPTABLE = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention)
 TORCHAO_CHECK = "is_torchao_available"
 
 
@@ -71,7 +72,8 @@ def _linear_names(model: nn.Module) -> list[str]:
 
 
 def _targets(model: nn.Module, spec: LoraSpec) -> list[str]:
-    """The module names the adapters attach to, each checked to match a module."""
+    """The module names the adapters attach to, each checked to match only layers PEFT
+    attaches adapters to."""
     present = _linear_names(model)
     if spec.targets == ALL_LINEAR:
         if not present:
@@ -79,14 +81,25 @@ def _targets(model: nn.Module, spec: LoraSpec) -> list[str]:
                             "layer besides its output layer to attach adapters to.")
         return present
     wanted = [name.strip() for name in spec.targets.split(",") if name.strip()]
-    names = [name for name, _ in model.named_modules()]
-    unmatched = [target for target in wanted
-                 if not any(name == target or name.endswith(f".{target}") for name in names)]
-    if unmatched or not wanted:
-        raise UserError(f"--lora-targets {spec.targets}: {', '.join(unmatched) or 'nothing'} "
-                        f"names no module of {type(model).__name__}. Its linear layers are "
+    matched = {target: [module for name, module in model.named_modules()
+                        if name == target or name.endswith(f".{target}")] for target in wanted}
+    unmatched = [target for target, modules in matched.items() if not modules]
+    other = {target: type(next(m for m in modules if not _adaptable(m))).__name__
+             for target, modules in matched.items() if not all(map(_adaptable, modules))}
+    if unmatched or other or not wanted:
+        why = ("no name given for any module" if not wanted else
+               f"{', '.join(unmatched)} names no module" if unmatched else
+               "; ".join(f"{target} names a {kind}" for target, kind in other.items()))
+        raise UserError(f"--lora-targets {spec.targets}: {why} of "
+                        f"{type(model).__name__}, where adapters attach to linear, embedding "
+                        f"and convolution layers. Its linear layers are "
                         f"{', '.join(present) or 'none'}; or give all-linear.")
     return wanted
+
+
+def _adaptable(module: nn.Module) -> bool:
+    """A layer PEFT's LoRA attaches to (``transformers``' ``Conv1D`` is GPT-2's linear)."""
+    return isinstance(module, ADAPTABLE) or type(module).__name__ == "Conv1D"
 
 
 def frozen_dtype(model: nn.Module, autocast: torch.dtype | None) -> torch.dtype:
