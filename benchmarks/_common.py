@@ -226,3 +226,14 @@ def checked_out(ref: str, folder: Path) -> Iterator[Path]:
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=root,
                        capture_output=True)
+
+
+def stop(processes: list[subprocess.Popen[bytes]]) -> None:
+    """Terminate each process and wait for it; killed after 30 s."""
+    for process in processes:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

@@ -153,11 +153,3 @@ def start(command: list[str], url: str, ready_path: str, env: dict[str, str],
     raise RuntimeError(f"{' '.join(command)} not ready after {timeout} s")
 
 
-def stop(processes: list[subprocess.Popen[bytes]]) -> None:
-    for process in processes:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()

@@ -59,11 +59,12 @@ from _common import (  # noqa: E402
     machine_info,
     package_version,
     provenance,
+    stop,
     usable_cores,
     wait_for_idle,
     write_json,
 )
-from _load import Contender, drive, median_of_rounds, start, stop  # noqa: E402
+from _load import Contender, drive, median_of_rounds, start  # noqa: E402
 from contenders import llama_cpp  # noqa: E402
 from serving import free_port, untrained_export  # noqa: E402
 

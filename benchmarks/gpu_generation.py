@@ -388,6 +388,7 @@ def serve_command(args: argparse.Namespace, path: Path, port: int, context: int)
 def start_server(command: list[str], url: str, log_path: Path, timeout: float
                  ) -> subprocess.Popen[bytes]:
     """The server, once /readyz answers 200; its output in ``log_path``."""
+    import _common
     import httpx
 
     with log_path.open("wb") as log:
@@ -404,18 +405,9 @@ def start_server(command: list[str], url: str, log_path: Path, timeout: float
         except httpx.HTTPError:
             pass
         time.sleep(0.25)
-    stop_server(process)
+    _common.stop([process])
     raise RuntimeError(f"the server was not ready after {timeout:.0f} s: "
                        + log_path.read_text(errors="replace")[-1500:])
-
-
-def stop_server(process: subprocess.Popen[bytes]) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 def engine_counters(url: str) -> dict[str, float]:
@@ -825,7 +817,7 @@ def main(argv: list[str] | None = None) -> int:
             entry["error"] = f"{type(exc).__name__}: {exc}"
             log(f"{key}: {entry['error']}")
         finally:
-            stop_server(server)
+            _common.stop([server])
             log_text = (work / f"{key}-server.log").read_text(errors="replace")
             entry["server"]["log_tail"] = log_text[-1500:]
         if model.weights == "random" and model.path.is_relative_to(work) and not args.workdir:

@@ -43,10 +43,11 @@ from _common import (  # noqa: E402
     default_result_path,
     machine_info,
     provenance,
+    stop,
     wait_for_idle,
     write_json,
 )
-from _load import start, stop  # noqa: E402
+from _load import start  # noqa: E402
 from serving import free_port  # noqa: E402
 
 # Targets of issue 50, over the baseline's tokens/s at the same concurrency.

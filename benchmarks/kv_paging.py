@@ -54,11 +54,12 @@ from _common import (  # noqa: E402
     default_result_path,
     machine_info,
     provenance,
+    stop,
     usable_cores,
     wait_for_idle,
     write_json,
 )
-from _load import percentile, start, stop  # noqa: E402
+from _load import percentile, start  # noqa: E402
 from kv_models import MODELS, ServedModel  # noqa: E402
 from serving import free_port  # noqa: E402
 

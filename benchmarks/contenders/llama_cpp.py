@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from _load import Contender, stop
+from _common import stop
+from _load import Contender
 from serving import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
