@@ -24,7 +24,9 @@ from gpuflow.export import export_model
 from gpuflow.parallel.env import free_port
 from gpuflow.workload import resolve_workload
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              # PeftModel.from_pretrained asks transformers a deprecated question.
+              pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing`:FutureWarning")]
 
 SEQ = 32
 STEPS = 3
