@@ -128,8 +128,11 @@ def wrap(model: nn.Module, spec: LoraSpec | None, autocast: torch.dtype | None =
     The base is frozen and held in :func:`frozen_dtype`; the adapters train in fp32."""
     if spec is None:
         return model
-    import peft
-
+    try:
+        import peft
+    except ImportError:
+        raise UserError("--lora-rank trains adapters through PEFT, which is not installed: "
+                        "pip install 'gpuflow[hf]' (or peft).") from None
     targets = _targets(model, spec)
     dtype = frozen_dtype(model, autocast)
     for param in model.parameters():  # not the buffers: rotary frequencies stay fp32
