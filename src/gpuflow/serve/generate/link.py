@@ -206,7 +206,9 @@ class ProcessLink:
         self._stopping = True
         with self._send_lock, contextlib.suppress(OSError):
             self._conn.send(None)
-        self._process.join(timeout=30)
+        # A core still warming up reads no pipe until it is warm (a compile can take
+        # minutes) and holds nothing to finish: it is not waited for.
+        self._process.join(timeout=30 if self._warm.is_set() else 1)
         if self._process.is_alive():
             self._process.kill()
             self._process.join()
