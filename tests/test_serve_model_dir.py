@@ -80,10 +80,11 @@ class Reference:
 
 def served(path: Path, test: Callable[[openai.AsyncOpenAI, httpx.AsyncClient],
                                       Awaitable[Any]], **options: Any) -> Any:
-    """Run ``test`` against ``gpuflow serve path``, in this process, through the Python
-    API."""
-    settings = gpuflow.ServeSettings(source=str(path), max_batch_size=4, kv_cache_gib=0.02,
-                                     timeout_ms=30000, **options, engine_process=False)
+    """Run ``test`` against ``gpuflow serve path``, through the Python API; ``options``
+    override the settings (the core runs in this process unless told)."""
+    settings = gpuflow.ServeSettings(**{"source": str(path), "max_batch_size": 4,
+                                        "kv_cache_gib": 0.02, "timeout_ms": 30000,
+                                        "engine_process": False, **options})
 
     async def scenario() -> Any:
         async with serving(gpuflow.create_app(settings)) as client:
@@ -219,8 +220,8 @@ BAD_REQUESTS = [
     ("chat", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("chat", {"messages": CHAT, "stream": "yes"}, "stream"),
     ("chat", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
-    ("chat", {"messages": CHAT, "response_format": {"type": "json_object"}},
-     "response_format"),
+    ("chat", {"messages": CHAT, "response_format": {"type": "yaml"}},
+     "response_format.type"),
     ("chat", {"messages": [{"role": "user", "content": "x"},
                            {"role": "user", "content": "y"}]}, "messages"),
     ("completions", {"prompt": "x" * 2000}, "prompt"),

@@ -12,6 +12,8 @@ if TYPE_CHECKING:
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # Engine steps: from a CUDA graph's replay (well under a millisecond) to a long prefill.
 STEP_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
+# A step's grammar masks: ~0.1 ms a row for 49k tokens, to a long grammar's slow step.
+MASK_BUCKETS = (0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05)
 
 
 class ServeMetrics:
@@ -20,7 +22,7 @@ class ServeMetrics:
     running and waiting sequences, KV cache blocks in use, preemptions, the prefix
     cache's lookups, hits and hit rate, speculative decoding's drafted and accepted
     tokens and acceptance rate, and the engine's step and forward times with the rows and
-    tokens its steps computed."""
+    tokens its steps computed and its grammars' mask times (structured outputs)."""
 
     def __init__(self, max_batch_size: int) -> None:
         self.registry = CollectorRegistry()
@@ -81,6 +83,12 @@ class ServeMetrics:
                                 "Drafted tokens the model accepted", registry=reg)
         self.acceptance_rate = Gauge("gpuflow_spec_decode_acceptance_rate",
                                      "Share of drafted tokens accepted (0-1)", registry=reg)
+        self._add_step_metrics(reg)
+        # Preemptions, prefix queries and hits, drafted and accepted tokens counted so far.
+        self._totals = (0, 0, 0, 0, 0)
+
+    def _add_step_metrics(self, reg: CollectorRegistry) -> None:
+        """The generation engine's steps: times, rows and tokens, graphs, grammar masks."""
         self.step_time = Histogram("gpuflow_engine_step_seconds",
                                    "One generation engine step: forward, sampling and events",
                                    buckets=STEP_BUCKETS, registry=reg)
@@ -99,8 +107,10 @@ class ServeMetrics:
         self.graphed_tokens = Counter("gpuflow_engine_graphed_tokens",
                                       "Tokens computed by steps that replayed a CUDA graph",
                                       registry=reg)
-        # Preemptions, prefix queries and hits, drafted and accepted tokens counted so far.
-        self._totals = (0, 0, 0, 0, 0)
+        self.mask_time = Histogram("gpuflow_engine_grammar_mask_seconds",
+                                   "Token masks of constrained rows (structured outputs) in "
+                                   "one engine step that had any", buckets=MASK_BUCKETS,
+                                   registry=reg)
 
     def first_token(self, seconds: float) -> None:
         self.first_token_time.observe(seconds)
@@ -130,11 +140,14 @@ class ServeMetrics:
             self.acceptance_rate.set(now.accepted / now.drafted)
 
     def step(self, timing: StepTiming) -> None:
-        """One generation engine step: its time, its forward's, its rows and tokens."""
+        """One generation engine step: its time, its forward's, its grammars' masks', its
+        rows and tokens."""
         self.step_time.observe(timing.step_s)
         self.forward_time.observe(timing.forward_s)
         self.step_rows.inc(timing.rows)
         self.step_tokens.inc(timing.tokens)
+        if timing.mask_s:
+            self.mask_time.observe(timing.mask_s)
         if timing.graphed:
             self.graphed_steps.inc()
             self.graphed_tokens.inc(timing.tokens)

@@ -13,8 +13,10 @@ A step: take the scheduler's plan (``scheduler.py``), run its chunks through the
 ``ModelRunner`` (``runner.py``: one mixed forward, or a bucketed, compiled or CUDA-graph
 decode step) in the device thread (``launch.py``), then take each finished chunk's next
 token (``sampling.py``), or the tokens its drafts earned (speculative decoding,
-``speculate.py``). A step of greedy rows is left in flight: the next one is planned and
-launched before its tokens are taken, so the host's work overlaps the forward.
+``speculate.py``); a constrained row's logits are masked by its grammar first
+(``grammar.py``), on the host, and it gets no drafts. A step of greedy rows is left in
+flight: the next one is planned and launched before its tokens are taken, so the host's
+work overlaps the forward; a constrained row never is (its mask needs its last token).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 
 from gpuflow.serve.dtypes import short_name
 from gpuflow.serve.generate.core_request import PENDING, CoreRequest
+from gpuflow.serve.generate.grammar import GrammarError, Grammars
 from gpuflow.serve.generate.launch import DeviceThread, Forward, Launched, run_forward
 from gpuflow.serve.generate.messages import Inbox, Occupancy, Output, Report, StepTiming
 from gpuflow.serve.generate.paged import RowSpec
@@ -56,17 +59,31 @@ class EngineCore:
         self._device: DeviceThread | None = None
         self._in_flight: Launched | None = None  # a step whose tokens are on the device
         self._pending: dict[Sequence, int] = {}  # its sequences: their token's index there
+        self.grammars: Grammars | None = None  # once a constrained request is sent
 
     @property
     def idle(self) -> bool:
         return not self._live and self._in_flight is None
 
     def receive(self, inbox: Inbox) -> None:
-        """New requests into the scheduler's queue; dropped ones leave it, blocks freed."""
+        """New requests into the scheduler's queue (a constrained one with its grammar's
+        guide); dropped ones leave it, blocks freed."""
+        if inbox.vocabulary is not None:
+            self.grammars = Grammars(inbox.vocabulary, self.eos_ids)
         for new in inbox.new:
-            request = CoreRequest(new.id, new.prompt, new.params)
+            constraint, guide, error = new.params.constraint, None, None
+            if constraint is not None:
+                try:
+                    if self.grammars is None:
+                        raise GrammarError("a grammar came before the vocabulary")
+                    guide = self.grammars.guide(constraint)
+                except GrammarError as exc:
+                    error = f"the grammar does not compile: {exc}"
+            request = CoreRequest(new.id, new.prompt, new.params, guide)
             self._live[request.seq] = self._by_id[new.id] = request
             self.scheduler.add(request.seq)
+            if error is not None:
+                self._retire(request, "failed", error)
         self.taken += len(inbox.new)
         for request_id in inbox.dropped:
             request = self._by_id.get(request_id)
@@ -214,7 +231,8 @@ class EngineCore:
                                    torch.cat([row for _, row in finished]))
             for (request, row), token in zip(finished, tokens, strict=True):
                 self._advance(request, token, row)
-        return self._timing(launched, done)
+        mask_s = sum(r.guide.spent() for r, _ in finished if r.guide is not None)
+        return self._timing(launched, done, mask_s)
 
     def _result(self, launched: Launched) -> Forward | None:
         """The step's forward, waited for; None, its sequences failed, if it raised."""
@@ -226,10 +244,10 @@ class EngineCore:
             return None
 
     @staticmethod
-    def _timing(launched: Launched, done: Forward) -> StepTiming:
+    def _timing(launched: Launched, done: Forward, mask_s: float = 0.0) -> StepTiming:
         chunks = launched.plan.chunks
         return StepTiming(len(chunks), sum(chunk.length for chunk in chunks), done.forward_s,
-                          time.perf_counter() - launched.started, done.graphed)
+                          time.perf_counter() - launched.started, done.graphed, mask_s)
 
     def _drafts(self, plan: Plan) -> dict[Sequence, Draft]:
         """The proposer's drafts for the step's decoding sequences, each within the room
@@ -242,6 +260,8 @@ class EngineCore:
             params = request.params
             if params.seed is not None and params.temperature > 0.0:
                 continue  # drafts would change its random draws, and so its seeded text
+            if request.guide is not None:
+                continue  # its mask at each drafted position would need the drafts' grammar
             room = min(chunk.room, params.max_tokens - len(request.generated) - 1)
             if room > 0:
                 rooms[chunk.seq] = room

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gpuflow.serve.generate.grammar import Guide
 from gpuflow.serve.generate.messages import Output
 from gpuflow.serve.generate.paged import Wanted
 from gpuflow.serve.generate.sampling import Sampler, SamplingParams, TokenLogprob, token_logprobs
@@ -29,6 +30,7 @@ class CoreRequest:
     id: int
     prompt: list[int]
     params: SamplingParams
+    guide: Guide | None = None  # its grammar's state, when constrained (grammar.py)
     generated: list[int] = field(default_factory=list)
     # The prompt's log-probabilities (None for its first token), gathered chunk by chunk.
     prompt_logprobs: list[TokenLogprob | None] | None = None
@@ -40,7 +42,7 @@ class CoreRequest:
         self.seq = Sequence.of(self.prompt, reuse_prefix=self.params.prompt_logprobs is None)
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
-        self.sampler = Sampler(self.params, self.prompt)
+        self.sampler = Sampler(self.params, self.prompt, self.guide)
 
     @property
     def length(self) -> int:
@@ -71,7 +73,8 @@ class CoreRequest:
     @property
     def device_sampled(self) -> bool:
         """Whether its next token can stay on the device until a later step reads it:
-        greedy, without penalties or log-probabilities (which need the logits here)."""
+        greedy, without penalties, grammar or log-probabilities (which need the logits
+        here, or its last token: a grammar's mask depends on it)."""
         params = self.params
         return (self.sampler.simple_greedy and params.logprobs is None
                 and params.prompt_logprobs is None)
@@ -106,6 +109,8 @@ class CoreRequest:
         if params.logprobs is not None:
             assert logits is not None
             self.new_logprobs += token_logprobs(logits, [token], params.logprobs)
+        if self.guide is not None and self.guide.complete:
+            return "stop"  # the grammar's text is whole
         if len(self.generated) >= params.max_tokens or self.length >= context:
             return "length"
         return None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpuflow.serve.generate.grammar import Vocabulary
 from gpuflow.serve.generate.sampling import SamplingParams, TokenLogprob
 
 
@@ -32,13 +33,14 @@ class StepTiming:
     seconds the model runner's call took (on a GPU, launching its work: the device
     finishes while the tokens are chosen) and the whole step's (scheduling
     excluded: sampling, stop checks and events included); ``graphed``: the forward
-    replayed a CUDA graph."""
+    replayed a CUDA graph; ``mask_s``: the seconds its grammars' token masks took."""
 
     rows: int
     tokens: int
     forward_s: float
     step_s: float
     graphed: bool = False
+    mask_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -52,10 +54,12 @@ class NewRequest:
 
 @dataclass(frozen=True)
 class Inbox:
-    """What the server sends the core between two steps, all at once."""
+    """What the server sends the core between two steps, all at once; the first to hold
+    a constrained request carries the vocabulary its grammars compile against."""
 
     new: tuple[NewRequest, ...] = ()
     dropped: tuple[int, ...] = ()  # ids whose client left, or that a stop string ended
+    vocabulary: Vocabulary | None = None
 
 
 @dataclass(frozen=True)

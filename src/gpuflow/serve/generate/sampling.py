@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gpuflow.serve.generate.grammar import Constraint, Guide
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -20,7 +22,8 @@ class SamplingParams:
     of every token in the prompt or generated. ``logprobs``: how many alternatives to
     report with each generated token's log-probability (None: none reported);
     ``prompt_logprobs`` the same for the prompt's tokens. ``ignore_eos`` generates past the
-    end-of-sequence ids, up to ``max_tokens``."""
+    end-of-sequence ids, up to ``max_tokens``. ``constraint``: the grammar its text follows
+    (``grammar.py``), or None."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -34,6 +37,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     ignore_eos: bool = False
+    constraint: Constraint | None = None
 
     @property
     def penalized(self) -> bool:
@@ -88,11 +92,12 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 
 class Sampler:
-    """One request's token choice, with its own random generator and the token counts its
-    penalties need."""
+    """One request's token choice, with its own random generator, the token counts its
+    penalties need, and its grammar's state (``guide``) when it is constrained."""
 
-    def __init__(self, params: SamplingParams, prompt: Sequence[int] = ()) -> None:
-        self.params = params
+    def __init__(self, params: SamplingParams, prompt: Sequence[int] = (),
+                 guide: Guide | None = None) -> None:
+        self.params, self.guide = params, guide
         self.generator = torch.Generator()
         # Not torch.seed(): it reseeds torch's global generators on every device backend,
         # which costs more than a greedy request's whole admission.
@@ -103,11 +108,14 @@ class Sampler:
 
     @property
     def simple_greedy(self) -> bool:
-        """Greedy with no penalty: the batch's one argmax chooses for it."""
-        return self.params.temperature == 0.0 and not self.params.penalized
+        """Greedy with no penalty and no grammar: the batch's one argmax chooses for it."""
+        return (self.params.temperature == 0.0 and not self.params.penalized
+                and self.guide is None)
 
     def observe(self, token: int) -> None:
-        """Count a token the sequence took."""
+        """Count a token the sequence took, and step its grammar past it."""
+        if self.guide is not None:
+            self.guide.advance(token)
         if self.params.penalized:
             self.counts[token] = self.counts.get(token, 0) + 1
             self.seen.add(token)
@@ -136,8 +144,11 @@ class Sampler:
         return torch.softmax(filtered, dim=-1)
 
     def choose(self, logits: torch.Tensor) -> int:
-        """The next token from ``logits[V]`` (on the CPU, in fp32)."""
+        """The next token from ``logits[V]`` (on the CPU, in fp32), among those its
+        grammar allows."""
         params = self.params
+        if self.guide is not None:
+            logits = self.guide.masked(logits)
         logits = self.penalize(logits) if params.penalized else logits
         if params.temperature == 0.0:
             return int(greedy_ids(logits))

@@ -21,6 +21,7 @@ from gpuflow.serve.routes.client import body_schema
 from gpuflow.serve.routes.generation import Choice, Reply, accept, check_prompt, generate, usage
 from gpuflow.serve.routes.logprobs import chat_logprobs
 from gpuflow.serve.routes.sampling_fields import GenerationFields
+from gpuflow.serve.routes.structured import constraint_of
 from gpuflow.serve.state import ServerState
 
 router = APIRouter()
@@ -91,7 +92,9 @@ async def chat_completions(request: Request) -> Response:
                  max_tokens_param="max_completion_tokens" if body.max_completion_tokens
                  else "max_tokens")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = [body.sampling(state.generation_defaults, max_tokens, choice, logprobs)
+    constraint = constraint_of(body, engine.grammars)
+    params = [body.sampling(state.generation_defaults, max_tokens, choice, logprobs,
+                            constraint=constraint)
               for choice in range(body.n)]
     answer = _ChatAnswer(state.model_name, engine.tokenizer, body.include_usage)
     return await generate(request, [prompt], params, answer, body.stream)

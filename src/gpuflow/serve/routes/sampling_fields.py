@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from gpuflow.model_dir import GenerationDefaults
 from gpuflow.serve.errors import ApiError
+from gpuflow.serve.generate.grammar import Constraint
 from gpuflow.serve.generate.sampling import SamplingParams
 
 MAX_STOP = 4
@@ -17,8 +18,8 @@ MAX_CHOICES = 128  # OpenAI's limit on n
 # OpenAI fields gpuflow does not serve: a request that sets one gets a 400 naming it,
 # rather than an answer that silently ignored what it asked for.
 UNSERVED = ("logit_bias", "tools", "tool_choice", "functions", "function_call",
-            "response_format", "parallel_tool_calls", "audio", "modalities", "prediction",
-            "reasoning_effort", "web_search_options", "suffix")
+            "parallel_tool_calls", "audio", "modalities", "prediction", "reasoning_effort",
+            "web_search_options", "suffix")
 
 
 class StreamOptions(BaseModel):
@@ -30,7 +31,8 @@ class StreamOptions(BaseModel):
 class GenerationFields(BaseModel):
     """Fields of both routes. Unknown fields are refused, as OpenAI does; booleans are
     JSON's true and false; NaN and infinities are refused (JSON has none, Python writes
-    them). ``top_k``, ``repetition_penalty`` and ``ignore_eos`` are vLLM's additions."""
+    them). ``top_k``, ``repetition_penalty``, ``ignore_eos`` and the ``guided_*`` fields
+    (structured outputs, ``structured.py``) are vLLM's additions."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -54,6 +56,10 @@ class GenerationFields(BaseModel):
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: Any = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     parallel_tool_calls: StrictBool | None = None
     audio: Any = None
     modalities: list[str] | None = None
@@ -67,7 +73,7 @@ class GenerationFields(BaseModel):
         for name in UNSERVED:
             if getattr(self, name) is not None:
                 raise ApiError(400, f"{name} is not served by this server (it generates "
-                               "text only: no tools, structured output or logit bias).",
+                               "text only: no tools or logit bias).",
                                "unsupported_parameter", name)
         if len(self.stops()) > MAX_STOP:
             raise ApiError(400, f"stop: at most {MAX_STOP} strings.", "invalid_stop", "stop")
@@ -81,7 +87,8 @@ class GenerationFields(BaseModel):
 
     def sampling(self, defaults: GenerationDefaults, max_tokens: int, choice: int = 0,
                  logprobs: int | None = None,
-                 prompt_logprobs: int | None = None) -> SamplingParams:
+                 prompt_logprobs: int | None = None,
+                 constraint: Constraint | None = None) -> SamplingParams:
         """The engine's parameters for choice number ``choice``: with a ``seed``, choice
         ``i`` draws from ``seed + i``, so the ``n`` choices differ and each repeats."""
         def pick(asked: Any, default: Any, fallback: Any) -> Any:
@@ -101,4 +108,5 @@ class GenerationFields(BaseModel):
                                     1.0),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            ignore_eos=self.ignore_eos)
+            ignore_eos=self.ignore_eos,
+            constraint=constraint)
