@@ -221,6 +221,11 @@ FIGURES: list[Figure] = [
      [("rounds.0.lora.peak_mem_bytes/GiB", ".2f"), ("rounds.0.full.peak_mem_bytes/GiB", ".2f"),
       ("lora_over_full_peak_memory_median", ".2f"), *_rounds("lora", "full", "tokens_per_s"),
       ("foreign_cpu_share", ".0%")]),
+    (FINETUNE, "with `--quantize-base nf4` the same adapters peak at {} GiB, {}x the full "
+     "fine-tune's (target: at most 0.30x), and run at {}x and {}x its tokens/s",
+     "lora_memory-intel-r-xeon-r-2c.json",
+     [("rounds.0.qlora.peak_mem_bytes/GiB", ".2f"), ("qlora_over_full_peak_memory_median", ".2f"),
+      *_rounds("qlora", "full", "tokens_per_s")]),
     (ASR, "| batches ({} an epoch, {} utterances on average) |", "asr-amd-epyc-2c.json",
      [(f"{BATCHING}.batches", ".0f"), (f"{BATCHING}.mean_batch_utterances", ".1f")]),
     (ASR, "| duration buckets, 60 s budget | **{}** | {} | {} | {} |", "asr-amd-epyc-2c.json",

@@ -90,6 +90,10 @@ def check_values(config: TrainFields) -> None:
 def check_lora_values(config: TrainFields) -> None:
     """The LoRA flags: in range, and only beside --lora-rank."""
     if config.lora_rank is None:
+        if config.quantize_base is not None:
+            raise UserError(f"--quantize-base {config.quantize_base} holds the frozen base of "
+                            "a LoRA run in 4 bits (QLoRA), and only --lora-rank R freezes it: "
+                            "add --lora-rank, or drop --quantize-base.")
         given = [f"--{_flag(name)}" for name, default in
                  (("lora_alpha", None), ("lora_dropout", 0.0), ("lora_targets", "all-linear"))
                  if getattr(config, name) != default]
@@ -112,9 +116,16 @@ def check_lora_values(config: TrainFields) -> None:
                         "linear layers the adapters attach to. Use --precision bf16.")
 
 
-def check_lora_layout(strategy: str, tp: int, pp: int) -> None:
+def check_lora_layout(strategy: str, tp: int, pp: int, quantize: str | None = None) -> None:
     """Adapters train under single, ddp and fsdp; tensor and pipeline parallelism would
-    have to split the adapters as they split their base layers, which gpuflow does not."""
+    have to split the adapters as they split their base layers, which gpuflow does not. An
+    NF4 base trains on one device: DDP's start-up broadcast and FSDP's sharding of its
+    codes are untested here."""
+    if quantize and strategy != "single":
+        raise UserError(f"--quantize-base {quantize} trains on one device (--strategy "
+                        f"single; this run: --strategy {strategy}): the NF4 base is not "
+                        "replicated or sharded over ranks yet. Drop --quantize-base to "
+                        "train adapters on several ranks.")
     if strategy in ("tp", "pp") or tp > 1 or pp > 1:
         raise UserError(
             f"--lora-rank trains under --strategy single, ddp and fsdp (this run: --strategy "
@@ -182,7 +193,7 @@ def check_layout(config: TrainFields, strategy: str, chosen: bool) -> None:
     if config.precision == "fp8" or config.cuda_graphs:
         check_step_modes(config, strategy, config.tp, config.pp)
     if config.lora_rank is not None:
-        check_lora_layout(strategy, config.tp, config.pp)
+        check_lora_layout(strategy, config.tp, config.pp, config.quantize_base)
     if config.resume:
         return  # the saved options may be another layout's: the run warns of them
     idle = idle_layout_options(config, strategy, config.pp)

@@ -25,6 +25,7 @@ Strategy = StrategyName | Literal["auto"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
 PipelineSplit = Literal["auto", "trace", "manual"]
 FsdpWrap = Literal["block", "model"]
+BaseQuantization = Literal["nf4"]
 # DistributedDataParallel's gradient bucket size when --bucket-mb is not given.
 DDP_DEFAULT_BUCKET_MIB = 25.0
 DataSource = Literal["real", "synthetic"]
@@ -238,6 +239,11 @@ class TrainFields:
         "all-linear", group=LORA, metavar="NAMES|all-linear",
         help="modules that get adapters, comma-separated (q_proj,v_proj), or every linear "
              "layer but the output layer")
+    quantize_base: BaseQuantization | None = option(
+        None, group=LORA, unset="off: the base in its dtype",
+        help="hold the frozen base's linear layers as NF4 (QLoRA: torchao, gpuflow[fp8]), "
+             "dequantized layer by layer in the forward",
+        details="see [workloads/finetune.md](workloads/finetune.md#qlora-an-nf4-base)")
     strategy: Strategy | None = option(
         None, group=DISTRIBUTED, unset="single for 1 process, ddp for more",
         help="how the model and the data are spread over the processes; auto: the "

@@ -19,6 +19,7 @@ from gpuflow import checkpoint as ckpt
 from gpuflow import lora, storage
 from gpuflow.byte_vocab import BYTE_VOCAB_SIZE
 from gpuflow.errors import UserError
+from gpuflow.precision import autocast_dtype
 from gpuflow.serving import RUN_CONFIG_FILE, SERVING_FILE
 
 if TYPE_CHECKING:
@@ -112,12 +113,14 @@ def _with_adapters(config: dict[str, Any], spec: lora.LoraSpec,
                    adapters: dict[str, torch.Tensor], checkpoint: ckpt.Checkpoint,
                    serving: dict[str, Any] | None) -> Workload:
     """The run's workload rebuilt in fp32, its model the base (seeded as training seeded
-    it, for a base of random weights) wrapped with the checkpoint's adapters."""
+    it, for a base of random weights) wrapped with the checkpoint's adapters. An NF4 base is
+    quantized from the dtype the run quantized it from, so its codes are the trained ones."""
     from gpuflow.serve.model import build_workload
 
     torch.manual_seed(int(config.get("seed", 0)))
     workload = build_workload(config, serving=serving)
-    workload.model = lora.wrap(workload.model, spec)
+    autocast = autocast_dtype(str(config.get("precision", "fp32"))) if spec.quantize else None
+    workload.model = lora.wrap(workload.model, spec, autocast)
     lora.load_adapters(workload.model, adapters, checkpoint.path)
     workload.model.eval()
     return workload

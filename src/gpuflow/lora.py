@@ -2,7 +2,8 @@
 
 Training wraps the workload's model here (``--lora-rank``); the export reads the same
 wrapping back to write PEFT's own files (``adapter_config.json`` and
-``adapter_model.safetensors``) or to merge the adapters into the base. PEFT is imported
+``adapter_model.safetensors``) or to merge the adapters into the base. With ``--quantize-base
+nf4`` (QLoRA) the frozen linear layers are held as NF4 (``gpuflow.nf4``). PEFT is imported
 only when a run asks for adapters (``gpuflow[hf]``).
 """
 
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpuflow import hf
+from gpuflow import hf, nf4
 from gpuflow.errors import UserError
 
 ALL_LINEAR = "all-linear"
@@ -32,12 +33,14 @@ TORCHAO_CHECK = "is_torchao_available"
 @dataclass(frozen=True)
 class LoraSpec:
     """What ``--lora-rank``, ``--lora-alpha``, ``--lora-dropout`` and ``--lora-targets``
-    ask for; ``alpha`` None means twice the rank (a scale of 2, whatever the rank)."""
+    ask for, with ``--quantize-base``; ``alpha`` None means twice the rank (a scale of 2,
+    whatever the rank)."""
 
     rank: int
     alpha: float | None = None
     dropout: float = 0.0
     targets: str = ALL_LINEAR
+    quantize: str | None = None
 
     @classmethod
     def of(cls, options: Mapping[str, Any]) -> LoraSpec | None:
@@ -47,7 +50,7 @@ class LoraSpec:
             return None
         return cls(int(options["lora_rank"]), options.get("lora_alpha"),
                    float(options.get("lora_dropout") or 0.0),
-                   options.get("lora_targets") or ALL_LINEAR)
+                   options.get("lora_targets") or ALL_LINEAR, options.get("quantize_base"))
 
     @property
     def scale_alpha(self) -> float:
@@ -62,13 +65,18 @@ def _output_layer(model: nn.Module) -> nn.Module | None:
     return found if isinstance(found, nn.Module) else getattr(model, "lm_head", None)
 
 
-def _linear_names(model: nn.Module) -> list[str]:
-    """The last name components of the model's linear layers, the output layer's left out:
-    what ``all-linear`` targets, in the order the model holds them."""
+def _linear_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """The model's linear layers by name, the output layer left out: what ``all-linear``
+    targets and what ``--quantize-base`` holds in NF4."""
     output = _output_layer(model)
-    names = [name.rpartition(".")[2] for name, module in model.named_modules()
-             if isinstance(module, nn.Linear) and module is not output]
-    return list(dict.fromkeys(names))
+    return [(name, module) for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and module is not output]
+
+
+def _linear_names(model: nn.Module) -> list[str]:
+    """The last name components of :func:`_linear_layers`, in the order the model holds
+    them."""
+    return list(dict.fromkeys(name.rpartition(".")[2] for name, _ in _linear_layers(model)))
 
 
 def _targets(model: nn.Module, spec: LoraSpec) -> list[str]:
@@ -125,7 +133,8 @@ def _saved_dtype(model: nn.Module) -> torch.dtype | None:
 def wrap(model: nn.Module, spec: LoraSpec | None, autocast: torch.dtype | None = None
          ) -> nn.Module:
     """``model`` with adapters (a ``peft.PeftModel``), or as it is when ``spec`` is None.
-    The base is frozen and held in :func:`frozen_dtype`; the adapters train in fp32."""
+    The base is frozen and held in :func:`frozen_dtype`, its linear layers as NF4 codes of
+    that dtype when ``spec.quantize`` says so; the adapters train in fp32."""
     if spec is None:
         return model
     try:
@@ -134,6 +143,10 @@ def wrap(model: nn.Module, spec: LoraSpec | None, autocast: torch.dtype | None =
         raise UserError("--lora-rank trains adapters through PEFT, which is not installed: "
                         "pip install 'gpuflow[hf]' (or peft).") from None
     targets = _targets(model, spec)
+    frozen = _linear_layers(model) if spec.quantize else []
+    if spec.quantize and not frozen:
+        raise UserError(f"--quantize-base {spec.quantize}: {type(model).__name__} has no "
+                        "linear layer besides its output layer to hold in NF4.")
     dtype = frozen_dtype(model, autocast)
     for param in model.parameters():  # not the buffers: rotary frequencies stay fp32
         param.data = param.data.to(dtype)
@@ -142,7 +155,9 @@ def wrap(model: nn.Module, spec: LoraSpec | None, autocast: torch.dtype | None =
     with warnings.catch_warnings(), _torchao_unasked():
         warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
         # PEFT's default keeps adapters beside a 16-bit base in fp32.
-        return peft.get_peft_model(model, config, autocast_adapter_dtype=True)
+        wrapped = peft.get_peft_model(model, config, autocast_adapter_dtype=True)
+    nf4.quantize(frozen)  # PEFT keeps each layer it wraps, as its base_layer
+    return wrapped
 
 
 @contextlib.contextmanager
@@ -197,5 +212,7 @@ def save_adapters(model: nn.Module, out: Path) -> None:
 
 
 def merged(model: nn.Module) -> nn.Module:
-    """The base with the adapters added into its weights, PEFT's wrapping gone."""
+    """The base with the adapters added into its weights, PEFT's wrapping gone; an NF4 base
+    dequantized first, so the merge is in the base's dtype."""
+    nf4.dequantize(model)
     return model.merge_and_unload()  # type: ignore[operator]

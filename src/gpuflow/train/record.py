@@ -99,7 +99,8 @@ def banner(run: RunDescription) -> str:
     averaged = (f"weights averaged (EMA {run.ema_decay:g} a step), "
                 if run.ema_decay is not None else "")
     adapters = (f"LoRA rank {config['lora_rank']} on {config['lora_targets']} "
-                f"({run.trainable_params:,} parameters train, the base frozen), "
+                f"({run.trainable_params:,} parameters train, the base frozen"
+                f"{' in NF4' if config.get('quantize_base') else ''}), "
                 if config.get("lora_rank") is not None else "")
     return (
         f"gpuflow: {run.workload} on {device_name(run.device)} ({run.device})"

@@ -1,0 +1,54 @@
+"""A QLoRA run's frozen base held as NF4 (``--quantize-base nf4``): torchao's ``NF4Tensor``,
+the weight type torchtune's QLoRA holds its base in.
+
+Each linear weight becomes 4-bit NormalFloat codes in blocks of 64 weights, each block's
+scale quantized again to 8 bits (QLoRA's double quantization): ~4.13 bits a weight where
+torchtune's blocks of 256 scales fit, a little more in a small layer (the scales' blocks
+shrink to what its size divides into). ``F.linear`` on an ``NF4Tensor`` is torchao's
+``linear_nf4``: the weight is dequantized to its original dtype for that one layer, in the
+forward and again in the backward, and never held whole. torchao is imported only here,
+when a run asks for NF4 (``gpuflow.lazy_torchao``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+from torch import nn
+
+from gpuflow.errors import UserError
+
+NF4 = "nf4"
+BLOCK = 64  # weights a 4-bit code block's scale covers (QLoRA, torchtune)
+SCALER_BLOCK = 256  # block scales one 8-bit scale block covers, where the layer divides
+
+
+def quantize(layers: Iterable[tuple[str, nn.Linear]]) -> None:
+    """Replace each named layer's weight by its NF4 codes, frozen; the weight keeps its
+    dtype as the dtype it dequantizes to."""
+    try:
+        from torchao.quantization import NF4Tensor
+    except ImportError:
+        raise UserError("--quantize-base nf4 holds the base in torchao's NF4Tensor, and "
+                        "torchao is not installed: pip install 'gpuflow[fp8]' (or torchao)."
+                        ) from None
+    for name, layer in layers:
+        count = layer.weight.numel()
+        if count % BLOCK:
+            raise UserError(f"--quantize-base nf4: {name}'s weight holds {count:,} values, "
+                            f"not a multiple of NF4's block of {BLOCK}; train this model "
+                            "without --quantize-base.")
+        codes = NF4Tensor.from_tensor(layer.weight.detach(), BLOCK,
+                                      math.gcd(count // BLOCK, SCALER_BLOCK))
+        layer.weight = nn.Parameter(codes, requires_grad=False)
+
+
+def dequantize(model: nn.Module) -> None:
+    """Every NF4 weight of ``model`` back to a plain tensor of its original dtype (the
+    weights the run trained against), for a merge or a plain ``state_dict``."""
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        original = getattr(weight, "get_original_weight", None)
+        if isinstance(module, nn.Linear) and callable(original):
+            module.weight = nn.Parameter(original(), requires_grad=False)
