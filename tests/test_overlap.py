@@ -6,9 +6,11 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 from generation import greedy_text, through_engine
 from test_generate import engine_for, tiny_gpt
 
+from gpuflow.serve.generate import build
 from gpuflow.serve.generate.sampling import SamplingParams
 
 PROMPTS = [b"def f(x):", b"import torch", b"a", b"The quick brown fox", b"class E:\n  ",
@@ -50,6 +52,7 @@ def test_the_next_step_launches_before_the_last_ones_tokens_are_taken() -> None:
     model = tiny_gpt()
     engine = engine_for(model, 2)
     core, events = engine.core, []
+    core.overlap = True  # as where the forward has a core of its own (steps_overlap)
     run, launch, advance = core.runner.run_flat, core._launch, core._advance
 
     def slow_run(rows, patch=None):
@@ -72,3 +75,15 @@ def test_the_next_step_launches_before_the_last_ones_tokens_are_taken() -> None:
         engine, [(b"abc", SamplingParams(max_tokens=6, temperature=0.0))], first=1)
     assert events[:4] == ["launched", "launched", "computed", "taken"]
     assert text == greedy_text(model, b"abc", 6) and len(tokens) == 6
+
+
+def test_steps_overlap_where_the_forward_has_a_core_of_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """In flight on an accelerator, or on a CPU with a core beyond torch's threads; not on
+    a CPU whose cores torch's threads take (a server pinned to one core, one thread)."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(build.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert build.steps_overlap(torch.device("cpu"))
+    monkeypatch.setattr(build.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert not build.steps_overlap(torch.device("cpu"))
+    assert build.steps_overlap(torch.device("meta"))  # any device but the CPU

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -58,7 +59,19 @@ def build_core(lm: PagedLM, num_blocks: int, limits: EngineLimits, bucketed: boo
         proposer = (PromptLookup(limits.prompt_lookup_max) if draft is None else
                     DraftModel(ModelRunner(draft, num_blocks, limits.block_size,
                                            limits.max_num_seqs)))
-    return EngineCore(scheduler, runner, lm.context, eos_ids, proposer)
+    return EngineCore(scheduler, runner, lm.context, eos_ids, proposer,
+                      overlap=steps_overlap(runner.device))
+
+
+def steps_overlap(device: torch.device) -> bool:
+    """Whether a step's forward can run beside the core's host work, so that leaving greedy
+    steps in flight pays (``launch.py``): on an accelerator, or on a CPU with a core beyond
+    torch's threads. Without one, planning the next step over an unfinished one only
+    delays a new request by a step: its first token waits for two steps, not one."""
+    if device.type != "cpu":
+        return True
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (cores or 1) > torch.get_num_threads()
 
 
 def build_engine(lm: PagedLM, num_blocks: int, limits: EngineLimits, context: Context,
@@ -110,6 +123,9 @@ class EngineSpec:
             torch.set_num_threads(self.threads)
         lm, draft = self.views()
         assert lm is not None, "the server refuses a model the engine cannot drive"
+        for view in (lm, draft) if not self.compile else ():
+            if view is not None:
+                view.prepack()
         limits, device = self.limits, torch.device(self.device)
         budget = (int(limits.kv_cache_gib * 2**30) if limits.kv_cache_gib is not None
                   else default_cache_budget(device))

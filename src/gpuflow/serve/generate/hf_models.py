@@ -234,3 +234,6 @@ class HFCausalLM:
     def written(self, pool: KVPool) -> list[torch.Tensor]:
         """The tensors ``decode_step`` writes into."""
         return [pool.keys, pool.values]
+
+    def prepack(self) -> None:
+        """Nothing to lay out: transformers' modules multiply their own weights."""

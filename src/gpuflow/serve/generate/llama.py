@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from transformers import PreTrainedModel
 
 from gpuflow.serve.generate.attention import decode_attention, paged_attention
-from gpuflow.serve.generate.fused import fuse, input_major_for
+from gpuflow.serve.generate.fused import fuse, input_major_for, prepacked
 from gpuflow.serve.generate.hf_models import HFCausalLM
 from gpuflow.serve.generate.paged import (
     KVPool,
@@ -70,11 +70,27 @@ def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
 
 # Attention of one layer: rotated q, k and v [N, heads, head_dim], the layer, its scale.
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
-# A linear layer's weight, transposed, and bias; or the layer itself when its weight is a
-# tensor subclass (a torchao quantized one, ``--quantize``), whose own ``F.linear`` multiplies.
-Dense = tuple[torch.Tensor, torch.Tensor | None] | nn.Linear
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # cos/sin depend on the position only
 MAX_TABLE = 2**22  # cos (and sin) values kept for the whole context at most: 16 MiB in fp32
+
+
+@dataclass
+class Product:
+    """A linear layer as the forward multiplies it: its weight transposed (a view of the
+    module's) and bias, and once ``LlamaDecoder.prepack`` ran where it pays, the weight
+    prepacked for oneDNN (``fused.prepacked``), which products of more than one row take."""
+
+    weight_t: torch.Tensor
+    bias: torch.Tensor | None
+    packed: torch.Tensor | None = None
+
+    def prepack(self) -> None:
+        self.packed = prepacked(self.weight_t.t())
+
+
+# A linear layer: its ``Product``, or the layer itself when its weight is a tensor subclass
+# (a torchao quantized one, ``--quantize``), whose own ``F.linear`` multiplies.
+Dense = Product | nn.Linear
 
 
 def _dense(x: torch.Tensor, layer: Dense) -> torch.Tensor:
@@ -82,8 +98,11 @@ def _dense(x: torch.Tensor, layer: Dense) -> torch.Tensor:
     costs a transpose, a reshape and a view besides, at every call."""
     if isinstance(layer, nn.Linear):
         return layer(x)
-    weight_t, bias = layer
-    return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
+    if layer.packed is not None and x.shape[0] > 1:
+        return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
+    if layer.bias is None:
+        return torch.mm(x, layer.weight_t)
+    return torch.addmm(layer.bias, x, layer.weight_t)
 
 
 def _project(x: torch.Tensor, layers: tuple[Dense, ...]) -> torch.Tensor:
@@ -101,9 +120,9 @@ def _linears(modules: list[nn.Linear], input_major: bool) -> tuple[Dense, ...]:
     fused = fuse(modules, input_major)
     if fused is not None:
         weight, bias = fused
-        return ((weight.t(), bias),)
+        return (Product(weight.t(), bias),)
     return tuple(module if is_traceable_wrapper_subclass(module.weight)
-                 else (module.weight.t(), module.bias) for module in modules)
+                 else Product(module.weight.t(), module.bias) for module in modules)
 
 
 @dataclass(frozen=True)
@@ -132,6 +151,10 @@ class _Layer:
                     layer.post_attention_layernorm.variance_epsilon),
                    _linears([mlp.gate_proj, mlp.up_proj], input_major), down)
 
+    def products(self) -> list[Product]:
+        return [d for d in (*self.qkv, self.o, *self.gate_up, self.down)
+                if isinstance(d, Product)]
+
 
 class LlamaDecoder(HFCausalLM):
     """``HFCausalLM`` with the family's forward written out (see the module docstring)."""
@@ -156,6 +179,12 @@ class LlamaDecoder(HFCausalLM):
         self._intermediate = config.intermediate_size
         with torch.no_grad():
             self._cos_sin = self._cos_sin_table()
+
+    def prepack(self) -> None:
+        """Every product's weight prepacked where that pays (``fused.prepacked``)."""
+        for product in [p for layer in self._layers for p in layer.products()] + (
+                [self._head] if isinstance(self._head, Product) else []):
+            product.prepack()
 
     def forward(self, batch: StepBatch, pool: KVPool) -> torch.Tensor:
         """Logits ``[K, V]`` at ``batch.logits_at`` (see ``paged.PagedLM``)."""

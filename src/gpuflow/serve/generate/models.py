@@ -38,6 +38,9 @@ class GPTDecoder:
         """The tensors ``decode_step`` writes into."""
         return [pool.keys, pool.values]
 
+    def prepack(self) -> None:
+        """Nothing to lay out: the GPT's modules multiply their own weights."""
+
     def new_pool(self, num_blocks: int, block_size: int) -> KVPool:
         config = self.model.config
         device = next(self.model.parameters()).device

@@ -278,3 +278,8 @@ class PagedLM(Protocol):
     def written(self, pool: KVPool) -> list[torch.Tensor]:
         """The tensors ``decode_step`` writes into (for ``mark_static_address``)."""
         ...
+
+    def prepack(self) -> None:
+        """Lay the weights out for the engine's eager steps where that pays, in the process
+        that steps (a copy of its own; not for a compiled step, which traces the forward)."""
+        ...
