@@ -1,14 +1,15 @@
 """A linear layer's product on one CPU core, over the weight's usual layout (``[out, in]``
-row-major: ``x @ W.T``, as ``F.linear`` computes it) and input-major (``[in, out]``
-row-major: ``x @ W``), the layout the generation engine gives fp32 weights on the CPU
-(``serve/generate/fused.py``).
+row-major: ``x @ W.T``, as ``F.linear`` computes it), input-major (``[in, out]``
+row-major: ``x @ W``, the layout the generation engine gives fp32 weights on the CPU) and
+prepacked for oneDNN (``mkldnn._linear_pointwise``, which the engine's fp32 steps of more
+than one row take on the CPU; ``serve/generate/fused.py``).
 
 A decode step multiplies a few rows (one a sequence) by every weight of the model. Two
 settings: each of SmolLM2-135M's five products alone (its weight in cache after the first
 call: the kernel's speed), and the whole 30-layer model's products in a row, each weight
 its own (540 MB in fp32: read from memory, as a served model's are). Per dtype, layout and
-rows, the median of interleaved rounds; the ratio is usual over input-major time (above 1:
-input-major is faster).
+rows, the median of interleaved rounds, and each layout's speed-up over the usual one
+(above 1: faster); oneDNN's prepacked layout for fp32 only.
 
     .venv/bin/python benchmarks/linear_layout.py            # ~3 minutes
     .venv/bin/python benchmarks/linear_layout.py --quick    # seconds
@@ -37,15 +38,26 @@ LAYERS = 30
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def products(weights: list[torch.Tensor], rows: int, input_major: bool
-             ) -> Callable[[], None]:
-    """One pass of ``rows`` rows through each weight, in the layout asked for."""
-    laid = [w.t().contiguous() if input_major else w for w in weights]
+# Each layout: how a weight is laid out from its usual ``[out, in]``, and how ``x`` multiplies it.
+LAYOUTS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor],
+                         Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]] = {
+    "usual": (lambda w: w, lambda x, w: torch.mm(x, w.t())),
+    "input_major": (lambda w: w.t().contiguous(), torch.mm),
+    "onednn_packed": (lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None),
+                      lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [],
+                                                                      "")),
+}
+
+
+def products(weights: list[torch.Tensor], rows: int, layout: str) -> Callable[[], None]:
+    """One pass of ``rows`` rows through each weight, in ``layout``."""
+    lay_out, multiply = LAYOUTS[layout]
+    laid = [lay_out(w) for w in weights]
     inputs = [torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights]
 
     def run() -> None:
         for x, w in zip(inputs, laid, strict=True):
-            torch.mm(x, w) if input_major else torch.mm(x, w.t())
+            multiply(x, w)
     return run
 
 
@@ -59,14 +71,18 @@ def timed(run: Callable[[], None], repeats: int) -> float:
 
 def compare(weights: list[torch.Tensor], rows: int, rounds: int, repeats: int
             ) -> dict[str, float]:
-    """Median milliseconds of a pass in each layout, rounds interleaved."""
-    runs = {"usual": products(weights, rows, False), "input_major": products(weights, rows, True)}
+    """Median milliseconds of a pass in each layout, rounds interleaved, and each layout's
+    speed-up over the usual one."""
+    layouts = ["usual", "input_major"] + (
+        ["onednn_packed"] if weights[0].dtype == torch.float32 else [])
+    runs = {name: products(weights, rows, name) for name in layouts}
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(rounds):
         for name, run in runs.items():
             times[name].append(timed(run, repeats))
-    usual, major = (1000 * statistics.median(times[n]) for n in ("usual", "input_major"))
-    return {"usual_ms": usual, "input_major_ms": major, "usual_over_input_major": usual / major}
+    ms = {name: 1000 * statistics.median(found) for name, found in times.items()}
+    return {**{f"{name}_ms": value for name, value in ms.items()},
+            **{f"speedup_{name}": ms["usual"] / ms[name] for name in layouts[1:]}}
 
 
 def model_weights(dtype: torch.dtype) -> list[torch.Tensor]:
@@ -99,8 +115,8 @@ def main() -> int:
         results[dtype_name] = by_setting
         for setting, by_rows in by_setting.items():
             print(f"{dtype_name} {setting:8} " + "  ".join(
-                f"{r}: {v['usual_over_input_major']:.2f}x" for r, v in by_rows.items()),
-                flush=True)
+                f"{r}: " + "/".join(f"{v[k]:.2f}x" for k in v if k.startswith("speedup"))
+                for r, v in by_rows.items()), flush=True)
     out = args.out or default_result_path("linear_layout")
     write_json(out, {**provenance(), "machine": machine_info(), "threads": 1,
                      "shapes": {k: list(v) for k, v in SHAPES.items()}, "layers": LAYERS,
