@@ -219,7 +219,7 @@ BAD_REQUESTS = [
     ("chat", {"messages": CHAT, "max_tokens": 10_000}, "max_tokens"),
     ("chat", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("chat", {"messages": CHAT, "stream": "yes"}, "stream"),
-    ("chat", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ("chat", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools.0.function"),
     ("chat", {"messages": CHAT, "response_format": {"type": "yaml"}},
      "response_format.type"),
     ("chat", {"messages": [{"role": "user", "content": "x"},

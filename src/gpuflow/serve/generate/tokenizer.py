@@ -112,10 +112,21 @@ class Tokenizer(ABC):
         """One token's own bytes (OpenAI's logprobs ``bytes``); a special token's text."""
 
     @abstractmethod
-    def render_chat(self, messages: list[dict[str, Any]], template: str | None = None) -> str:
-        """The chat template (``template``, else the model's own) applied to ``messages``,
-        with the assistant's turn opened. Raises ``NoChatTemplate`` when there is none and
-        ``ChatTemplateError`` when the template refuses the messages."""
+    def render_chat(self, messages: list[dict[str, Any]], template: str | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        """The chat template (``template``, else the model's own) applied to ``messages``
+        (and ``tools``, OpenAI's function definitions), with the assistant's turn opened.
+        Raises ``NoChatTemplate`` when there is none and ``ChatTemplateError`` when the
+        template refuses the messages."""
+
+    def template_reads_tools(self, template: str | None = None) -> bool:
+        """Whether the chat template (``template``, else the model's own) reads ``tools``:
+        one that does not would drop them without a word."""
+        source = template or self._own_template()
+        return bool(source) and re.search(r"\btools\b", source) is not None
+
+    def _own_template(self) -> str | None:
+        return None
 
     def token_text(self, token: int) -> str:
         """One token's own text (OpenAI's logprobs ``token``): U+FFFD for bytes that are
@@ -126,11 +137,12 @@ class Tokenizer(ABC):
         """An incremental detokenizer for a sequence generated after ``prompt``."""
         return Detokenizer(self.decode, self.special, prompt)
 
-    def encode_chat(self, messages: list[dict[str, Any]],
-                    template: str | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], template: str | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The rendered chat's ids. Templates write their own special tokens (BOS too), so
         the tokenizer adds none: no second BOS."""
-        return self.encode(self.render_chat(messages, template), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, template, tools),
+                           add_special_tokens=False)
 
 
 class ByteTokenizer(Tokenizer):
@@ -149,7 +161,8 @@ class ByteTokenizer(Tokenizer):
     def token_bytes(self, token: int) -> bytes:
         return bytes([token])
 
-    def render_chat(self, messages: list[dict[str, Any]], template: str | None = None) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], template: str | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> str:
         if template is None:
             raise NoChatTemplate("this model has no chat template: pass one with "
                                  "--chat-template FILE")
@@ -157,7 +170,7 @@ class ByteTokenizer(Tokenizer):
 
         with _template_errors():
             rendered, _ = render_jinja_template(conversations=[messages], chat_template=template,
-                                                add_generation_prompt=True)
+                                                tools=tools, add_generation_prompt=True)
         return rendered[0]
 
 
@@ -196,13 +209,18 @@ class HFTokenizer(Tokenizer):
         piece = self.hf.convert_ids_to_tokens(token)
         return b"" if piece is None else self._pieces(piece)  # None: past the vocabulary
 
-    def render_chat(self, messages: list[dict[str, Any]], template: str | None = None) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], template: str | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> str:
         if template is None and not self.has_chat_template:
             raise NoChatTemplate("this model has no chat template: pass one with "
                                  "--chat-template FILE")
         with _template_errors():
-            return self.hf.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                               add_generation_prompt=True)
+            return self.hf.apply_chat_template(messages, chat_template=template, tools=tools,
+                                               tokenize=False, add_generation_prompt=True)
+
+    def _own_template(self) -> str | None:
+        template = self.hf.chat_template
+        return template if isinstance(template, str) else None
 
 
 def _plain_backend_decode(tokenizer: Any) -> Callable[..., str] | None:

@@ -3,7 +3,9 @@ chat template (or ``--chat-template``) with the generation prompt added, tokeniz
 the tokenizer's own special tokens (a template that writes BOS gets no second one), and
 completed by the generation engine: ``n`` choices, whole or streamed as
 ``chat.completion.chunk`` events (the role first, then content deltas, then the finish),
-with ``usage`` and, when asked, the tokens' log-probabilities."""
+with ``usage`` and, when asked, the tokens' log-probabilities. With ``tools`` the answer's
+calls are read back as ``tool_calls`` (``tool_calls.py``); a streamed one then comes whole
+at its finish."""
 
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from gpuflow.serve.routes.client import body_schema
 from gpuflow.serve.routes.generation import Choice, Reply, accept, check_prompt, generate, usage
 from gpuflow.serve.routes.logprobs import chat_logprobs
 from gpuflow.serve.routes.sampling_fields import GenerationFields
-from gpuflow.serve.routes.structured import constraint_of
+from gpuflow.serve.routes.structured import compiled, constraint_of
+from gpuflow.serve.routes.tool_calls import ToolCall, ToolChoice, ToolPlan, ToolSpec
 from gpuflow.serve.state import ServerState
 
 router = APIRouter()
@@ -41,9 +44,10 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None
+    content: str | list[TextPart] | None = None  # none in an assistant's tool calls
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -54,20 +58,26 @@ class ChatMessage(BaseModel):
         """The message as chat templates read it; ``developer`` is the system prompt of
         OpenAI's newer models, which templates know as ``system``."""
         role = "system" if self.role == "developer" else self.role
-        extra = {k: v for k, v in (("name", self.name), ("tool_call_id", self.tool_call_id))
-                 if v is not None}
+        extra: dict[str, Any] = {k: v for k, v in (("name", self.name),
+                                                   ("tool_call_id", self.tool_call_id))
+                                 if v is not None}
+        if self.tool_calls:
+            extra["tool_calls"] = [call.for_template() for call in self.tool_calls]
         return {"role": role, "content": self.text(), **extra}
 
 
 class ChatRequest(GenerationFields):
     """The body of ``POST /v1/chat/completions``."""
 
+    served_here = ("tools", "tool_choice", "parallel_tool_calls")
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI; see below")
     max_completion_tokens: int | None = Field(
         None, ge=1, description="tokens to generate at most (default: the rest of the context)")
     logprobs: StrictBool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ToolSpec] | None = None
+    tool_choice: ToolChoice | None = None
 
     def check(self) -> None:
         self.check_served()
@@ -93,19 +103,34 @@ async def chat_completions(request: Request) -> Response:
                  else "max_tokens")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     constraint = constraint_of(body, engine.grammars)
+    plan = ToolPlan.of(body.tools, body.tool_choice, body.parallel_tool_calls)
+    demanded = None if plan is None else plan.constraint()
+    if demanded is not None:
+        if constraint is not None:
+            raise ApiError(400, "tool_choice: a required or named tool call has its own "
+                           "grammar; leave out response_format and guided_*.",
+                           "invalid_value", "tool_choice")
+        constraint = compiled(demanded, engine.grammars, "tools")
     params = [body.sampling(state.generation_defaults, max_tokens, choice, logprobs,
                             constraint=constraint)
               for choice in range(body.n)]
-    answer = _ChatAnswer(state.model_name, engine.tokenizer, body.include_usage)
+    answer = _ChatAnswer(state.model_name, engine.tokenizer, body.include_usage, plan)
     return await generate(request, [prompt], params, answer, body.stream)
 
 
 def _encode(state: ServerState, tokenizer: Tokenizer, body: ChatRequest) -> list[int]:
     """The conversation's ids through the chat template; 400 without one, or when the
     template refuses the conversation (e.g. roles out of order), with its message."""
+    tools = None
+    if body.tools:
+        if not tokenizer.template_reads_tools(state.chat_template):
+            raise ApiError(400, "tools: this model's chat template does not render tools; "
+                           "start the server with a --chat-template that does.",
+                           "unsupported_parameter", "tools")
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
     try:
         return tokenizer.encode_chat([m.for_template() for m in body.messages],
-                                     state.chat_template)
+                                     state.chat_template, tools)
     except NoChatTemplate:
         raise ApiError(400, "This model has no chat template (none in its tokenizer_config.json "
                        "or chat_template.jinja): start the server with --chat-template FILE, "
@@ -118,9 +143,10 @@ def _encode(state: ServerState, tokenizer: Tokenizer, body: ChatRequest) -> list
 class _ChatAnswer(Reply):
     """Choices' events as OpenAI's ``chat.completion``, whole or chunk by chunk."""
 
-    def __init__(self, model: str, tokenizer: Tokenizer, include_usage: bool) -> None:
+    def __init__(self, model: str, tokenizer: Tokenizer, include_usage: bool,
+                 tools: ToolPlan | None = None) -> None:
         super().__init__(model, "chatcmpl")
-        self.tokenizer, self.include_usage = tokenizer, include_usage
+        self.tokenizer, self.include_usage, self.tools = tokenizer, include_usage, tools
         self.started: set[int] = set()
 
     def _logprobs(self, choice: Choice, deltas: list[Delta]) -> dict[str, Any] | None:
@@ -128,12 +154,23 @@ class _ChatAnswer(Reply):
             return None
         return chat_logprobs(self.tokenizer, [e for delta in deltas for e in delta.logprobs])
 
+    def _message(self, choice: Choice) -> tuple[dict[str, Any], str | None]:
+        """The choice's message and finish: its calls, when it made any and finished."""
+        finish = choice.done.finish_reason if choice.done else None
+        message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+        if self.tools is not None and finish == "stop":
+            content, calls = self.tools.read(choice.text)
+            if calls:
+                message = {**message, "content": content, "tool_calls": calls}
+                finish = "tool_calls"
+        return message, finish
+
     def whole(self, choices: list[Choice]) -> dict[str, Any]:
+        answers = [(c, *self._message(c)) for c in choices]
         return self.payload("chat.completion", [
-            {"index": c.index, "message": {"role": "assistant", "content": c.text},
-             "logprobs": self._logprobs(c, c.deltas),
-             "finish_reason": c.done.finish_reason if c.done else None}
-            for c in choices], usage=usage(choices))
+            {"index": c.index, "message": message, "logprobs": self._logprobs(c, c.deltas),
+             "finish_reason": finish}
+            for c, message, finish in answers], usage=usage(choices))
 
     def chunks(self, choice: Choice, event: Delta | Done) -> list[dict[str, Any]]:
         chunks = []
@@ -141,14 +178,22 @@ class _ChatAnswer(Reply):
             self.started.add(choice.index)
             chunks.append(self._chunk(choice, {"role": "assistant", "content": ""}))
         if isinstance(event, Delta):
-            chunks.append(self._chunk(choice, {"content": event.text},
-                                      self._logprobs(choice, [event])))
-        else:
-            chunks.append(self._chunk(choice, {}, finish_reason=event.finish_reason))
+            if self.tools is None:
+                chunks.append(self._chunk(choice, {"content": event.text},
+                                          self._logprobs(choice, [event])))
+            return chunks
+        finish = event.finish_reason
+        if self.tools is not None:  # the whole text, read for calls, at its finish
+            message, finish = self._message(choice)
+            calls = [{"index": i, **call} for i, call in enumerate(message.get("tool_calls", []))]
+            delta = {"content": message["content"], **({"tool_calls": calls} if calls else {})}
+            chunks.append(self._chunk(choice, delta, self._logprobs(choice, choice.deltas)))
+        chunks.append(self._chunk(choice, {}, finish_reason=finish))
         return chunks
 
     def text_chunk(self, choice: Choice, delta: Delta) -> bytes | None:
-        if choice.index not in self.started or choice.generation.params.logprobs is not None:
+        if (choice.index not in self.started or choice.generation.params.logprobs is not None
+                or self.tools is not None):
             return None
         return self.templated(choice.index,
                               lambda text: self._chunk(choice, {"content": text}), delta.text)

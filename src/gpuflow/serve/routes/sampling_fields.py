@@ -4,7 +4,7 @@ model's default from ``generation_config.json`` where it gives one, else OpenAI'
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
@@ -35,6 +35,7 @@ class GenerationFields(BaseModel):
     (structured outputs, ``structured.py``) are vLLM's additions."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    served_here: ClassVar[tuple[str, ...]] = ()  # of UNSERVED, the fields a route serves
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices to generate")
@@ -71,9 +72,9 @@ class GenerationFields(BaseModel):
     def check_served(self) -> None:
         """400 naming the first field set that gpuflow does not serve."""
         for name in UNSERVED:
-            if getattr(self, name) is not None:
-                raise ApiError(400, f"{name} is not served by this server (it generates "
-                               "text only: no tools or logit bias).",
+            if getattr(self, name) is not None and name not in self.served_here:
+                raise ApiError(400, f"{name} is not served on this route (tools are served "
+                               "on /v1/chat/completions; there is no logit bias).",
                                "unsupported_parameter", name)
         if len(self.stops()) > MAX_STOP:
             raise ApiError(400, f"stop: at most {MAX_STOP} strings.", "invalid_stop", "stop")

@@ -27,8 +27,11 @@ def constraint_of(body: GenerationFields, grammars: Grammars) -> Constraint | No
         return None
     name = asked[0]
     constraint, param = _constraint(name, getattr(body, name))
-    if constraint is None:
-        return None
+    return None if constraint is None else compiled(constraint, grammars, param)
+
+
+def compiled(constraint: Constraint, grammars: Grammars, param: str) -> Constraint:
+    """``constraint``, once it compiles (cached); 400 naming ``param`` if it does not."""
     try:
         grammars.compile(constraint)
     except GrammarError as exc:
