@@ -1,7 +1,8 @@
 """LoRA adapters (--lora-rank): only the adapters train, sit in the optimizer and in the
 checkpoint; a resumed run is bitwise the uninterrupted one; PEFT opens the exported adapter on
 the base with the trained logits, and the merged export gives them too; a 16-bit base stays
-16-bit; 2 DDP ranks and 2 FSDP ranks follow one process; bad input is refused."""
+16-bit; 2 DDP ranks and 2 FSDP ranks follow one process; --batch-size auto probes adapters;
+bad input is refused."""
 
 from __future__ import annotations
 
@@ -226,13 +227,30 @@ def test_two_ddp_and_two_fsdp_ranks_train_adapters_as_one_process(
         assert losses(tmp_path / f"run-{strategy}") == pytest.approx(one, abs=RANKS_ATOL)
 
 
+# torch's MemTracker warns of the Llama's module hierarchy, for the full fine-tune too.
+@pytest.mark.filterwarnings("ignore:The module hierarchy tracking:UserWarning")
+def test_batch_size_auto_probes_adapters_without_the_bases_optimizer_state(
+        hub_models: Any, tmp_path: Path) -> None:
+    """The probe runs through a frozen base (an NF4 one here; torch refuses gradient hooks
+    on frozen weights), and only the trained weights get optimizer state reserved: adapters
+    fit more rows than the full fine-tune under the same cap."""
+    largest = {}
+    for name, options in (("full", {"lora_rank": None}), ("qlora", {"quantize_base": "nf4"})):
+        trainer = Trainer(*setup(hub_models["llama"], tmp_path / name, batch_size="auto",
+                                 memory_cap_gib=0.012, global_batch=8, max_steps=1,
+                                 **options))
+        largest[name] = trainer.batch_probe.largest_fitting
+        trainer.close()
+    assert largest["full"] < largest["qlora"]
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     (["--lora-rank", "0"], "--lora-rank must be at least 1"),
     (["--lora-alpha", "8"], "--lora-alpha tunes LoRA adapters, which only --lora-rank"),
     (["--lora-rank", "4", "--strategy", "tp", "--nproc", "2"],
      "--lora-rank trains under --strategy single, ddp and fsdp"),
-    (["--lora-rank", "4", "--batch-size", "auto"],
-     "--lora-rank with --batch-size auto: the planner does not count frozen weights"),
+    (["--lora-rank", "4", "--strategy", "auto"],
+     "--lora-rank with --strategy auto: the planner does not count frozen weights"),
     (["--lora-rank", "4", "--lora-targets", "q_proj,nope"],
      "nope names no module of LlamaForCausalLM, where adapters attach to linear, embedding "
      "and convolution layers. Its linear layers are q_proj, k_proj"),

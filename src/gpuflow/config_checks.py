@@ -107,10 +107,10 @@ def check_lora_values(config: TrainFields) -> None:
         raise UserError(f"--lora-alpha must be positive (got {config.lora_alpha}).")
     if not 0.0 <= config.lora_dropout < 1.0:
         raise UserError(f"--lora-dropout must be in [0, 1) (got {config.lora_dropout}).")
-    if config.strategy == "auto" or config.batch_size == "auto":
-        asked = "--strategy auto" if config.strategy == "auto" else "--batch-size auto"
-        raise UserError(f"--lora-rank with {asked}: the planner does not count frozen weights "
-                        "yet. Choose --strategy single, ddp or fsdp and a --batch-size N.")
+    if config.strategy == "auto":
+        raise UserError("--lora-rank with --strategy auto: the planner does not count frozen "
+                        "weights yet. Choose --strategy single, ddp or fsdp (--batch-size "
+                        "auto probes adapters as it probes any model).")
     if config.precision == "fp8":
         raise UserError("--lora-rank with --precision fp8: float8 training converts the "
                         "linear layers the adapters attach to. Use --precision bf16.")

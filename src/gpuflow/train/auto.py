@@ -85,7 +85,8 @@ def probe_batch_size(model: nn.Module, example: Batch, loss_step: Callable[[Batc
     Runs before the model is wrapped: each rank holds the whole model under single and DDP
     only, so other strategies are refused (their memory depends on shards that do not
     exist yet). The optimizer state (and DDP's gradient buckets) is reserved up front:
-    ``OPTIMIZER_STATE_BYTES`` per parameter, as the planner counts it.
+    ``OPTIMIZER_STATE_BYTES`` per trained parameter, as the planner counts it; frozen ones
+    (a LoRA run's base) have neither.
     """
     if strategy not in _PROBED_STRATEGIES:
         raise UserError(
@@ -98,8 +99,10 @@ def probe_batch_size(model: nn.Module, example: Batch, loss_step: Callable[[Batc
                         "data-parallel ranks.")
     params = list(model.parameters())
     param_bytes = sum(p.numel() * p.element_size() for p in params)
-    reserved = (sum(p.numel() for p in params) * OPTIMIZER_STATE_BYTES[config.optimizer]
-                + (param_bytes if strategy == "ddp" else 0))
+    trained = [p for p in params if p.requires_grad]
+    reserved = (sum(p.numel() for p in trained) * OPTIMIZER_STATE_BYTES[config.optimizer]
+                + (sum(p.numel() * p.element_size() for p in trained)
+                   if strategy == "ddp" else 0))
     cap = _memory_cap(config, device)
 
     def step(rows: int) -> None:
