@@ -2,8 +2,8 @@
 Llama directory with RANDOM weights (the Hub-style tokenizer of ``hub_models``): whatever
 the model prefers, the grammar alone makes every output valid. Over 22 JSON schemas, greedy
 and sampled, on both routes, every output parses and validates with ``jsonschema``; so do
-regexes, choices and grammars, streamed and with ``n`` > 1, beside unconstrained requests
-whose greedy steps stay in flight; ``max_tokens`` inside a value ends with ``length``;
+regexes, choices and grammars, streamed and with ``n`` > 1, beside unconstrained greedy
+requests (whose steps may stay in flight); ``max_tokens`` inside a value ends with ``length``;
 the openai client's ``beta.chat.completions.parse`` returns its pydantic object; bad
 grammars are 400s naming their parameter; the core in its own process (with speculative
 decoding for the unconstrained rows) constrains too; a constrained greedy row is chosen on
@@ -262,5 +262,7 @@ def test_a_constrained_greedy_row_is_chosen_on_the_host_among_what_its_grammar_a
     logits[ord("z")], logits[ord("a")] = 5.0, 1.0
     first = constrained.sampler.choose(logits)
     assert first == ord("a") and constrained.take(first, None, frozenset(), 64) is None
+    assert constrained.guide is not None
+    constrained.guide.prepare()  # as the core does while the forward runs
     second = constrained.sampler.choose(logits)
     assert second == ord("b") and constrained.take(second, None, frozenset(), 64) == "stop"

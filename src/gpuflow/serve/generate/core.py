@@ -208,6 +208,7 @@ class EngineCore:
                     self._pending[request.seq] = position
             self._in_flight = launched
             return None
+        self._prepare_masks(launched)
         done = self._result(launched)
         if done is None:
             return None
@@ -233,6 +234,14 @@ class EngineCore:
                 self._advance(request, token, row)
         mask_s = sum(r.guide.spent() for r, _ in finished if r.guide is not None)
         return self._timing(launched, done, mask_s)
+
+    def _prepare_masks(self, launched: Launched) -> None:
+        """The next token's mask of each constrained row that takes one, computed while
+        the step's forward runs in the device thread."""
+        for index in launched.finals:
+            request = self._live.get(launched.steps[index][1].seq)
+            if request is not None and request.guide is not None:
+                request.guide.prepare()
 
     def _result(self, launched: Launched) -> Forward | None:
         """The step's forward, waited for; None, its sequences failed, if it raised."""

@@ -118,14 +118,26 @@ class Guide:
     def __init__(self, matcher: LLMatcher, vocab_size: int) -> None:
         self.matcher, self.vocab_size = matcher, vocab_size
         self.mask_s = 0.0  # seconds spent computing masks since the last read
+        self._forbidden: torch.Tensor | None = None  # the next token's, once prepared
 
-    def masked(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits[V]`` (on the host) with every token the grammar forbids at -inf."""
+    def prepare(self) -> None:
+        """Compute the next token's mask now: the core does it while the step's forward
+        runs, ``masked`` then only applies it."""
         started = time.perf_counter()
         # llguidance's bitmask: token i is bit i % 32 of 32-bit word i // 32, little-endian.
         bits = numpy.frombuffer(self.matcher.compute_bitmask(), dtype=numpy.uint8)
-        allowed = numpy.unpackbits(bits, count=logits.shape[-1], bitorder="little")
-        masked = logits.masked_fill(torch.from_numpy(allowed) == 0, float("-inf"))
+        allowed = numpy.unpackbits(bits, count=self.vocab_size, bitorder="little")
+        self._forbidden = torch.from_numpy(allowed) == 0
+        self.mask_s += time.perf_counter() - started
+
+    def masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits[V]`` (on the host) with every token the grammar forbids at -inf."""
+        if self._forbidden is None:
+            self.prepare()
+        assert self._forbidden is not None
+        started = time.perf_counter()
+        masked = logits.masked_fill(self._forbidden, float("-inf"))
+        self._forbidden = None
         self.mask_s += time.perf_counter() - started
         return masked
 
@@ -135,6 +147,7 @@ class Guide:
         return seconds
 
     def advance(self, token: int) -> None:
+        self._forbidden = None
         self.matcher.consume_token(token)
 
     @property
