@@ -119,8 +119,8 @@ def check_lora_values(config: TrainFields) -> None:
 def check_lora_layout(strategy: str, tp: int, pp: int, quantize: str | None = None) -> None:
     """Adapters train under single, ddp and fsdp; tensor and pipeline parallelism would
     have to split the adapters as they split their base layers, which gpuflow does not. An
-    NF4 base trains on one device: DDP's start-up broadcast and FSDP's sharding of its
-    codes are untested here."""
+    NF4 base trains on one device: 2 DDP ranks of it do not follow one process, and FSDP2
+    shards its codes only where each layer's scales divide over the ranks."""
     if quantize and strategy != "single":
         raise UserError(f"--quantize-base {quantize} trains on one device (--strategy "
                         f"single; this run: --strategy {strategy}): the NF4 base is not "
