@@ -76,15 +76,17 @@ class GenerationEngine:
         self._taken = 0  # requests the core had taken in at its last report
         self.occupancy = Occupancy(0, 0, 0, 0, 0, 0, 0)  # the core's, at its last report
         self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()  # built in the first compile's thread
         self._vocabulary_sent = False
 
     @property
     def grammars(self) -> Grammars:
         """Grammars compiled against the served vocabulary here, in the server, so that a
         bad one is refused before it queues; built on first use (~0.5 s for 49k tokens)."""
-        if self._grammars is None:
-            self._grammars = Grammars(Vocabulary.of(self.tokenizer, self.vocab_size))
-        return self._grammars
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = Grammars(Vocabulary.of(self.tokenizer, self.vocab_size))
+            return self._grammars
 
     @property
     def core(self) -> EngineCore:

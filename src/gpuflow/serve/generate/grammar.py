@@ -12,6 +12,7 @@ Each side caches compiled grammars by their text (``Grammars``), and each row st
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -158,7 +159,8 @@ class Guide:
 
 class Grammars:
     """Grammars compiled against one vocabulary, the latest ``CACHED_GRAMMARS`` kept by
-    their text; ``eos_ids`` are what a complete text may end with."""
+    their text; ``eos_ids`` are what a complete text may end with. Safe to share between
+    threads."""
 
     def __init__(self, vocabulary: Vocabulary, eos_ids: Iterable[int] = ()) -> None:
         self.vocabulary = vocabulary
@@ -173,19 +175,22 @@ class Grammars:
         self.tokenizer = LLTokenizer(_TokenTable(vocabulary, ends[0]),  # type: ignore[arg-type]
                                      n_vocab=len(vocabulary.tokens), eos_token=ends)
         self._compiled: OrderedDict[str, LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()  # the cache's; a compile runs outside it
 
     def compile(self, constraint: Constraint) -> LLMatcher:
         """The grammar's matcher at its start (cached); raises ``GrammarError``."""
-        matcher = self._compiled.get(constraint.grammar)
-        if matcher is None:
-            matcher = LLMatcher(self.tokenizer, constraint.grammar, log_level=0)
-            if matcher.is_error():
-                raise GrammarError(matcher.get_error())
+        with self._lock:
+            matcher = self._compiled.get(constraint.grammar)
+            if matcher is not None:
+                self._compiled.move_to_end(constraint.grammar)
+                return matcher
+        matcher = LLMatcher(self.tokenizer, constraint.grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error())
+        with self._lock:
             self._compiled[constraint.grammar] = matcher
             if len(self._compiled) > CACHED_GRAMMARS:
                 self._compiled.popitem(last=False)
-        else:
-            self._compiled.move_to_end(constraint.grammar)
         return matcher
 
     def guide(self, constraint: Constraint) -> Guide:

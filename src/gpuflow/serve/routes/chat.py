@@ -23,7 +23,7 @@ from gpuflow.serve.routes.client import body_schema
 from gpuflow.serve.routes.generation import Choice, Reply, accept, check_prompt, generate, usage
 from gpuflow.serve.routes.logprobs import chat_logprobs
 from gpuflow.serve.routes.sampling_fields import GenerationFields
-from gpuflow.serve.routes.structured import compiled, constraint_of
+from gpuflow.serve.routes.structured import compiled, requested
 from gpuflow.serve.routes.tool_calls import ToolCall, ToolChoice, ToolPlan, ToolSpec
 from gpuflow.serve.state import ServerState
 
@@ -102,15 +102,16 @@ async def chat_completions(request: Request) -> Response:
                  max_tokens_param="max_completion_tokens" if body.max_completion_tokens
                  else "max_tokens")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    constraint = constraint_of(body, engine.grammars)
+    asked = requested(body)
     plan = ToolPlan.of(body.tools, body.tool_choice, body.parallel_tool_calls)
     demanded = None if plan is None else plan.constraint()
     if demanded is not None:
-        if constraint is not None:
+        if asked is not None:
             raise ApiError(400, "tool_choice: a required or named tool call has its own "
                            "grammar; leave out response_format and guided_*.",
                            "invalid_value", "tool_choice")
-        constraint = compiled(demanded, engine.grammars, "tools")
+        asked = (demanded, "tools")
+    constraint = await compiled(asked, engine)
     params = [body.sampling(state.generation_defaults, max_tokens, choice, logprobs,
                             constraint=constraint)
               for choice in range(body.n)]

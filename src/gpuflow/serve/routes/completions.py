@@ -20,7 +20,7 @@ from gpuflow.serve.routes.client import body_schema
 from gpuflow.serve.routes.generation import Choice, Reply, accept, check_prompt, generate, usage
 from gpuflow.serve.routes.logprobs import completion_logprobs
 from gpuflow.serve.routes.sampling_fields import GenerationFields
-from gpuflow.serve.routes.structured import constraint_of
+from gpuflow.serve.routes.structured import compiled, requested
 
 MAX_LOGPROBS = 20
 router = APIRouter()
@@ -50,7 +50,7 @@ async def completions(request: Request) -> Response:
     body.check_served()
     prompts = _prompt_tokens(body, engine)
     prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
-    constraint = constraint_of(body, engine.grammars)
+    constraint = await compiled(requested(body), engine)
     params = [body.sampling(state.generation_defaults, body.max_tokens, choice, body.logprobs,
                             prompt_logprobs, constraint) for choice in range(body.n)]
     answer = _Completion(state.model_name, engine.tokenizer, body)

@@ -2,23 +2,27 @@
 (``json_object``, ``json_schema``) and vLLM's ``guided_json``, ``guided_regex``,
 ``guided_choice`` and ``guided_grammar`` (Lark or GBNF), turned into the grammar the engine
 constrains decoding with (``generate/grammar.py``). The grammar is compiled here, in the
-server (cached), so that one the engine cannot compile is a 400 naming its parameter."""
+server (cached), so that one the engine cannot compile is a 400 naming its parameter; in a
+worker thread (llguidance drops the GIL), so that a long compile holds up no other
+request."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
 from gpuflow.serve.errors import ApiError
-from gpuflow.serve.generate.grammar import Constraint, GrammarError, Grammars
+from gpuflow.serve.generate.engine import GenerationEngine
+from gpuflow.serve.generate.grammar import Constraint, GrammarError
 from gpuflow.serve.routes.sampling_fields import GenerationFields
 
 GUIDED = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
-def constraint_of(body: GenerationFields, grammars: Grammars) -> Constraint | None:
-    """The request's grammar, compiled against the served vocabulary; None when it asks for
-    none (or for ``response_format`` ``text``). 400 naming the parameter otherwise."""
+def requested(body: GenerationFields) -> tuple[Constraint, str] | None:
+    """The grammar the request asks for and the parameter that asks; None when it asks
+    for none (or for ``response_format`` ``text``). 400 naming a malformed one."""
     asked = [name for name in GUIDED if getattr(body, name) is not None]
     if len(asked) > 1:
         raise ApiError(400, f"{asked[1]}: at most one of {', '.join(GUIDED)} per request.",
@@ -27,13 +31,18 @@ def constraint_of(body: GenerationFields, grammars: Grammars) -> Constraint | No
         return None
     name = asked[0]
     constraint, param = _constraint(name, getattr(body, name))
-    return None if constraint is None else compiled(constraint, grammars, param)
+    return None if constraint is None else (constraint, param)
 
 
-def compiled(constraint: Constraint, grammars: Grammars, param: str) -> Constraint:
-    """``constraint``, once it compiles (cached); 400 naming ``param`` if it does not."""
+async def compiled(asked: tuple[Constraint, str] | None,
+                   engine: GenerationEngine) -> Constraint | None:
+    """The asked constraint once it compiles against the served vocabulary (cached), in a
+    worker thread; 400 naming its parameter if it does not."""
+    if asked is None:
+        return None
+    constraint, param = asked
     try:
-        grammars.compile(constraint)
+        await asyncio.to_thread(lambda: engine.grammars.compile(constraint))
     except GrammarError as exc:
         raise ApiError(400, f"{param}: the grammar engine (llguidance) cannot compile it: "
                        f"{exc}", "invalid_grammar", param) from None
