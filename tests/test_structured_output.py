@@ -15,6 +15,7 @@ import asyncio
 import json
 import re
 import shutil
+import threading
 from pathlib import Path
 from typing import Any, Literal
 
@@ -266,3 +267,29 @@ def test_a_constrained_greedy_row_is_chosen_on_the_host_among_what_its_grammar_a
     constrained.guide.prepare()  # as the core does while the forward runs
     second = constrained.sampler.choose(logits)
     assert second == ord("b") and constrained.take(second, None, frozenset(), 64) == "stop"
+
+
+def test_a_grammar_compiling_in_the_core_holds_up_no_other_request(
+        random_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the core compiles a grammar new to it (held here until released), other
+    requests step and finish; then the constrained one runs."""
+    release = threading.Event()
+    guide = Grammars.guide
+
+    def held(self: Grammars, constraint: Constraint) -> Any:
+        release.wait(30)
+        return guide(self, constraint)
+
+    monkeypatch.setattr(Grammars, "guide", held)
+
+    async def test(api: openai.AsyncOpenAI, client: httpx.AsyncClient) -> None:
+        constrained = asyncio.ensure_future(api.completions.create(
+            model="m", prompt="x", max_tokens=40, temperature=0,
+            extra_body={"guided_choice": CHOICES}))
+        plain = await api.completions.create(model="m", prompt="Hello", max_tokens=8,
+                                             temperature=0)
+        assert plain.choices[0].finish_reason == "length" and not constrained.done()
+        release.set()
+        assert (await constrained).choices[0].text in CHOICES
+
+    served(random_llama, test, **SERVER)

@@ -14,7 +14,8 @@ A step: take the scheduler's plan (``scheduler.py``), run its chunks through the
 decode step) in the device thread (``launch.py``), then take each finished chunk's next
 token (``sampling.py``), or the tokens its drafts earned (speculative decoding,
 ``speculate.py``); a constrained row's logits are masked by its grammar first
-(``grammar.py``), on the host, and it gets no drafts. A step of greedy rows is left in
+(``grammar.py``; one new to the core waits outside the scheduler while it compiles,
+``compiling.py``), on the host, and it gets no drafts. A step of greedy rows is left in
 flight: the next one is planned and launched before its tokens are taken, so the host's
 work overlaps the forward; a constrained row never is (its mask needs its last token).
 """
@@ -29,10 +30,18 @@ from typing import Any
 import torch
 
 from gpuflow.serve.dtypes import short_name
+from gpuflow.serve.generate.compiling import GrammarQueue
 from gpuflow.serve.generate.core_request import PENDING, CoreRequest
-from gpuflow.serve.generate.grammar import GrammarError, Grammars
+from gpuflow.serve.generate.grammar import Guide
 from gpuflow.serve.generate.launch import DeviceThread, Forward, Launched, run_forward
-from gpuflow.serve.generate.messages import Inbox, Occupancy, Output, Report, StepTiming
+from gpuflow.serve.generate.messages import (
+    Inbox,
+    NewRequest,
+    Occupancy,
+    Output,
+    Report,
+    StepTiming,
+)
 from gpuflow.serve.generate.paged import RowSpec
 from gpuflow.serve.generate.runner import ModelRunner
 from gpuflow.serve.generate.sampling import choose_tokens, on_host
@@ -59,36 +68,46 @@ class EngineCore:
         self._device: DeviceThread | None = None
         self._in_flight: Launched | None = None  # a step whose tokens are on the device
         self._pending: dict[Sequence, int] = {}  # its sequences: their token's index there
-        self.grammars: Grammars | None = None  # once a constrained request is sent
+        self.compiling = GrammarQueue()  # constrained requests whose grammar compiles
 
     @property
     def idle(self) -> bool:
-        return not self._live and self._in_flight is None
+        return not self._live and self._in_flight is None and not self.compiling
 
     def receive(self, inbox: Inbox) -> None:
-        """New requests into the scheduler's queue (a constrained one with its grammar's
-        guide); dropped ones leave it, blocks freed."""
+        """New requests into the scheduler's queue (a constrained one once its grammar's
+        guide is ready); dropped ones leave it, blocks freed."""
         if inbox.vocabulary is not None:
-            self.grammars = Grammars(inbox.vocabulary, self.eos_ids)
+            self.compiling.start(inbox.vocabulary, self.eos_ids)
         for new in inbox.new:
-            constraint, guide, error = new.params.constraint, None, None
-            if constraint is not None:
-                try:
-                    if self.grammars is None:
-                        raise GrammarError("a grammar came before the vocabulary")
-                    guide = self.grammars.guide(constraint)
-                except GrammarError as exc:
-                    error = f"the grammar does not compile: {exc}"
-            request = CoreRequest(new.id, new.prompt, new.params, guide)
-            self._live[request.seq] = self._by_id[new.id] = request
-            self.scheduler.add(request.seq)
-            if error is not None:
-                self._retire(request, "failed", error)
+            if new.params.constraint is None:
+                self._admit(new, None, None)
+            else:
+                self.compiling.submit(new)
+        self._admit_compiled()
         self.taken += len(inbox.new)
         for request_id in inbox.dropped:
+            if self.compiling.drop(request_id):
+                self._outputs.append(Output(request_id, finish="cancelled"))
+                continue
             request = self._by_id.get(request_id)
             if request is not None:  # not finished already
                 self._retire(request, "cancelled")
+
+    def _admit(self, new: NewRequest, guide: Guide | None, error: str | None) -> None:
+        request = CoreRequest(new.id, new.prompt, new.params, guide)
+        self._live[request.seq] = self._by_id[new.id] = request
+        self.scheduler.add(request.seq)
+        if error is not None:
+            self._retire(request, "failed", error)
+
+    def _admit_compiled(self) -> None:
+        """Admit the constrained requests whose grammar is compiled; with nothing else to
+        do, wait a little for one."""
+        if self.compiling and not self._live and self._in_flight is None:
+            self.compiling.wait(0.05)
+        for new, guide, error in self.compiling.ready():
+            self._admit(new, guide, error)
 
     def start(self, context: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
         """Start the device thread (under ``context``) and run the decode warm-up there:
@@ -97,6 +116,7 @@ class EngineCore:
         self._device.call(self.runner.warm_up)
 
     def stop(self) -> None:
+        self.compiling.shutdown()
         if self._device is not None:
             self._device.shutdown()
 
@@ -104,6 +124,7 @@ class EngineCore:
         """Plan and launch a step, if any sequence has tokens to compute; take the tokens
         of the step launched before it (a step left in flight) and of this one if it is
         not left in flight; report what moved, or None when nothing happened."""
+        self._admit_compiled()
         plan: Plan | None = None
         launched = None
         try:
@@ -128,6 +149,8 @@ class EngineCore:
         self._in_flight = None
         self._pending.clear()
         self._fail(list(self._live), message)
+        self._outputs += [Output(new.id, finish="failed", error=message)
+                          for new in self.compiling.clear()]
         outputs, self._outputs, self._moved = self._outputs, [], {}
         return Report(tuple(outputs), self.occupancy(), self.taken)
 
@@ -143,9 +166,10 @@ class EngineCore:
 
     def occupancy(self) -> Occupancy:
         scheduler, blocks = self.scheduler, self.scheduler.blocks
-        return Occupancy(len(scheduler.running), len(scheduler.waiting), blocks.used,
-                         blocks.total, scheduler.preemptions, blocks.prefix_queries,
-                         blocks.prefix_hits, self.drafted, self.accepted)
+        waiting = len(scheduler.waiting) + len(self.compiling)  # those compile as they wait
+        return Occupancy(len(scheduler.running), waiting, blocks.used, blocks.total,
+                         scheduler.preemptions, blocks.prefix_queries, blocks.prefix_hits,
+                         self.drafted, self.accepted)
 
     def _launch(self, plan: Plan) -> Launched:
         """Hand the plan's chunks (a decoding sequence's with its drafted tokens, if any) to

@@ -177,6 +177,10 @@ class Grammars:
         self._compiled: OrderedDict[str, LLMatcher] = OrderedDict()
         self._lock = threading.Lock()  # the cache's; a compile runs outside it
 
+    def is_cached(self, constraint: Constraint) -> bool:
+        with self._lock:
+            return constraint.grammar in self._compiled
+
     def compile(self, constraint: Constraint) -> LLMatcher:
         """The grammar's matcher at its start (cached); raises ``GrammarError``."""
         with self._lock:
