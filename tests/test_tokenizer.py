@@ -36,6 +36,11 @@ from gpuflow.serve.generate.tokenizer import (
 )
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# The engine's logits match transformers' within 1e-4 (tests/test_paged_kv.py); a greedy
+# choice whose top two logits differ by more than 5x that cannot flip between them. (The
+# models' smallest margins are 1.0e-3 (qwen2) to 1.2e-2 on an Intel Xeon; training numerics
+# differ between CPUs.)
+CLEAR_MARGIN = 5e-4
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -71,7 +76,7 @@ def test_hub_directories_load_offline_and_choose_greedy_tokens_clearly(
                                  output_logits=True, return_dict_in_generate=True)
             margins += [float(top[0] - top[1]) for top in
                         (logits[0].topk(2).values for logits in out.logits)]
-    assert min(margins) > 5e-3
+    assert min(margins) > CLEAR_MARGIN
 
 
 # --- the serving tokenizers -----------------------------------------------------------------
