@@ -4,10 +4,11 @@ not copied again."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
-from gpuflow.serve.generate.fused import fuse
+from gpuflow.serve.generate.fused import PREPACK_BYTES, fuse, prepacked
 
 
 def linears(bias: bool) -> list[nn.Linear]:
@@ -64,3 +65,16 @@ def test_input_major_weights_are_one_row_major_product_and_viewed_again() -> Non
     [single] = linears(bias=False)[:1]
     alone, _ = fuse([single], input_major=True)  # type: ignore[misc]
     assert alone.t().is_contiguous() and single.weight.data_ptr() == alone.data_ptr()
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="x86's oneDNN only")
+def test_only_large_fp32_weights_are_prepacked_and_multiply_as_before() -> None:
+    weight = torch.randn(512, PREPACK_BYTES // (512 * 4))  # 1 MiB of fp32
+    packed = prepacked(weight)
+    assert packed is not None
+    x = torch.randn(6, weight.shape[1])
+    torch.testing.assert_close(
+        torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), x @ weight.t(),
+        atol=1e-4, rtol=1e-4)
+    assert prepacked(weight[:256]) is None  # under PREPACK_BYTES: from cache, through MKL
+    assert prepacked(weight.bfloat16()) is None

@@ -17,6 +17,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from gpuflow.export import export_model
 from gpuflow.serve.app import ServeSettings, create_app
+from gpuflow.serve.generate import fused
 from gpuflow.serve.generate.build import build_engine
 from gpuflow.serve.generate.hf_models import HFCausalLM
 from gpuflow.serve.generate.limits import EngineLimits
@@ -88,6 +89,23 @@ def test_continuous_batching_equals_recomputing_every_prefix(name: str) -> None:
         assert done.finish_reason == "length" and done.completion_tokens == budget
     assert any(size == 3 and mixed for size, mixed in batches)  # one step, many positions
     assert any(done.cached_tokens >= 8 for _, done in results)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="x86's oneDNN only")
+def test_prepacked_products_equal_recomputing_every_prefix(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32 on the CPU with every weight prepacked for oneDNN (the tests' weights are under
+    ``PREPACK_BYTES``, lowered here): steps of several rows take the packed products, steps
+    of one MKL's, and every completion is still the model's exact greedy one."""
+    monkeypatch.setattr(fused, "PREPACK_BYTES", 0)
+    model = llama()
+    lm = paged_lm(model, torch.float32)
+    lm.prepack()  # type: ignore[union-attr]
+    products = [p for layer in lm._layers for p in layer.products()]  # type: ignore[union-attr]
+    assert products and all(p.packed is not None for p in products)
+    results = generate(lm, greedy(PROMPTS, BUDGETS), seqs=3, stagger=4)  # type: ignore[arg-type]
+    for prompt, budget, (tokens, _) in zip(PROMPTS, BUDGETS, results, strict=True):
+        assert tokens == greedy_reference(model, prompt, budget), prompt
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])

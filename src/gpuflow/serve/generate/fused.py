@@ -13,8 +13,9 @@ An fp32 weight on the CPU is stored input-major (``[in_features, out_features]``
 contiguous, the modules' ``[out, in]`` weights transposed views of it): the products of a
 decode step multiply a few rows by a weight, and MKL's fp32 kernel for ``x @ W`` with ``W``
 row-major runs up to 2.4x faster at 4-32 rows than ``x @ W.T`` over the usual layout
-(``benchmarks/linear_layout.py``). bf16 products on the CPU (oneDNN) are as fast or
-faster over the usual layout, and a GPU's BLAS takes either: those keep the checkpoint's.
+(``benchmarks/linear_layout.py``). bf16 products on the CPU (oneDNN, AMX where there is
+one) gain at most 1.09x from it and lose at one row (0.85x), and a GPU's BLAS takes either
+layout: those keep the checkpoint's.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+# Weights smaller than this multiply through MKL, never oneDNN's prepacked path (``prepacked``).
+PREPACK_BYTES = 2**20
 
 
 def input_major_for(weight: torch.Tensor) -> bool:
@@ -87,11 +91,14 @@ def _laid_out(parts: Sequence[torch.Tensor], stride: tuple[int, ...]) -> bool:
 
 def prepacked(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight`` (``[out, in]``) reordered into oneDNN's blocked layout for
-    ``torch.ops.mkldnn._linear_pointwise``, where that pays: fp32 on the CPU (x86's oneDNN).
-    A decode step of 2-16 rows multiplies such a weight 1.3-1.4x faster than MKL's best
-    layout, from memory as a served model's weights are read; one row is faster through
-    MKL's input-major product (``benchmarks/linear_layout.py``). The packed copy is the
-    engine's own: the model's weights stay as they are for every other path."""
-    if not (input_major_for(weight) and torch.backends.mkldnn.is_available()):
+    ``torch.ops.mkldnn._linear_pointwise``, where that pays: fp32 on the CPU (x86's
+    oneDNN), a weight of ``PREPACK_BYTES`` or more. A decode step of 4-16 rows multiplies
+    such weights 1.3-1.4x faster than MKL's input-major product, a model's weights read from
+    memory as a served model's are; one row 0.78x, so one-row steps keep MKL's
+    (``benchmarks/linear_layout.py``). A smaller weight is read from cache in less time than
+    oneDNN's call costs over MKL's. The packed copy is the engine's own: the model's weights
+    stay as they are for every other path."""
+    if (not input_major_for(weight) or weight.numel() * weight.element_size() < PREPACK_BYTES
+            or not torch.backends.mkldnn.is_available()):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
