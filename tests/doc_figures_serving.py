@@ -12,6 +12,8 @@ COMPILED = "generation-textlm-compile-amd-epyc-2c.json"
 QUANTIZE = "quantize-amd-epyc-2c.json"
 EAGER = "generation-amd-epyc-2c.json"
 HUB_LLAMA = "generation-hub-llama-amd-epyc-2c.json"
+LAYOUT, CEILING = "linear_layout-intel-r-xeon-r-2c.json", "host_ceiling-intel-r-xeon-r-2c.json"
+SMOLLM2 = "generation-smollm2-intel-r-xeon-r-2c.json"
 LEVELS = ("1", "8", "32", "64")
 
 
@@ -132,6 +134,23 @@ def _engine(contender: str, level: str) -> list[tuple[JsonPath, str]]:
                               ("ttft_p99_ms", ".1f"), ("itl_p50_ms", "~"), ("itl_p99_ms", "~"))]
 
 
+def _smollm2(contender: str, level: str) -> list[tuple[JsonPath, str]]:
+    """generation --model smollm2: one contender's tokens/s, TTFT p50 and ITL p50 at one
+    level (``llama.cpp``'s dot rules out a path)."""
+    return [(lambda result, key=key: result["runs"][contender][level][key], spec)
+            for key, spec in (("tokens_per_s", ",.1f"), ("ttft_p50_ms", ".1f"),
+                              ("itl_p50_ms", ".2f"))]
+
+
+def _host_ceiling(level: str) -> list[tuple[JsonPath, str]]:
+    """host_ceiling: each contender's tokens/s and server CPU us a token at one level, then
+    this checkout's speed-up over the baseline."""
+    return [*((f"results.{who}.{level}.{key}", spec)
+              for who in ("gpuflow", "gpuflow-thread-core", "baseline")
+              for key, spec in (("tokens_per_s", ",.0f"), ("server_cpu_us_per_token", ".0f"))),
+            (f"speedup_over_baseline.{level}", ".2f")]
+
+
 FIGURES: list[Figure] = [
     *((SERVE_DOC, f"| {level} | {{}} tok/s | {{}} tok/s | {{}} ms, {{}} ms |", SERVING,
        [(f"generation.tokens_per_s.gpuflow.{level}", ",.0f"),
@@ -224,4 +243,27 @@ FIGURES: list[Figure] = [
        [*_engine("gpuflow", level), *_engine("llama.cpp", level),
         _against_llama_cpp(level)[2]])
       for level, errors in (("1", ""), ("8", ", 1 error"), ("32", ", 1 error"))),
+    *((SERVE_DOC, f"| {rows} | {{}} | {{}} | {{}} | {{}} |", LAYOUT,
+       [*((f"results.fp32.model.{rows}.{layout}_ms", ".1f")
+          for layout in ("usual", "input_major", "onednn_packed")),
+        (f"results.bf16.model.{rows}.usual_ms", ".1f")]) for rows in (1, 4, 8, 16, 32, 128)),
+    *((SERVE_DOC, f"| {level} | {{}} ({{}} us) | {{}} ({{}} us) | {{}} ({{}} us) | {{}}x |",
+       CEILING, _host_ceiling(level)) for level in ("1", "64", "256")),
+    (SERVE_DOC, "the run before this one gave {}x and {}x at 64 and 256 clients (the file at "
+     "9aec944)", f"{CEILING}@9aec944",
+     [("speedup_over_baseline.64", ".2f"), ("speedup_over_baseline.256", ".2f")]),
+    (SERVE_DOC, "one on an AMD EPYC (`benchmarks/results/host_ceiling-amd-epyc-2c.json`, before "
+     "this page's CPU products and greedy ids) {}x and {}x at 64 and 256 clients",
+     "host_ceiling-amd-epyc-2c.json",
+     [("speedup_over_baseline.64", ".2f"), ("speedup_over_baseline.256", ".2f")]),
+    *((SERVE_DOC, f"| {level} | {{}} tok/s; TTFT p50 {{}} ms; ITL p50 {{}} ms | {{}} tok/s; "
+       f"TTFT p50 {{}} ms; ITL p50 {{}} ms | {{}}x (>= {target}x)", SMOLLM2,
+       [*_smollm2("gpuflow", level), *_smollm2("llama.cpp", level),
+        (lambda result, level=level: result["targets"][f"gpuflow vs llama.cpp c{level}"]
+         ["tokens_per_s_ratio"], ".2f")])
+      for level, target in (("1", "0.8"), ("8", "1.0"))),
+    (SERVE_DOC, "At 8 clients the rounds gave {}x, {}x, {}x", SMOLLM2,
+     [(lambda result, i=i: result["runs"]["gpuflow"]["8"]["rounds"][i]["tokens_per_s"]
+       / result["runs"]["llama.cpp"]["8"]["rounds"][i]["tokens_per_s"], ".3f")
+      for i in range(3)]),
 ]
