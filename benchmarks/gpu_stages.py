@@ -106,6 +106,22 @@ def _measured_train(size: str) -> Callable[[Result], bool]:
                               for precision in ("bf16", "fp8"))
 
 
+def _lever(name: str, about: str) -> Callable[[Result], str]:
+    """Today's step against the same run with ``name`` switched, per model size."""
+    def headline(result: Result) -> str:
+        return "; ".join(
+            f"{size}: {about} "
+            f"{_ratio(_run(result, 'train', f'{size}-bf16').get('tokens_per_s'), lever)}"
+            f" the tokens/s of {name}" for size in ("124m", "1b")
+            if (lever := _run(result, "train", f"{size}-bf16-{name}").get("tokens_per_s")))
+    return headline
+
+
+def _measured_lever(name: str) -> Callable[[Result], bool]:
+    return lambda result: all(_run(result, "train", label) for size in ("124m", "1b")
+                              for label in (f"{size}-bf16", f"{size}-bf16-{name}"))
+
+
 def _images(result: Result) -> str:
     ratios = result.get("over_synthetic") or {}
     return ", ".join(f"{name.removeprefix('jpeg_')} {_ratio(value, 1.0)} synthetic's images/s"
@@ -196,6 +212,12 @@ STAGES: tuple[Stage, ...] = (
           lambda gpu, left_s: ["benchmarks/fashion_images.py", "--out",
                                f"benchmarks/results/fashion_images-{gpu}.json"], 420,
           lambda result: f"validation accuracy {100 * result['val_accuracy']:.2f}%"),
+    Stage("adamw-fused", "textlm 124m and 1b in bf16, compiled: today's fused AdamW against "
+          "--optimizer-impl foreach", (*TEXTLM, "src/gpuflow/config_fields.py"),
+          "gpu_suite-*.json", _measured_lever("foreach"),
+          _suite("train", "adamw-fused", "--runs",
+                 "124m-bf16,124m-bf16-foreach,1b-bf16,1b-bf16-foreach"), 300,
+          _lever("foreach", "fused gives")),
     Stage("train-124m", "textlm 124m in bf16 and fp8, compiled: MFU", TEXTLM, "gpu_suite-*.json",
           _measured_train("124m"), _suite("train", "train-124m", "--runs", "124m-bf16,124m-fp8"),
           150, _fp8("124m")),

@@ -110,6 +110,8 @@ class TrainRun:
     # --strategy auto puts the planner's predictions in the summary; the CUDA-graph runs
     # name their strategy instead, which --cuda-graphs needs to know before the run.
     planned: bool = True
+    # A training lever against today's step: run only when --runs names it (a GPU stage).
+    lever: bool = False
 
 
 def train_runs(dry_run: bool) -> list[TrainRun]:
@@ -121,7 +123,18 @@ def train_runs(dry_run: bool) -> list[TrainRun]:
     return [TrainRun("124m-bf16", "124m", "bf16", 64, 30, 10, compiled),
             TrainRun("1b-bf16", "1b", "bf16", 16, 15, 5, compiled),
             TrainRun("1b-fp8", "1b", "fp8", 16, 15, 5, compiled),
-            TrainRun("124m-fp8", "124m", "fp8", 64, 30, 10, compiled)]
+            TrainRun("124m-fp8", "124m", "fp8", 64, 30, 10, compiled),
+            *lever_runs(compiled)]
+
+
+def lever_runs(compiled: tuple[str, ...]) -> list[TrainRun]:
+    """Today's bf16 steps with one lever switched: foreach AdamW in place of the fused
+    kernel (docs/training.md)."""
+    levers = {"foreach": ("--optimizer-impl", "foreach")}
+    return [TrainRun(f"{size}-bf16-{name}", size, "bf16", batch, steps, every,
+                     (*compiled, *flags), lever=True)
+            for name, flags in levers.items()
+            for size, batch, steps, every in (("124m", 64, 30, 10), ("1b", 16, 15, 5))]
 
 
 def graph_runs(dry_run: bool) -> list[TrainRun]:
@@ -650,8 +663,8 @@ def main() -> int:
                   args.budget_s)
     device = "cpu" if args.dry_run else "cuda"
     runs = train_runs(args.dry_run)
-    if args.runs:
-        runs = [run for run in runs if run.label in args.runs.split(",")]
+    runs = ([run for run in runs if run.label in args.runs.split(",")] if args.runs
+            else [run for run in runs if not run.lever])
     package = _common.package_version
     suite.result = {
         "benchmark": "gpu_suite",

@@ -19,6 +19,7 @@ from gpuflow.precision import Precision
 
 Fp8Recipe = Literal["tensorwise", "rowwise"]
 OptimizerName = Literal["adamw", "sgd"]
+OptimizerImpl = Literal["fused", "foreach"]
 Schedule = Literal["cosine", "constant"]
 StrategyName = Literal["single", "ddp", "fsdp", "tp", "pp"]
 Strategy = StrategyName | Literal["auto"]
@@ -144,6 +145,12 @@ class TrainFields:
         details="fused kernels on CUDA and CPU, one call per group of sharded (DTensor) or "
                 "whole parameters (foreach for SGD on sharded ones: DTensor has no rule for "
                 "fused SGD)")
+    optimizer_impl: OptimizerImpl = option(
+        "fused", help="the update's kernels: fused (one pass over the parameters) or foreach "
+                      "(several multi-tensor passes, torch's default)",
+        details="fused falls back to foreach where it cannot run (devices other than CUDA "
+                "and CPU, SGD on sharded parameters); both give the same losses within "
+                "fp32 rounding, see [training.md](training.md#the-optimizers-kernels)")
     weight_decay: float = option(
         0.01, help="applied to weight matrices only, never to biases and norms")
     schedule: Schedule = option(

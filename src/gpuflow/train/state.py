@@ -21,7 +21,7 @@ from gpuflow import checkpoint as ckpt
 from gpuflow.data.iterable import StreamBatches, StreamPosition
 from gpuflow.errors import NonFiniteLossError, UserError
 from gpuflow.parallel.strategy import Strategy
-from gpuflow.train.optim import restore_schedule
+from gpuflow.train.optim import keep_kernels, restore_schedule
 
 
 def seed_everything(seed: int) -> None:
@@ -128,6 +128,7 @@ class RunState:
             raise UserError(f"--resume: no valid checkpoint in {self.directory}. Check the "
                             "run dir, or start without --resume.")
         state = self._load_weights(checkpoint)
+        keep_kernels(self.optimizer)
         restore_schedule(self.scheduler, state["scheduler"])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
