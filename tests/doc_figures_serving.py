@@ -14,6 +14,7 @@ EAGER = "generation-amd-epyc-2c.json"
 HUB_LLAMA = "generation-hub-llama-amd-epyc-2c.json"
 LAYOUT, CEILING = "linear_layout-intel-r-xeon-r-2c.json", "host_ceiling-intel-r-xeon-r-2c.json"
 SMOLLM2 = "generation-smollm2-intel-r-xeon-r-2c.json"
+STRUCTURED, STRUCTURED_DOC = "structured_output-intel-r-xeon-r-2c.json", "docs/structured-output.md"
 LEVELS = ("1", "8", "32", "64")
 
 
@@ -266,4 +267,28 @@ FIGURES: list[Figure] = [
      [(lambda result, i=i: result["runs"]["gpuflow"]["8"]["rounds"][i]["tokens_per_s"]
        / result["runs"]["llama.cpp"]["8"]["rounds"][i]["tokens_per_s"], ".3f")
       for i in range(3)]),
+    (STRUCTURED_DOC, "| tokens/s, 32 clients unconstrained | {} | | | tokens/s, 16 of them "
+     "constrained by a 10-field schema | {} | | | ratio (median of the rounds' ratios) | {}x | "
+     ">= 0.9x |", STRUCTURED, [("cost.tokens_per_s.unconstrained", ",.0f"),
+                               ("cost.tokens_per_s.half_constrained", ",.0f"),
+                               ("cost.ratio_median", ".2f")]),
+    (STRUCTURED_DOC, "| TTFT at 1 client, unconstrained (median of 20) | {} ms | | | TTFT, the "
+     "cached 10-field schema | {} ms (+{} ms) | <= +1 ms | | TTFT, a 20-field schema new each "
+     "time | {} ms (+{} ms) | <= +50 ms |", STRUCTURED,
+     [("ttft.median_ms.unconstrained", ".2f"), ("ttft.median_ms.cached_schema", ".2f"),
+      ("ttft.cached_added_ms", ".2f"), ("ttft.median_ms.new_schema", ".2f"),
+      ("ttft.new_added_ms", ".2f")]),
+    (STRUCTURED_DOC, "| {} s in {} steps ({} ms a step) |", STRUCTURED,
+     [("cost.grammar_mask.sum_s", ".1f"), ("cost.grammar_mask.steps", ",.0f"),
+      (lambda result: 1000 * result["cost"]["grammar_mask"]["sum_s"]
+       / result["cost"]["grammar_mask"]["steps"], ".2f")]),
+    (STRUCTURED_DOC, "The rounds gave {}x, {}x and {}x", STRUCTURED,
+     [(f"cost.rounds.{i}.ratio", ".2f") for i in range(3)]),
+    (STRUCTURED_DOC, "| unconstrained | {} | {} | {} stop, {} length | | `response_format` "
+     "`json_schema` | {} | {} | {} stop |", STRUCTURED,
+     [("quality.unconstrained.valid", ".0%"), ("quality.unconstrained.lenient", ".0%"),
+      ("quality.unconstrained.finish_reasons.stop", ".0f"),
+      ("quality.unconstrained.finish_reasons.length", ".0f"),
+      ("quality.constrained.valid", ".0%"), ("quality.constrained.lenient", ".0%"),
+      ("quality.constrained.finish_reasons.stop", ".0f")]),
 ]
