@@ -106,20 +106,39 @@ def _measured_train(size: str) -> Callable[[Result], bool]:
                               for precision in ("bf16", "fp8"))
 
 
-def _lever(name: str, about: str) -> Callable[[Result], str]:
-    """Today's step against the same run with ``name`` switched, per model size."""
+def _lever(name: str) -> Callable[[Result], str]:
+    """The run with lever ``name`` switched against today's step, per model size."""
     def headline(result: Result) -> str:
-        return "; ".join(
-            f"{size}: {about} "
-            f"{_ratio(_run(result, 'train', f'{size}-bf16').get('tokens_per_s'), lever)}"
-            f" the tokens/s of {name}" for size in ("124m", "1b")
-            if (lever := _run(result, "train", f"{size}-bf16-{name}").get("tokens_per_s")))
+        parts = []
+        for size in ("124m", "1b"):
+            today, lever = (_run(result, "train", f"{size}-bf16{suffix}")
+                            for suffix in ("", f"-{name}"))
+            if lever:
+                ratio = _ratio(lever["tokens_per_s"], today.get("tokens_per_s"))
+                parts.append(f"{size}: {name} {ratio} today's tokens/s, peak memory "
+                             f"{_gib(lever)} against {_gib(today)} GiB")
+        return "; ".join(parts)
     return headline
+
+
+def _gib(run: Result) -> str:
+    return f"{run['peak_mem_bytes'] / 2**30:.1f}" if run.get("peak_mem_bytes") else "n/a"
 
 
 def _measured_lever(name: str) -> Callable[[Result], bool]:
     return lambda result: all(_run(result, "train", label) for size in ("124m", "1b")
                               for label in (f"{size}-bf16", f"{size}-bf16-{name}"))
+
+
+def _lever_stage(stage: str, name: str, about: str, sources: tuple[str, ...]) -> Stage:
+    """textlm 124m and 1b in bf16, compiled, today's step and the gpu_suite runs with lever
+    ``name`` switched (``gpu_suite.lever_runs``)."""
+    runs = ",".join(f"{size}-bf16{suffix}" for size in ("124m", "1b")
+                    for suffix in ("", f"-{name}"))
+    return Stage(stage, f"textlm 124m and 1b in bf16, compiled: {about}",
+                 (*TEXTLM, "src/gpuflow/config_fields.py", *sources), "gpu_suite-*.json",
+                 _measured_lever(name), _suite("train", stage, "--runs", runs), 300,
+                 _lever(name))
 
 
 def _images(result: Result) -> str:
@@ -212,12 +231,10 @@ STAGES: tuple[Stage, ...] = (
           lambda gpu, left_s: ["benchmarks/fashion_images.py", "--out",
                                f"benchmarks/results/fashion_images-{gpu}.json"], 420,
           lambda result: f"validation accuracy {100 * result['val_accuracy']:.2f}%"),
-    Stage("adamw-fused", "textlm 124m and 1b in bf16, compiled: today's fused AdamW against "
-          "--optimizer-impl foreach", (*TEXTLM, "src/gpuflow/config_fields.py"),
-          "gpu_suite-*.json", _measured_lever("foreach"),
-          _suite("train", "adamw-fused", "--runs",
-                 "124m-bf16,124m-bf16-foreach,1b-bf16,1b-bf16-foreach"), 300,
-          _lever("foreach", "fused gives")),
+    _lever_stage("adamw-fused", "foreach", "today's fused AdamW against --optimizer-impl "
+                 "foreach", ("src/gpuflow/train/optim.py",)),
+    _lever_stage("loss-chunks", "chunked", "today's loss against --loss-chunks 8 (no whole "
+                 "fp32 logits)", ("src/gpuflow/train/chunked_loss.py",)),
     Stage("train-124m", "textlm 124m in bf16 and fp8, compiled: MFU", TEXTLM, "gpu_suite-*.json",
           _measured_train("124m"), _suite("train", "train-124m", "--runs", "124m-bf16,124m-fp8"),
           150, _fp8("124m")),

@@ -128,9 +128,9 @@ def train_runs(dry_run: bool) -> list[TrainRun]:
 
 
 def lever_runs(compiled: tuple[str, ...]) -> list[TrainRun]:
-    """Today's bf16 steps with one lever switched: foreach AdamW in place of the fused
-    kernel (docs/training.md)."""
-    levers = {"foreach": ("--optimizer-impl", "foreach")}
+    """Today's bf16 steps with one lever switched (docs/training.md): foreach AdamW in place
+    of the fused kernel; the loss over 8 chunks, never the whole fp32 logits."""
+    levers = {"foreach": ("--optimizer-impl", "foreach"), "chunked": ("--loss-chunks", "8")}
     return [TrainRun(f"{size}-bf16-{name}", size, "bf16", batch, steps, every,
                      (*compiled, *flags), lever=True)
             for name, flags in levers.items()

@@ -7,12 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from runs import configs, losses
+from runs import configs, losses, summary
 
 from gpuflow import Trainer, train
 from gpuflow.config import TrainConfig
+from gpuflow.train.chunked_loss import HeadInput, chunked_cross_entropy
 from gpuflow.train.optim import build_optimizer
 from gpuflow.train.trainer import seed_everything
+from gpuflow.workload import IGNORE_INDEX
 from gpuflow.workloads import textlm
 
 # docs/training.md states it: fused AdamW against foreach, per logged loss, relative
@@ -25,8 +27,10 @@ config = configs(max_steps=12, batch_size=8, log_every=1, eval_every=0, warmup_s
 
 def _losses(run_dir: Path, **overrides: object) -> list[float]:
     seed_everything(0)
-    train(textlm.build(data="synthetic", model_size="layers=2,dim=64,heads=4,seq=32"),
-          config(run_dir, **overrides))
+    workload = textlm.build(data="synthetic", model_size="layers=2,dim=64,heads=4,seq=32")
+    train(workload, config(run_dir, **overrides))
+    tokens = workload.get_example_batch()[0]
+    assert isinstance(workload.model(tokens), torch.Tensor)  # the head is its own again
     return losses(run_dir)
 
 
@@ -60,3 +64,32 @@ def test_a_resumed_run_takes_the_kernels_it_asks_for(tmp_path: Path) -> None:
         resumed.run_steps(2)
     finally:
         resumed.close()
+
+
+# docs/training.md states it: the chunked loss and its gradients against the unchunked path.
+CHUNKED_RTOL, CHUNKED_ATOL = 1e-5, 1e-6
+
+
+def test_chunked_cross_entropy_equals_the_whole_one() -> None:
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 10, 16, requires_grad=True)
+    head = torch.nn.Linear(16, 50)
+    target = torch.randint(0, 50, (3, 10))
+    target[0, :4] = IGNORE_INDEX
+    whole = torch.nn.functional.cross_entropy(head(hidden).flatten(0, 1), target.flatten(),
+                                              ignore_index=IGNORE_INDEX)
+    expected = torch.autograd.grad(whole, (hidden, head.weight, head.bias))
+    chunked = chunked_cross_entropy(HeadInput(hidden, head.weight, head.bias), target, 4)
+    got = torch.autograd.grad(chunked * 1.0, (hidden, head.weight, head.bias))
+    torch.testing.assert_close(chunked, whole, rtol=CHUNKED_RTOL, atol=CHUNKED_ATOL)
+    for mine, theirs in zip(got, expected, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=CHUNKED_RTOL, atol=CHUNKED_ATOL)
+
+
+def test_a_run_with_loss_chunks_trains_as_the_whole_loss_does(tmp_path: Path) -> None:
+    chunked = _losses(tmp_path / "chunked", loss_chunks=3)
+    whole = _losses(tmp_path / "whole")
+    assert chunked == pytest.approx(whole, rel=CHUNKED_RTOL)
+    ends = [summary(tmp_path / name) for name in ("chunked", "whole")]
+    assert ends[0]["final_metrics"] == pytest.approx(ends[1]["final_metrics"], rel=CHUNKED_RTOL)
+    assert ends[0]["flops_per_step"] == ends[1]["flops_per_step"]  # the same products

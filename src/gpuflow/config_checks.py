@@ -47,7 +47,7 @@ def check_values(config: TrainFields) -> None:
     if config.batch_size != "auto" and config.batch_size < 1:
         raise UserError(f"--batch-size must be at least 1 or auto (got {config.batch_size}).")
     for name in ("grad_accum", "log_every", "keep_checkpoints",
-                 "max_nonfinite_steps", "nproc", "nnodes", "tp", "pp"):
+                 "max_nonfinite_steps", "nproc", "nnodes", "tp", "pp", "loss_chunks"):
         if getattr(config, name) < 1:
             raise UserError(f"--{_flag(name)} must be at least 1 (got {getattr(config, name)}).")
     for name in ("eval_every", "eval_batches", "checkpoint_every", "num_workers",

@@ -151,6 +151,11 @@ class TrainFields:
         details="fused falls back to foreach where it cannot run (devices other than CUDA "
                 "and CPU, SGD on sharded parameters); both give the same losses within "
                 "fp32 rounding, see [training.md](training.md#the-optimizers-kernels)")
+    loss_chunks: int = option(
+        1, help="compute a language model's loss N chunks of rows at a time, never the whole "
+                "fp32 logits (1: in one piece)",
+        details="textlm and hf:DIR, --strategy single or ddp; see "
+                "[training.md](training.md#chunked-cross-entropy)")
     weight_decay: float = option(
         0.01, help="applied to weight matrices only, never to biases and norms")
     schedule: Schedule = option(

@@ -38,7 +38,7 @@ from gpuflow.parallel.env import init_distributed
 from gpuflow.parallel.strategy import ModelParts, resize_rows
 from gpuflow.precision import make_policy
 from gpuflow.telemetry.steps import MetricsLog, StepTimer, medians
-from gpuflow.train import fp8, record
+from gpuflow.train import chunked_loss, fp8, record
 from gpuflow.train.averaging import WeightAverage
 from gpuflow.train.batch import fit_batch
 from gpuflow.train.compile import Compiled, compile_step, turn_on_compile_for_step_modes
@@ -76,16 +76,16 @@ class Trainer:
                  progress: ProgressDisplay | None = None) -> None:
         config.validate()
         if config.max_steps is None and not is_sized(workload.train_dataset):
-            raise UserError(
-                f"Workload {workload.name!r}: the train dataset is a stream without a length "
-                "(an endless or unsized IterableDataset), so a run has no epochs to count: "
-                "give --max-steps N.")
+            raise UserError(f"Workload {workload.name!r}: the train dataset is a stream "
+                            "without a length (an endless or unsized IterableDataset), so a "
+                            "run has no epochs to count: give --max-steps N.")
         self.workload = workload
         seed_everything(config.seed)
         config = self._join_processes(config)
         config = self._planned_batch_size(config)
         self.policy = make_policy(config.precision, self.device)
         config = turn_on_compile_for_step_modes(config, self.dims, self.device, workload)
+        self.workload = workload = chunked_loss.switch(workload, config, self.dims)
         # The timer before the strategy: DDP's bucket hook reports to it.
         self.timer = StepTimer(self.device)
         self.strategy = build_strategy(self.dims, self.device, self.policy, self.timer,
@@ -193,8 +193,7 @@ class Trainer:
         return None if sampler is None else sampler(seed, rank, self.dims.dp)
 
     def _compile(self, example: Batch) -> Compiled | None:
-        compiled = compile_step(self.strategy.forward_model, self.model,
-                                self.workload.blocks(),
+        compiled = compile_step(self.strategy.forward_model, self.model, self.workload.blocks(),
                                 resize_rows(example, self.config.batch_size),
                                 self.workload.loss_fn, self.policy, self.device,
                                 graphs=self.config.cuda_graphs)
@@ -211,9 +210,8 @@ class Trainer:
             self.run_dir / "tensorboard" if self.config.tensorboard else None,
             enabled=self.is_main)
         self.metrics.open(keep_until_step=self.position.step if resumed else None)
-        self.progress = progress or ProgressDisplay(
-            self.total_steps, self.position.step,
-            enabled=self.config.progress and self.is_main)
+        self.progress = progress or ProgressDisplay(self.total_steps, self.position.step,
+                                                    enabled=self.config.progress and self.is_main)
         self.nonfinite_streak = 0
         self._batches: DevicePrefetcher | None = None
         self._stream: StreamBatches | None = None
@@ -366,6 +364,7 @@ class Trainer:
             self._batches = None
         self.progress.close()
         self.metrics.close()
+        chunked_loss.restore(self.workload)
 
     def save_checkpoint(self) -> Path:
         return self.state.save(self._stream, is_stream(self.workload.train_dataset)).path
