@@ -3,6 +3,7 @@ switchable and, on the CPU, trains the same as today's step within the bound the
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,9 @@ from runs import configs, losses, summary
 
 from gpuflow import Trainer, train
 from gpuflow.config import TrainConfig
-from gpuflow.train.chunked_loss import HeadInput, chunked_cross_entropy
+from gpuflow.errors import UserError
+from gpuflow.parallel.dims import ParallelDims
+from gpuflow.train.chunked_loss import HeadInput, chunked_cross_entropy, switch
 from gpuflow.train.optim import build_optimizer
 from gpuflow.train.trainer import seed_everything
 from gpuflow.workload import IGNORE_INDEX
@@ -93,3 +96,15 @@ def test_a_run_with_loss_chunks_trains_as_the_whole_loss_does(tmp_path: Path) ->
     ends = [summary(tmp_path / name) for name in ("chunked", "whole")]
     assert ends[0]["final_metrics"] == pytest.approx(ends[1]["final_metrics"], rel=CHUNKED_RTOL)
     assert ends[0]["flops_per_step"] == ends[1]["flops_per_step"]  # the same products
+
+
+def test_loss_chunks_refuses_what_it_cannot_chunk() -> None:
+    chunked = TrainConfig(loss_chunks=4)
+    lm = textlm.build(data="synthetic", model_size="layers=1,dim=32,heads=2,seq=16")
+    with pytest.raises(UserError, match="--strategy fsdp"):
+        switch(lm, chunked, ParallelDims(strategy="fsdp"))
+    with pytest.raises(UserError, match="no LM head"):
+        switch(replace(lm, loss_fn=lambda outputs, target: outputs.sum()), chunked,
+               ParallelDims())
+    assert switch(lm, TrainConfig(), ParallelDims()) is lm
+    assert isinstance(lm.model(lm.get_example_batch()[0]), torch.Tensor)
