@@ -15,6 +15,7 @@ import os
 import statistics
 import subprocess
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,15 @@ class Timed:
     end_s: float
     tokens: int
     ok: bool
+
+
+def metric_values(url: str, names: Iterable[str]) -> dict[str, float]:
+    """The samples called ``names`` (unlabelled, e.g. ``gpuflow_engine_step_seconds_sum``)
+    on a server's ``/metrics``; those it has not exported yet are left out."""
+    wanted = set(names)
+    return {line.split()[0]: float(line.split()[-1])
+            for line in httpx.get(url + "/metrics", timeout=10).text.splitlines()
+            if line.split(" ")[0] in wanted}
 
 
 def percentile(values: list[float], share: float) -> float | None:

@@ -64,7 +64,7 @@ from _common import (  # noqa: E402
     wait_for_idle,
     write_json,
 )
-from _load import Contender, drive, median_of_rounds, start  # noqa: E402
+from _load import Contender, drive, median_of_rounds, metric_values, start  # noqa: E402
 from contenders import llama_cpp  # noqa: E402
 from serving import free_port, untrained_export  # noqa: E402
 
@@ -317,11 +317,9 @@ def engine_totals(contender: Contender) -> dict[str, float] | None:
     if not contender.name.startswith("gpuflow") or contender.path == "/v1/predict":
         return None
     try:
-        lines = httpx.get(contender.url + "/metrics", timeout=10).text.splitlines()
+        found = metric_values(contender.url, ENGINE_TOTALS)
     except httpx.HTTPError:  # a server that stopped answering is the round's own finding
         return None
-    found = {line.split()[0]: float(line.split()[-1]) for line in lines
-             if line.split(" ")[0] in ENGINE_TOTALS}
     return found if len(found) == len(ENGINE_TOTALS) else None
 
 

@@ -32,8 +32,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
@@ -47,7 +45,7 @@ from _common import (  # noqa: E402
     wait_for_idle,
     write_json,
 )
-from _load import start  # noqa: E402
+from _load import metric_values, start  # noqa: E402
 from serving import free_port  # noqa: E402
 
 # Targets of issue 50, over the baseline's tokens/s at the same concurrency.
@@ -84,21 +82,15 @@ def server_cpu_s(pid: int) -> float:
     return total
 
 
-def step_totals(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return {line.split()[0]: float(line.split()[-1]) for line in text.splitlines()
-            if line.split(" ")[0] in STEP_METRICS}
-
-
 def window(url: str, pid: int, port: int, concurrency: int, args: argparse.Namespace
            ) -> dict[str, Any]:
     """One measured window of ``concurrency`` clients."""
     wait_for_idle(60, threshold=0.05)
-    before_cpu, before = server_cpu_s(pid), step_totals(url)
+    before_cpu, before = server_cpu_s(pid), metric_values(url, STEP_METRICS)
     done = subprocess.run([sys.executable, str(HERE / "_sse_load.py"), str(port),
                            str(concurrency), str(args.seconds), str(args.max_tokens)],
                           capture_output=True, text=True, check=True)
-    cpu, after = server_cpu_s(pid) - before_cpu, step_totals(url)
+    cpu, after = server_cpu_s(pid) - before_cpu, metric_values(url, STEP_METRICS)
     found = json.loads(done.stdout)
     steps = after[STEP_METRICS[0]] - before[STEP_METRICS[0]]
     delta = {key: after[key] - before[key] for key in STEP_METRICS}

@@ -54,7 +54,7 @@ from _common import (  # noqa: E402
     wait_for_idle,
     write_json,
 )
-from _load import Contender, drive, start, timed_request  # noqa: E402
+from _load import Contender, drive, metric_values, start, timed_request  # noqa: E402
 from host_ceiling import stub_directory  # noqa: E402
 from serving import free_port  # noqa: E402
 
@@ -107,13 +107,9 @@ def quiet(args: argparse.Namespace) -> None:
 
 
 def mask_totals(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    found = {"sum": 0.0, "count": 0.0}
-    for line in text.splitlines():
-        for part in found:
-            if line.startswith(f"{MASK}_{part}"):
-                found[part] = float(line.split()[-1])
-    return found
+    """The grammar mask histogram's sum and count (0 before any constrained step)."""
+    found = metric_values(url, (f"{MASK}_sum", f"{MASK}_count"))
+    return {part: found.get(f"{MASK}_{part}", 0.0) for part in ("sum", "count")}
 
 
 def mask_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
