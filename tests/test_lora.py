@@ -42,13 +42,15 @@ RANKS_ATOL = 1e-5
 
 
 def setup(directory: Path, run_dir: Path, **options: Any) -> tuple[Any, TrainConfig]:
-    """``hf:directory`` with rank-4 adapters on random ids for ``STEPS`` steps, seeded."""
+    """``hf:directory`` with rank-4 adapters on random ids for ``STEPS`` steps, seeded,
+    its base loaded as the CLI loads it."""
     torch.manual_seed(0)
-    workload = resolve_workload(f"hf:{directory}", {"data": "synthetic", "seq_len": SEQ})
     settings = {"batch_size": 4, "lora_rank": 4, "max_steps": STEPS, **options}
     config = TrainConfig(workload=f"hf:{directory}", data="synthetic", seq_len=SEQ,
                          eval_every=0, log_every=1, progress=False, schedule="constant",
                          warmup_steps=0, lr=1e-2, run_dir=str(run_dir), **settings)
+    workload = resolve_workload(f"hf:{directory}", {"data": "synthetic", "seq_len": SEQ},
+                                frozen_precision=config.frozen_precision())
     return workload, config
 
 
@@ -187,14 +189,24 @@ def test_packed_conversations_train_adapters_and_leave_the_base_as_saved(
     assert all(torch.equal(param, saved[name]) for name, param in base.items())
 
 
-def test_a_16_bit_base_stays_16_bit_under_autocast(hub_models: Any, tmp_path: Path) -> None:
+def test_a_16_bit_base_loads_and_stays_16_bit_under_autocast(
+        hub_models: Any, tmp_path: Path) -> None:
+    """Loaded straight in bf16 (no fp32 copy of the base is made) where the run autocasts to
+    bf16; in fp32 for a run that trains every weight or computes in another dtype."""
     import transformers
 
     source, directory = hub_models["llama"], tmp_path / "llama-bf16"
     shutil.copytree(source, directory)
     model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
     model.save_pretrained(directory)
-    result = train(*setup(directory, tmp_path / "run", max_steps=1, precision="bf16"))
+    for precision, held in ((None, torch.float32), ("fp16", torch.float32),
+                            ("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        loaded = resolve_workload(f"hf:{directory}", {"data": "synthetic"},
+                                  frozen_precision=precision).model
+        assert {param.dtype for param in loaded.parameters()} == {held}, precision
+    workload, config = setup(directory, tmp_path / "run", max_steps=1, precision="bf16")
+    assert {param.dtype for param in workload.model.parameters()} == {torch.bfloat16}
+    result = train(workload, config)
     dtypes = {name: param.dtype for name, param in result.model.named_parameters()}
     assert {dtypes[name] for name in adapters(result.model)} == {torch.float32}
     assert {dtype for name, dtype in dtypes.items() if "lora_" not in name} == {torch.bfloat16}

@@ -100,7 +100,8 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
         if crowded:
             print(f"gpuflow: {crowded}", file=sys.stderr)
     seed_everything(config.seed)
-    workload = resolve_workload(config.workload, config.workload_options())
+    workload = resolve_workload(config.workload, config.workload_options(),
+                                frozen_precision=config.frozen_precision())
     try:
         result = train(workload, config)
     finally:

@@ -56,6 +56,11 @@ class TrainConfig(TrainFields):
             options["strict_data"] = True
         return options
 
+    def frozen_precision(self) -> str | None:
+        """The precision a LoRA run computes its frozen base under, which the workload may
+        load the base in; None when every weight trains (fp32 master weights)."""
+        return self.precision if self.lora_rank is not None else None
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpuflow import hf, nf4
+from gpuflow import hf, model_dir, nf4
 from gpuflow.errors import UserError
 
 ALL_LINEAR = "all-linear"
@@ -110,12 +110,16 @@ def _adaptable(module: nn.Module) -> bool:
     return isinstance(module, ADAPTABLE) or type(module).__name__ == "Conv1D"
 
 
-def frozen_dtype(model: nn.Module, autocast: torch.dtype | None) -> torch.dtype:
-    """The dtype the frozen base is held in: the one its directory saved it in when the run
+def held_dtype(saved: torch.dtype | None, autocast: torch.dtype | None) -> torch.dtype:
+    """The dtype a frozen base is held in: the one its checkpoint was saved in when the run
     autocasts to that dtype, fp32 otherwise (a bf16 weight cannot meet an fp32 activation
-    outside autocast, and fp32 is what the workload loaded)."""
-    saved = _saved_dtype(model)
+    outside autocast). A model directory's workload loads its base in this dtype directly."""
     return saved if saved in HALF_DTYPES and saved == autocast else torch.float32
+
+
+def frozen_dtype(model: nn.Module, autocast: torch.dtype | None) -> torch.dtype:
+    """:func:`held_dtype` for a loaded model, whatever dtype its workload loaded it in."""
+    return held_dtype(_saved_dtype(model), autocast)
 
 
 def _saved_dtype(model: nn.Module) -> torch.dtype | None:
@@ -124,10 +128,7 @@ def _saved_dtype(model: nn.Module) -> torch.dtype | None:
     path = Path(getattr(model, "name_or_path", "") or "") / "config.json"
     if not hf.is_hf_model(model) or not path.is_file():
         return None
-    config = json.loads(path.read_text())
-    name = config.get("dtype") or config.get("torch_dtype")
-    found = getattr(torch, name, None) if isinstance(name, str) else None
-    return found if isinstance(found, torch.dtype) else None
+    return model_dir.saved_dtype(json.loads(path.read_text()))
 
 
 def wrap(model: nn.Module, spec: LoraSpec | None, autocast: torch.dtype | None = None

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from gpuflow.errors import UserError
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
 CONFIG_FILE = "config.json"
@@ -37,6 +38,16 @@ def _json(path: Path) -> dict[str, Any]:
     if not isinstance(found, dict):
         raise UserError(f"{path} holds a {type(found).__name__}, not a JSON object.")
     return found
+
+
+def saved_dtype(config: dict[str, Any]) -> torch.dtype | None:
+    """The dtype a ``config.json`` says its weights were saved in (``dtype``, formerly
+    ``torch_dtype``); None where it names none or no torch dtype."""
+    import torch
+
+    name = config.get("dtype") or config.get("torch_dtype")
+    found = getattr(torch, name, None) if isinstance(name, str) else None
+    return found if isinstance(found, torch.dtype) else None
 
 
 def is_model_directory(path: Path) -> bool:
@@ -131,16 +142,18 @@ class ModelDirectory:
                             f"{found} tokens the model was built for ({self.path / CONFIG_FILE}).")
         return max_model_len or found
 
-    def load_model(self) -> nn.Module:
-        """The model in fp32, in eval mode, with SDPA attention (it takes the per-row masks
-        the generation engine builds). Every weight must load: none missing or misshapen."""
+    def load_model(self, dtype: torch.dtype | None = None) -> nn.Module:
+        """The model in ``dtype`` (default fp32), in eval mode, with SDPA attention (it takes
+        the per-row masks the generation engine builds). Every weight must load: none missing
+        or misshapen."""
         import torch
         import transformers
 
         try:
             model, info = transformers.AutoModelForCausalLM.from_pretrained(
                 self.path, local_files_only=True, use_safetensors=True, trust_remote_code=False,
-                dtype=torch.float32, attn_implementation="sdpa", output_loading_info=True)
+                dtype=dtype or torch.float32, attn_implementation="sdpa",
+                output_loading_info=True)
         except Exception as exc:  # OSError, ValueError, safetensors' own errors
             raise UserError(f"The model in {self.path} cannot be loaded "
                             f"({type(exc).__name__}: {exc}).") from None

@@ -220,10 +220,13 @@ def is_builtin(spec: str) -> bool:
 
 
 def resolve_workload(spec: str, options: Mapping[str, Any] | None = None,
-                     serving_state: Mapping[str, Any] | None = None) -> Workload:
+                     serving_state: Mapping[str, Any] | None = None,
+                     frozen_precision: str | None = None) -> Workload:
     """Build a workload from a built-in name, ``hf:DIR`` (a Hugging Face model directory)
-    or ``pkg.module:factory``. ``serving_state``, its codec's state a run saved, goes to a
-    factory with a parameter of that name: a server rebuilds from it, not the data."""
+    or ``pkg.module:factory``. Each of these goes to a factory with a parameter of its name
+    (and to no other): ``serving_state``, its codec's state a run saved (a server rebuilds
+    from it, not the data); ``frozen_precision``, a LoRA run's precision (its frozen base
+    may load straight in the dtype it is held in)."""
     prefix, _, argument = spec.partition(":")
     if prefix in PREFIXED_WORKLOADS:
         options = {"directory": argument, **dict(options or {})}
@@ -266,8 +269,9 @@ def resolve_workload(spec: str, options: Mapping[str, Any] | None = None,
                 f"parameter{'s' if len(unsupported) > 1 else ''} "
                 f"{', '.join(unsupported)}. Drop the flag, or add the parameter to the factory."
             )
-        if serving_state is not None and "serving_state" in signature.parameters:
-            options["serving_state"] = serving_state
+        offered = {"serving_state": serving_state, "frozen_precision": frozen_precision}
+        options.update({name: value for name, value in offered.items()
+                        if value is not None and name in signature.parameters})
     workload = factory(**options)
     if not isinstance(workload, Workload):
         raise UserError(

@@ -17,12 +17,12 @@ import shutil
 from functools import partial
 from pathlib import Path
 
-import torch
 from torch import nn
 
-from gpuflow import hf
+from gpuflow import hf, lora
 from gpuflow.errors import UserError
-from gpuflow.model_dir import GENERATION_FILE, ModelDirectory, load_hf_tokenizer
+from gpuflow.model_dir import GENERATION_FILE, ModelDirectory, load_hf_tokenizer, saved_dtype
+from gpuflow.precision import autocast_dtype
 from gpuflow.workload import Workload
 from gpuflow.workloads.chat_windows import collate_windows
 from gpuflow.workloads.chats import chat_datasets, chat_files
@@ -38,18 +38,23 @@ COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.jinja", "chat_template.json", GENERATION_FILE)
 
 
-def load_causal_lm(directory: ModelDirectory, from_config: bool) -> nn.Module:
-    """The directory's model in fp32 and training mode, with SDPA attention and without a
-    KV cache (training never reuses one)."""
+def load_causal_lm(directory: ModelDirectory, from_config: bool,
+                   frozen_precision: str | None = None) -> nn.Module:
+    """The directory's model in training mode, with SDPA attention and without a KV cache
+    (training never reuses one): in fp32, or, as a LoRA run's frozen base computed under
+    ``frozen_precision``, in the dtype it will be held in (``lora.held_dtype``), so that
+    no fp32 copy of the base is ever made."""
+    autocast = autocast_dtype(frozen_precision) if frozen_precision else None
+    dtype = lora.held_dtype(saved_dtype(directory.config), autocast)
     if from_config:
         import transformers
 
         config = transformers.AutoConfig.from_pretrained(
             directory.path, local_files_only=True, trust_remote_code=False)
         model = transformers.AutoModelForCausalLM.from_config(
-            config, attn_implementation="sdpa", dtype=torch.float32)
+            config, attn_implementation="sdpa", dtype=dtype)
     else:
-        model = directory.load_model()
+        model = directory.load_model(dtype)
     model.config.use_cache = False
     return model.train()
 
@@ -86,11 +91,12 @@ def window_length(directory: ModelDirectory, seq_len: int | None) -> int:
 
 def build(directory: str, data_dir: str | None = None, data: str = "real",
           from_config: bool = False, seq_len: int | None = None,
-          truncate_chats: bool = False) -> Workload:
+          truncate_chats: bool = False, frozen_precision: str | None = None) -> Workload:
     """The ``hf:DIR`` workload: the model in ``directory`` trained on ``data_dir`` (a set
     packed under its tokenizer, text files, or JSONL conversations; None: the Python help
     topics) in windows of ``seq_len`` tokens (default: its context, at most 1024).
-    ``truncate_chats``: cut conversations longer than a window instead of refusing them."""
+    ``truncate_chats``: cut conversations longer than a window instead of refusing them.
+    ``frozen_precision``: the run's precision where it trains adapters on a frozen base."""
     path = Path(directory).expanduser().resolve()
     model_dir = ModelDirectory.check(path, weights=not from_config)
     tokenizer = load_hf_tokenizer(path)
@@ -100,7 +106,7 @@ def build(directory: str, data_dir: str | None = None, data: str = "real",
                         f"{rows} rows of the model's embedding (config.json vocab_size): "
                         "they do not belong together. Use the model's own tokenizer.")
     seq = window_length(model_dir, seq_len)
-    model = load_causal_lm(model_dir, from_config)
+    model = load_causal_lm(model_dir, from_config, frozen_precision)
     rows = model.get_input_embeddings().num_embeddings  # type: ignore[operator]
     chats = chat_files(data_dir) if data_dir is not None and data == "real" else []
     if chats or is_chat_set(data_dir):
