@@ -48,16 +48,21 @@ class Completed(NamedTuple):
 
 
 def through_engine(engine: GenerationEngine, requests: list[tuple[bytes, SamplingParams]],
-                   first: int) -> list[Completed]:
-    """Each request's completion: the ``first`` go in once the engine is warm, the rest a
-    moment later, joining a running batch."""
+                   first: int, adapters: list[int] | None = None) -> list[Completed]:
+    """Each request's completion (under the LoRA adapter of its id in ``adapters``, 0 or
+    none: the base): the ``first`` go in once the engine is warm, the rest a moment later,
+    joining a running batch."""
+    ids = adapters or [0] * len(requests)
+
     async def scenario() -> list[Completed]:
         engine.start()
         try:
             await asyncio.to_thread(engine.wait_warm, 120)
-            generations = [engine.submit(list(p), params) for p, params in requests[:first]]
+            generations = [engine.submit(list(p), params, adapter) for (p, params), adapter
+                           in zip(requests[:first], ids, strict=False)]
             await asyncio.sleep(0.005)
-            generations += [engine.submit(list(p), params) for p, params in requests[first:]]
+            generations += [engine.submit(list(p), params, adapter) for (p, params), adapter
+                            in zip(requests[first:], ids[first:], strict=True)]
             done = await asyncio.gather(*(completion(g) for g in generations))
             return [Completed(text, g.generated, end)
                     for g, (text, end) in zip(generations, done, strict=True)]

@@ -7,7 +7,10 @@ Block 0 is the null block: never handed out, so padding rows of a batch can writ
 A full block whose keys and values are computed is keyed by a digest of its tokens and of
 the key of the block before it (``block_key``), so the key names the whole prefix it ends.
 A request's prompt reuses every cached block its prefix matches (a reference each), never
-the one holding its last token: that token is always computed, for its logits. Blocks nobody
+the one holding its last token: that token is always computed, for its logits. A sequence
+computed under a LoRA adapter starts its chain from that adapter's key (``root``), not
+``ROOT_KEY``: its keys and values are the adapter's, and only its own requests reuse them.
+Blocks nobody
 references stay cached in the free queue, oldest released first, and are evicted (their
 key dropped) only when handed out again: least recently used first.
 """
@@ -78,13 +81,14 @@ class BlockManager:
     def used(self) -> int:
         return self.total - self.free
 
-    def match(self, tokens: Sequence[int]) -> list[int]:
+    def match(self, tokens: Sequence[int], root: bytes = ROOT_KEY) -> list[int]:
         """The cached blocks holding the longest prefix of ``tokens`` made of whole blocks,
-        short of the block holding the last token; no reference is taken (``reuse``)."""
+        short of the block holding the last token, computed from ``root``; no reference is
+        taken (``reuse``)."""
         if not self.prefix_caching:
             return []
         found: list[int] = []
-        key, size = ROOT_KEY, self.block_size
+        key, size = root, self.block_size
         for index in range((len(tokens) - 1) // size):
             key = block_key(key, tokens[index * size:(index + 1) * size])
             block = self._cached.get(key)
@@ -135,15 +139,16 @@ class BlockManager:
             self._key_of[block] = None
             del self._cached[key]
 
-    def register(self, table: BlockTable, tokens: Sequence[int], computed: int) -> None:
+    def register(self, table: BlockTable, tokens: Sequence[int], computed: int,
+                 root: bytes = ROOT_KEY) -> None:
         """Key the table's full blocks among its first ``computed`` tokens (their keys and
-        values now written) in the cache. A prefix already cached in another block keeps
-        that block; this one stays private and is freed unkeyed."""
+        values now written, from ``root``) in the cache. A prefix already cached in another
+        block keeps that block; this one stays private and is freed unkeyed."""
         if not self.prefix_caching:
             return
         size = self.block_size
         for index in range(len(table.keys), computed // size):
-            parent = table.keys[-1] if table.keys else ROOT_KEY
+            parent = table.keys[-1] if table.keys else root
             key = block_key(parent, tokens[index * size:(index + 1) * size])
             block = table.blocks[index]
             if key not in self._cached and self._key_of[block] is None:

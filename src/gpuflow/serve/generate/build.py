@@ -24,6 +24,7 @@ from gpuflow.serve.generate.draft import DraftModel
 from gpuflow.serve.generate.engine import GenerationEngine, Link
 from gpuflow.serve.generate.limits import EngineLimits
 from gpuflow.serve.generate.link import Context, ProcessLink, ThreadLink
+from gpuflow.serve.generate.lora_slots import LoraSlots, SlotTable
 from gpuflow.serve.generate.models import paged_lm, refusal
 from gpuflow.serve.generate.paged import PagedLM
 from gpuflow.serve.generate.requests import EngineObserver
@@ -38,7 +39,8 @@ log = logging.getLogger("gpuflow.serve")
 def build_core(lm: PagedLM, num_blocks: int, limits: EngineLimits, bucketed: bool = False,
                compile: bool = False, cuda_graphs: bool = False, draft: PagedLM | None = None,
                max_autotune: bool = False, eos_ids: Iterable[int] = ()) -> EngineCore:
-    """A core over a pool of ``num_blocks`` blocks (the null block among them). A step's
+    """A core over a pool of ``num_blocks`` blocks (the null block among them), with
+    ``limits.max_loras`` slots for LoRA adapters beside ``lm``'s weights. A step's
     token budget is ``limits.step_tokens``, logged when it raises the operator's. With
     ``limits.num_speculative_tokens``, tokens are drafted by ``draft`` (a pool of its own
     as large) or, without one, by prompt lookup."""
@@ -49,6 +51,9 @@ def build_core(lm: PagedLM, num_blocks: int, limits: EngineLimits, bucketed: boo
                  "a decode token of each of --max-batch-size sequences"
                  if tokens == limits.max_num_seqs else
                  "a whole context when prefill is not chunked")
+    adapters = None
+    if limits.max_loras:
+        adapters = SlotTable(_attach_adapters(lm, limits))
     blocks = BlockManager(num_blocks, limits.block_size, limits.prefix_caching)
     scheduler = Scheduler(blocks, limits.max_num_seqs, tokens, limits.chunked_prefill,
                           limits.num_speculative_tokens, lm.context)
@@ -60,7 +65,19 @@ def build_core(lm: PagedLM, num_blocks: int, limits: EngineLimits, bucketed: boo
                     DraftModel(ModelRunner(draft, num_blocks, limits.block_size,
                                            limits.max_num_seqs)))
     return EngineCore(scheduler, runner, lm.context, eos_ids, proposer,
-                      overlap=steps_overlap(runner.device))
+                      overlap=steps_overlap(runner.device), adapters=adapters)
+
+
+def _attach_adapters(lm: PagedLM, limits: EngineLimits) -> LoraSlots:
+    """The slots of ``limits.max_loras`` adapters in ``lm``'s forward (the server refuses
+    adapters for a model whose forward takes none, before the core is built)."""
+    from gpuflow.serve.generate.llama import LlamaDecoder  # imports transformers
+
+    assert isinstance(lm, LlamaDecoder), "the server refuses adapters for this model"
+    slots = lm.attach_adapters(limits.max_loras, limits.max_lora_rank)
+    log.info("gpuflow serve: %d LoRA adapter slots of rank %d: %.1f MiB", slots.slots,
+             slots.rank, slots.nbytes() / 2**20)
+    return slots
 
 
 def steps_overlap(device: torch.device) -> bool:

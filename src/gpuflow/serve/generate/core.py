@@ -15,13 +15,17 @@ decode step) in the device thread (``launch.py``), then take each finished chunk
 token (``sampling.py``), or the tokens its drafts earned (speculative decoding,
 ``speculate.py``); a constrained row's logits are masked by its grammar first
 (``grammar.py``; one new to the core waits outside the scheduler while it compiles,
-``compiling.py``), on the host, and it gets no drafts. A step of greedy rows is left in
+``compiling.py``), on the host, and it gets no drafts. A request under a LoRA adapter
+waits outside the scheduler too until its adapter holds a slot (``lora_slots.py``: read
+in on first use, into an empty slot or one no live request pins), which it pins until it
+ends; its rows carry the slot. A step of greedy rows is left in
 flight: the next one is planned and launched before its tokens are taken, so the host's
 work overlaps the forward; a constrained row never is (its mask needs its last token).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
 from collections.abc import Callable, Iterable
@@ -34,6 +38,7 @@ from gpuflow.serve.generate.compiling import GrammarQueue
 from gpuflow.serve.generate.core_request import PENDING, CoreRequest
 from gpuflow.serve.generate.grammar import Guide
 from gpuflow.serve.generate.launch import DeviceThread, Forward, Launched, run_forward
+from gpuflow.serve.generate.lora_slots import NO_ADAPTER, SlotTable
 from gpuflow.serve.generate.messages import (
     Inbox,
     NewRequest,
@@ -54,8 +59,11 @@ class EngineCore:
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, context: int,
                  eos_ids: Iterable[int] = (), proposer: Proposer | None = None,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, adapters: SlotTable | None = None) -> None:
         self.scheduler, self.runner, self.context = scheduler, runner, context
+        self.adapters = adapters  # LoRA adapters' slots, when adapters are served
+        # Requests whose adapter has no slot yet, in arrival order.
+        self._awaiting: collections.deque[CoreRequest] = collections.deque()
         self.proposer = proposer  # drafts tokens to verify (speculative decoding), or None
         self.drafted = self.accepted = 0  # drafted tokens so far, and those accepted
         self.eos_ids = frozenset(eos_ids)
@@ -72,11 +80,18 @@ class EngineCore:
 
     @property
     def idle(self) -> bool:
-        return not self._live and self._in_flight is None and not self.compiling
+        return (not self._live and self._in_flight is None and not self.compiling
+                and not self._awaiting)
 
     def receive(self, inbox: Inbox) -> None:
         """New requests into the scheduler's queue (a constrained one once its grammar's
-        guide is ready); dropped ones leave it, blocks freed."""
+        guide is ready, one under an adapter once it holds a slot); dropped ones leave it,
+        blocks freed."""
+        if self.adapters is not None:
+            for ref in inbox.adapters:
+                self.adapters.register(ref)
+            for adapter in inbox.unregistered:
+                self.adapters.forget(adapter)
         if inbox.vocabulary is not None:
             self.compiling.start(inbox.vocabulary, self.eos_ids)
         for new in inbox.new:
@@ -87,7 +102,10 @@ class EngineCore:
         self._admit_compiled()
         self.taken += len(inbox.new)
         for request_id in inbox.dropped:
-            if self.compiling.drop(request_id):
+            awaiting = next((r for r in self._awaiting if r.id == request_id), None)
+            if awaiting is not None:
+                self._awaiting.remove(awaiting)
+            if awaiting is not None or self.compiling.drop(request_id):
                 self._outputs.append(Output(request_id, finish="cancelled"))
                 continue
             request = self._by_id.get(request_id)
@@ -95,11 +113,37 @@ class EngineCore:
                 self._retire(request, "cancelled")
 
     def _admit(self, new: NewRequest, guide: Guide | None, error: str | None) -> None:
-        request = CoreRequest(new.id, new.prompt, new.params, guide)
-        self._live[request.seq] = self._by_id[new.id] = request
+        request = CoreRequest(new.id, new.prompt, new.params, guide, new.adapter)
+        if new.adapter and error is None:
+            self._awaiting.append(request)
+            self._admit_awaiting()
+        else:
+            self._enter(request, error)
+
+    def _enter(self, request: CoreRequest, error: str | None = None) -> None:
+        self._live[request.seq] = self._by_id[request.id] = request
         self.scheduler.add(request.seq)
         if error is not None:
             self._retire(request, "failed", error)
+
+    def _admit_awaiting(self) -> None:
+        """Into the scheduler, in order, each waiting request whose adapter holds a slot or
+        can take one now; one that cannot waits for a request to end."""
+        for request in list(self._awaiting):
+            error = None
+            try:
+                if self.adapters is None:
+                    raise KeyError(request.adapter)
+                slot = self.adapters.acquire(request.adapter)
+            except KeyError:
+                slot, error = NO_ADAPTER, "its LoRA adapter was unloaded"
+            except Exception as exc:  # files changed or gone since the adapter was checked
+                slot, error = NO_ADAPTER, f"its LoRA adapter failed to load ({exc})"
+            if slot is None:
+                continue
+            self._awaiting.remove(request)
+            request.slot = slot
+            self._enter(request, error)
 
     def _admit_compiled(self) -> None:
         """Admit the constrained requests whose grammar is compiled; with nothing else to
@@ -125,6 +169,8 @@ class EngineCore:
         of the step launched before it (a step left in flight) and of this one if it is
         not left in flight; report what moved, or None when nothing happened."""
         self._admit_compiled()
+        if self._awaiting:
+            self._admit_awaiting()
         plan: Plan | None = None
         launched = None
         try:
@@ -151,13 +197,19 @@ class EngineCore:
         self._fail(list(self._live), message)
         self._outputs += [Output(new.id, finish="failed", error=message)
                           for new in self.compiling.clear()]
+        self._outputs += [Output(request.id, finish="failed", error=message)
+                          for request in self._awaiting]
+        self._awaiting.clear()
         outputs, self._outputs, self._moved = self._outputs, [], {}
         return Report(tuple(outputs), self.occupancy(), self.taken)
 
     def limits(self) -> dict[str, object]:
         """The pool's and the scheduler's limits, for /readyz."""
         scheduler, blocks = self.scheduler, self.scheduler.blocks
-        return {"kv_blocks": blocks.total, "block_size": blocks.block_size,
+        adapters = {} if self.adapters is None else {
+            "max_loras": self.adapters.slots.slots, "max_lora_rank": self.adapters.slots.rank,
+            "lora_slots_bytes": self.adapters.slots.nbytes()}
+        return {**adapters, "kv_blocks": blocks.total, "block_size": blocks.block_size,
                 "kv_cache_bytes": self.runner.pool.nbytes(),
                 "kv_cache_dtype": short_name(self.runner.pool.keys.dtype),
                 "prefix_caching": blocks.prefix_caching,
@@ -166,7 +218,8 @@ class EngineCore:
 
     def occupancy(self) -> Occupancy:
         scheduler, blocks = self.scheduler, self.scheduler.blocks
-        waiting = len(scheduler.waiting) + len(self.compiling)  # those compile as they wait
+        # Those compiling and those waiting for their adapter's slot wait too.
+        waiting = len(scheduler.waiting) + len(self.compiling) + len(self._awaiting)
         return Occupancy(len(scheduler.running), waiting, blocks.used, blocks.total,
                          scheduler.preemptions, blocks.prefix_queries, blocks.prefix_hits,
                          self.drafted, self.accepted)
@@ -177,12 +230,12 @@ class EngineCore:
         drafts = self._drafts(plan)
         steps = []
         for chunk in plan.chunks:
-            draft = drafts.get(chunk.seq)
+            draft, request = drafts.get(chunk.seq), self._live[chunk.seq]
             tokens = chunk.tokens if draft is None else chunk.tokens + draft.tokens
-            wanted = self._live[chunk.seq].wanted(chunk) if draft is None else "all"
+            wanted = request.wanted(chunk) if draft is None else "all"
             # The table as it is now: the device thread reads it after the core moves on.
             blocks = tuple(chunk.seq.table.blocks)
-            steps.append((RowSpec(tokens, chunk.start, blocks, wanted), chunk))
+            steps.append((RowSpec(tokens, chunk.start, blocks, wanted, request.slot), chunk))
         steps.sort(key=lambda step: len(step[0].tokens) > 1)  # one-token rows first
         finals = [i for i, (_, chunk) in enumerate(steps)
                   if chunk.final and chunk.seq not in drafts]
@@ -335,6 +388,9 @@ class EngineCore:
         self._outputs.append(request.output(reason, error))
         self.scheduler.finish(request.seq)
         del self._live[request.seq], self._by_id[request.id]
+        if request.slot != NO_ADAPTER:
+            assert self.adapters is not None
+            self.adapters.release(request.slot)
 
     def _fail(self, seqs: list[Sequence], message: str) -> None:
         for seq in seqs:

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gpuflow.serve.generate.blocks import ROOT_KEY
 from gpuflow.serve.generate.grammar import Guide
+from gpuflow.serve.generate.lora_slots import NO_ADAPTER
 from gpuflow.serve.generate.messages import Output
 from gpuflow.serve.generate.paged import Wanted
 from gpuflow.serve.generate.sampling import Sampler, SamplingParams, TokenLogprob, token_logprobs
@@ -31,6 +33,8 @@ class CoreRequest:
     prompt: list[int]
     params: SamplingParams
     guide: Guide | None = None  # its grammar's state, when constrained (grammar.py)
+    adapter: int = 0  # the LoRA adapter it runs under (0: none), and its slot once held
+    slot: int = NO_ADAPTER
     generated: list[int] = field(default_factory=list)
     # The prompt's log-probabilities (None for its first token), gathered chunk by chunk.
     prompt_logprobs: list[TokenLogprob | None] | None = None
@@ -39,7 +43,9 @@ class CoreRequest:
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.seq = Sequence.of(self.prompt, reuse_prefix=self.params.prompt_logprobs is None)
+        # An adapter's keys and values are its own: its cached blocks chain from its id.
+        root = ROOT_KEY if not self.adapter else b"adapter:%d" % self.adapter
+        self.seq = Sequence.of(self.prompt, self.params.prompt_logprobs is None, root)
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
         self.sampler = Sampler(self.params, self.prompt, self.guide)

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from gpuflow.errors import UserError
+from gpuflow.serve.generate.adapter_files import AdapterRef, AdapterRegistry
 from gpuflow.serve.generate.core import EngineCore
 from gpuflow.serve.generate.grammar import Grammars, Vocabulary
 from gpuflow.serve.generate.messages import (
@@ -78,6 +79,10 @@ class GenerationEngine:
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()  # built in the first compile's thread
         self._vocabulary_sent = False
+        self.adapters: AdapterRegistry | None = None  # LoRA adapters, when served
+        self._pending_adapters: list[AdapterRef] = []
+        self._pending_unregistered: list[int] = []
+        self._started = False
 
     @property
     def grammars(self) -> Grammars:
@@ -125,6 +130,34 @@ class GenerationEngine:
 
     def start(self) -> None:
         self.link.start(self._on_report, self._on_exit)
+        self._started = True
+        if self._pending_adapters:  # registered before the core started (--lora)
+            self.link.send(Inbox(adapters=tuple(self._pending_adapters)))
+            self._pending_adapters = []
+
+    def register_adapter(self, name: str, path: str) -> AdapterRef:
+        """Serve the LoRA adapter in ``path`` as ``name`` (``AdapterRegistry.add``); the
+        core hears of it before any request for it."""
+        assert self.adapters is not None, "adapters are served with max_loras > 0"
+        ref = self.adapters.add(name, path)
+        self._pending_adapters.append(ref)
+        self._flush_if_running()
+        return ref
+
+    def unregister_adapter(self, name: str) -> AdapterRef:
+        """Stop serving the adapter ``name`` (``KeyError`` if none): requests under it that
+        the core runs already finish, those that wait for its slot fail."""
+        assert self.adapters is not None, "adapters are served with max_loras > 0"
+        ref = self.adapters.remove(name)
+        self._pending_unregistered.append(ref.id)
+        self._flush_if_running()
+        return ref
+
+    def _flush_if_running(self) -> None:
+        """Send what is pending at the event loop's next turn, once the core runs (before,
+        ``start`` sends it)."""
+        if self._started:
+            self._flush_soon(asyncio.get_running_loop())
 
     def wait_warm(self, timeout: float | None = None) -> float:
         """Wait until the core has run every bucket's decode step once (compiling each,
@@ -140,9 +173,11 @@ class GenerationEngine:
     def stop(self) -> None:
         self.link.stop()
 
-    def submit(self, prompt: list[int], params: SamplingParams) -> Generation:
-        """Queue a request; raises WaitingFull past ``max_queue`` waiting, CoreDied once the
-        core is gone. Call on the event loop."""
+    def submit(self, prompt: list[int], params: SamplingParams, adapter: int = 0
+               ) -> Generation:
+        """Queue a request (under the LoRA adapter of id ``adapter``, 0: none); raises
+        WaitingFull past ``max_queue`` waiting, CoreDied once the core is gone. Call on the
+        event loop."""
         if self.death is not None:
             raise CoreDied(self.death)
         if self.waiting >= self.max_queue:
@@ -152,7 +187,7 @@ class GenerationEngine:
         with self._lock:
             self._live[generation.id] = generation
         self._submitted += 1
-        self._pending_new.append(NewRequest(generation.id, list(prompt), params))
+        self._pending_new.append(NewRequest(generation.id, list(prompt), params, adapter))
         self._flush_soon(generation.loop)
         return generation
 
@@ -169,13 +204,16 @@ class GenerationEngine:
     def _flush(self) -> None:
         """Send the core what this turn of the event loop queued, as one message."""
         self._flush_scheduled = False
-        if self._pending_new or self._pending_drops:
+        if (self._pending_new or self._pending_drops or self._pending_adapters
+                or self._pending_unregistered):
             vocabulary = None
             if not self._vocabulary_sent and any(new.params.constraint is not None
                                                  for new in self._pending_new):
                 vocabulary, self._vocabulary_sent = self.grammars.vocabulary, True
-            inbox = Inbox(tuple(self._pending_new), tuple(self._pending_drops), vocabulary)
+            inbox = Inbox(tuple(self._pending_new), tuple(self._pending_drops), vocabulary,
+                          tuple(self._pending_adapters), tuple(self._pending_unregistered))
             self._pending_new, self._pending_drops = [], []
+            self._pending_adapters, self._pending_unregistered = [], []
             self.link.send(inbox)
 
     # --- reports, from the core's thread or the link's reader ----------------------------

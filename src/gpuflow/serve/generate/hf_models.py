@@ -31,6 +31,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from gpuflow.byte_vocab import BYTE_VOCAB_SIZE
 from gpuflow.serve.generate.hf_paged import PagedCache, PagedRows
+from gpuflow.serve.generate.lora_slots import LoraSlots
 from gpuflow.serve.generate.paged import KVPool, StepBatch, check_context
 
 ATTENTION = ("sdpa", "eager")  # the implementations that take a 4-D custom mask
@@ -132,6 +133,8 @@ def refusal(model: PreTrainedModel, tokenized: bool = False) -> str | None:
 class HFCausalLM:
     """A ``transformers`` causal LM (Llama, Qwen2, Mistral, GPT-2 and their kind) over a
     ``KVPool``: per-row positions and per-row 4-D masks."""
+
+    adapters: LoraSlots | None = None  # LoRA adapters' slots (``LlamaDecoder`` alone)
 
     def __init__(self, model: PreTrainedModel, dtype: torch.dtype, tokenized: bool = False,
                  context: int | None = None) -> None:

@@ -16,7 +16,9 @@ class EngineLimits:
     ``chunked_prefill`` is off (then a step takes a whole prompt, up to the context).
     ``num_speculative_tokens`` (0: none) tokens are drafted for each decoding sequence and
     verified in one forward: by a draft model when one is served, else by prompt lookup
-    of the sequence's last ``prompt_lookup_max`` tokens down to one."""
+    of the sequence's last ``prompt_lookup_max`` tokens down to one. ``max_loras`` LoRA
+    adapters (0: none served) of rank up to ``max_lora_rank`` are held on the device at
+    once, in slots."""
 
     max_num_seqs: int = 32
     max_queue: int = 1024
@@ -27,6 +29,8 @@ class EngineLimits:
     chunked_prefill: bool = True
     num_speculative_tokens: int = 0
     prompt_lookup_max: int = 3
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
     def step_tokens(self, context: int) -> int:
         """Tokens a step computes at most: ``max_num_batched_tokens``, raised to cover a

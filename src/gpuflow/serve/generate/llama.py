@@ -12,6 +12,8 @@ projections run as one matrix product, as do its gate and up projections (``fuse
 and its queries and keys rotate as one tensor: fewer operators a step, each a kernel
 launch on a GPU. Its logits equal transformers' within fp32 rounding (tests compare greedy
 generations token for token).
+LoRA adapters (``attach_adapters``) add their products to each layer's projections, every
+token its own adapter's, or none (``lora_slots.py``).
 Any other architecture runs through transformers' forward (``HFCausalLM``).
 """
 
@@ -27,9 +29,11 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from transformers import PreTrainedModel
 
+from gpuflow.serve.generate.adapter_files import BaseLayout
 from gpuflow.serve.generate.attention import decode_attention, paged_attention
 from gpuflow.serve.generate.fused import fuse, input_major_for, prepacked
 from gpuflow.serve.generate.hf_models import HFCausalLM
+from gpuflow.serve.generate.lora_slots import LoraSlots, LoraStep
 from gpuflow.serve.generate.paged import (
     KVPool,
     StepBatch,
@@ -180,6 +184,12 @@ class LlamaDecoder(HFCausalLM):
         with torch.no_grad():
             self._cos_sin = self._cos_sin_table()
 
+    def attach_adapters(self, slots: int, rank: int) -> LoraSlots:
+        """Slots for ``slots`` LoRA adapters of rank up to ``rank``, beside the weights."""
+        self.adapters = LoraSlots(BaseLayout.of(self.model), slots, rank, self._embed.dtype,
+                                  self._embed.device)
+        return self.adapters
+
     def prepack(self) -> None:
         """Every product's weight prepacked where that pays (``fused.prepacked``)."""
         for product in [p for layer in self._layers for p in layer.products()] + (
@@ -197,39 +207,56 @@ class LlamaDecoder(HFCausalLM):
             write_kv(pool, index, k, v, batch.slot_mapping, at)
             return paged_attention(q, pool, index, batch, scale, self.shape.windows[index])
 
-        x = self._layers_over(batch.tokens, batch.positions, attend)
+        lora = None
+        if self.adapters is not None and batch.adapters is not None:
+            lora = self.adapters.step(batch.adapters, batch.adapter_span)
+        x = self._layers_over(batch.tokens, batch.positions, attend, lora)
         return self._head_over(x[batch.logits_at])
 
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor,
                     slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                    pool: KVPool) -> torch.Tensor:
-        """Logits ``[B, V]`` of one token per row in static shapes (see ``paged``)."""
+                    pool: KVPool, adapters: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[B, V]`` of one token per row in static shapes (see ``paged``);
+        ``adapters[B]``: each row's adapter slot, with adapters attached."""
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: int,
                    scale: float) -> torch.Tensor:
             write_kv(pool, index, k, v, slot_mapping)
             return decode_attention(q, pool, index, positions, block_tables, scale,
                                     self.shape.windows[index])
 
-        return self._head_over(self._layers_over(tokens, positions, attend))
+        lora = None
+        if self.adapters is not None and adapters is not None:
+            lora = self.adapters.step(adapters)
+        return self._head_over(self._layers_over(tokens, positions, attend, lora))
 
     def _layers_over(self, tokens: torch.Tensor, positions: torch.Tensor,
-                     attend: Attend) -> torch.Tensor:
+                     attend: Attend, lora: LoraStep | None = None) -> torch.Tensor:
         """The decoder layers over flat ``tokens[N]`` at ``positions[N]``: the last hidden
         states ``[N, D]``; ``attend(q, k, v, layer, scale)`` takes each layer's rotated
         queries and keys and its values ``[N, heads, head_dim]``, keeps the keys and
-        values, and returns the attention ``[N, heads, head_dim]``."""
+        values, and returns the attention ``[N, heads, head_dim]``; ``lora``: the step's
+        adapters, added to each projection group's product."""
         heads, kv_heads, inner = self._heads, self._kv_heads, self._intermediate
         x = F.embedding(tokens, self._embed)
         cos, sin = (t[0][:, None] for t in self._rotation(x, positions[None]))  # [N, 1, d]
         for index, layer in enumerate(self._layers):
             h = _rms_norm(x, *layer.norm1)
-            qkv = _project(h, layer.qkv).view(-1, heads + 2 * kv_heads, self._head_dim)
+            qkv = _project(h, layer.qkv)
+            if lora is not None:
+                qkv = lora.add(qkv, h, index, 0)
+            qkv = qkv.view(-1, heads + 2 * kv_heads, self._head_dim)
             qk = _rotated(qkv[:, :heads + kv_heads], cos, sin)
             attended = attend(qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:], index,
-                              layer.scale)
-            x = x + _dense(attended.flatten(1), layer.o)
-            gate_up = _project(_rms_norm(x, *layer.norm2), layer.gate_up)
-            x = x + _dense(F.silu(gate_up[:, :inner]) * gate_up[:, inner:], layer.down)
+                              layer.scale).flatten(1)
+            out = _dense(attended, layer.o)
+            x = x + (out if lora is None else lora.add(out, attended, index, 1))
+            h = _rms_norm(x, *layer.norm2)
+            gate_up = _project(h, layer.gate_up)
+            if lora is not None:
+                gate_up = lora.add(gate_up, h, index, 2)
+            inner_h = F.silu(gate_up[:, :inner]) * gate_up[:, inner:]
+            down = _dense(inner_h, layer.down)
+            x = x + (down if lora is None else lora.add(down, inner_h, index, 3))
         return x
 
     def _head_over(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpuflow.serve.generate.adapter_files import AdapterRef
 from gpuflow.serve.generate.grammar import Vocabulary
 from gpuflow.serve.generate.sampling import SamplingParams, TokenLogprob
 
@@ -45,21 +46,26 @@ class StepTiming:
 
 @dataclass(frozen=True)
 class NewRequest:
-    """A request as it crosses to the core: its id, prompt ids and sampling."""
+    """A request as it crosses to the core: its id, prompt ids and sampling, and the LoRA
+    adapter it runs under (``AdapterRef.id``; 0: the base model alone)."""
 
     id: int
     prompt: list[int]
     params: SamplingParams
+    adapter: int = 0
 
 
 @dataclass(frozen=True)
 class Inbox:
     """What the server sends the core between two steps, all at once; the first to hold
-    a constrained request carries the vocabulary its grammars compile against."""
+    a constrained request carries the vocabulary its grammars compile against. Adapters
+    registered and unregistered since the last come first, before the requests."""
 
     new: tuple[NewRequest, ...] = ()
     dropped: tuple[int, ...] = ()  # ids whose client left, or that a stop string ended
     vocabulary: Vocabulary | None = None
+    adapters: tuple[AdapterRef, ...] = ()
+    unregistered: tuple[int, ...] = ()  # adapter ids
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 class GPTDecoder:
     """gpuflow's GPT (``textlm``): byte tokens, its layers' own modules over the pool."""
 
+    adapters = None  # LoRA adapters are served on the Llama family's forward alone
+
     def __init__(self, model: GPT, dtype: torch.dtype) -> None:
         self.model = model
         self.dtype = dtype
@@ -99,6 +101,18 @@ def refusal(model: nn.Module, tokenized: bool = False) -> str | None:
 
         return hf_models.refusal(model, tokenized)  # type: ignore[arg-type]
     return f"{type(model).__name__} is not a causal language model"
+
+
+def adapter_refusal(model: nn.Module) -> str | None:
+    """Why LoRA adapters cannot be served on ``model``, or None: they are added in the
+    Llama family's own forward (``llama.py``)."""
+    if is_hf_model(model):
+        from gpuflow.serve.generate.llama import is_llama_like  # imports transformers
+
+        if is_llama_like(model):  # type: ignore[arg-type]
+            return None
+    return (f"LoRA adapters are served on Llama, Mistral and Qwen2 models, and this one is "
+            f"{type(model).__name__}")
 
 
 def paged_lm(model: nn.Module, dtype: torch.dtype, tokenized: bool = False,

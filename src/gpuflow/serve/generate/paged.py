@@ -22,11 +22,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Literal, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol
 
 import torch
 
 from gpuflow.serve.generate.blocks import NULL_BLOCK, blocks_for
+
+if TYPE_CHECKING:
+    from gpuflow.serve.generate.lora_slots import LoraSlots
 
 # Rows of a step attend once to the blocks they share when that spares the other rows this
 # many gathered positions or more (below it, the second SDPA and the merge cost more).
@@ -36,12 +39,14 @@ Wanted = Literal["last", "all", "none"]  # the tokens of a row whose logits a fo
 
 class RowSpec(NamedTuple):
     """One sequence in a step: its new tokens, the position of the first, its block table
-    (covering at least ``start + len(tokens)`` positions) and which logits it wants."""
+    (covering at least ``start + len(tokens)`` positions), which logits it wants, and the
+    slot of the LoRA adapter it runs under (``lora_slots.NO_ADAPTER``: the base alone)."""
 
     tokens: Sequence[int]
     start: int
     blocks: Sequence[int]
     logits: Wanted = "last"
+    adapter: int = -1
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,10 @@ class StepBatch:
     host_context_lens: tuple[int, ...]
     block_size: int
     shared: tuple[int, int] = (0, 0)  # leading (rows, blocks) that share blocks (``cascade``)
+    # [N] each token's adapter slot, and the slots up to the highest one used; None and 0
+    # when no row runs under an adapter.
+    adapters: torch.Tensor | None = None
+    adapter_span: int = 0
     # Attention masks made for this step, by (first token, end, span, window): every
     # layer's attention asks for the same ones.
     masks: dict[tuple[int, int, int, int | None], torch.Tensor] = field(
@@ -120,16 +129,20 @@ class StepBatch:
         tables = [list(row.blocks) + [NULL_BLOCK] * (width - len(row.blocks)) for row in rows]
         contexts = tuple(row.start + len(row.tokens) for row in rows)
         decodes = next((i for i, row in enumerate(rows) if len(row.tokens) != 1), len(rows))
+        span = max(row.adapter for row in rows) + 1
+        adapters = ([row.adapter for row in rows for _ in row.tokens] if span > 0 else [])
 
         # One host tensor and one copy to the device (a copy from pageable memory waits for
         # the device), cut into the batch's tensors as views.
-        parts = [tokens, positions, slots, contexts, list(chain.from_iterable(tables)), logits_at]
+        parts = [tokens, positions, slots, contexts, list(chain.from_iterable(tables)), logits_at,
+                 adapters]
         flat = torch.tensor(list(chain.from_iterable(parts)), dtype=torch.long).to(device)
-        token_ids, token_positions, slot_ids, context_lens, table_ids, at = flat.split(
-            [len(part) for part in parts])
+        token_ids, token_positions, slot_ids, context_lens, table_ids, at, adapter_ids = \
+            flat.split([len(part) for part in parts])
         return cls(token_ids, token_positions, slot_ids, tuple(row_starts), context_lens,
                    table_ids.view(len(rows), width), decodes, at, contexts, block_size,
-                   cascade(rows, decodes, block_size))
+                   cascade(rows, decodes, block_size), adapter_ids if span > 0 else None,
+                   span)
 
 
 def cascade(rows: Sequence[RowSpec], decodes: int, block_size: int) -> tuple[int, int]:
@@ -259,6 +272,7 @@ class PagedLM(Protocol):
 
     context: int
     vocab_size: int
+    adapters: LoraSlots | None  # LoRA adapters' slots, for the models that take them
 
     def new_pool(self, num_blocks: int, block_size: int) -> KVPool: ...
 

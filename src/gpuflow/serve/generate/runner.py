@@ -25,6 +25,7 @@ import torch
 
 from gpuflow.graph_threads import prepare_thread_for_cuda_graphs
 from gpuflow.serve.generate.blocks import blocks_for
+from gpuflow.serve.generate.lora_slots import NO_ADAPTER
 from gpuflow.serve.generate.paged import NULL_BLOCK, KVPool, PagedLM, RowSpec, StepBatch
 from gpuflow.serve.model import allow_compiled_shapes, batch_buckets
 
@@ -90,7 +91,9 @@ class ModelRunner:
         # The step writes the new keys and values into the pool, a graph input: held at a
         # fixed address (allocated once), it may be mutated inside a CUDA graph, which
         # cudagraph trees otherwise refuse (they would skip the graph).
-        for tensor in self.lm.written(self.pool):
+        adapters = self.lm.adapters
+        for tensor in self.lm.written(self.pool) + ([] if adapters is None
+                                                    else adapters.tensors()):
             torch._dynamo.mark_static_address(tensor)
         assert self.buckets is not None
         allow_compiled_shapes(len(self.buckets))  # one graph per bucket, none eager
@@ -175,15 +178,18 @@ class ModelRunner:
     def _decode_padded(self, rows: Sequence[RowSpec], bucket: int,
                        patch: Patch | None = None) -> torch.Tensor:
         """One decode step padded to ``bucket`` rows, the padding rows (token 0 at position
-        0) writing into the null block; the real rows' logits ``[B, V]``, on the device."""
+        0) writing into the null block; the real rows' logits ``[B, V]``, on the device.
+        With adapters, each row's adapter slot goes in too (the base's for padding)."""
         width, size = self.max_blocks, self.block_size
+        adapters = self.lm.adapters is not None
         table = []
         for row in rows:
             (token,), position = row.tokens, row.start
             slot = row.blocks[position // size] * size + position % size
-            table.append([token, position, slot, *row.blocks,
-                          *[NULL_BLOCK] * (width - len(row.blocks))])
-        table += [[0, 0, NULL_BLOCK, *[NULL_BLOCK] * width]] * (bucket - len(rows))
+            table.append([token, position, slot, *([row.adapter] if adapters else []),
+                          *row.blocks, *[NULL_BLOCK] * (width - len(row.blocks))])
+        table += [[0, 0, NULL_BLOCK, *([NO_ADAPTER] if adapters else []),
+                   *[NULL_BLOCK] * width]] * (bucket - len(rows))
         host = torch.tensor(table, dtype=torch.long)
         on_device = host.to(self.device)  # one copy to the device
         if patch is not None:
@@ -194,7 +200,11 @@ class ModelRunner:
             # engine within its step, before this replay overwrites them) may be reused. The inputs
             # are fresh tensors, which the trees copy into the graph's own.
             torch.compiler.cudagraph_mark_step_begin()
-        logits = self.model_step(tokens, positions, slots, on_device[:, 3:], self.pool)
+        if adapters:
+            logits = self.model_step(tokens, positions, slots, on_device[:, 4:], self.pool,
+                                     adapters=on_device[:, 3])
+        else:
+            logits = self.model_step(tokens, positions, slots, on_device[:, 3:], self.pool)
         return logits[:len(rows)]
 
 

@@ -24,7 +24,7 @@ import collections
 import dataclasses
 from dataclasses import dataclass, field
 
-from gpuflow.serve.generate.blocks import BlockManager, BlockTable
+from gpuflow.serve.generate.blocks import ROOT_KEY, BlockManager, BlockTable
 
 
 @dataclass(eq=False)
@@ -32,19 +32,22 @@ class Sequence:
     """One request's tokens (its prompt, then what it generated) and how many of them have
     their keys and values in the pool. ``reuse_prefix`` False (a request that wants its
     prompt's log-probabilities) computes every token itself. ``cached_tokens``: prompt
-    tokens its first admission found cached."""
+    tokens its first admission found cached. ``root``: the key its cached blocks chain
+    from (a LoRA adapter's own, ``blocks.py``)."""
 
     tokens: list[int]
     prompt_len: int
     reuse_prefix: bool = True
+    root: bytes = ROOT_KEY
     table: BlockTable = field(default_factory=BlockTable)
     num_computed: int = 0
     cached_tokens: int = 0
     admitted: bool = False
 
     @classmethod
-    def of(cls, prompt: list[int], reuse_prefix: bool = True) -> Sequence:
-        return cls(list(prompt), len(prompt), reuse_prefix)
+    def of(cls, prompt: list[int], reuse_prefix: bool = True, root: bytes = ROOT_KEY
+           ) -> Sequence:
+        return cls(list(prompt), len(prompt), reuse_prefix, root)
 
     @property
     def uncomputed(self) -> int:
@@ -169,7 +172,7 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int) -> Chunk | None:
         """The first chunk of a waiting sequence, its cached prefix reused, if the budget
         and the pool allow it."""
-        matched = self.blocks.match(seq.tokens) if seq.reuse_prefix else []
+        matched = self.blocks.match(seq.tokens, seq.root) if seq.reuse_prefix else []
         computed = len(matched) * self.blocks.block_size
         length = min(len(seq.tokens) - computed, budget)
         if not self.chunked_prefill and length < len(seq.tokens) - computed:
@@ -191,14 +194,14 @@ class Scheduler:
         for chunk in plan.chunks:
             seq = chunk.seq
             seq.num_computed = chunk.start + chunk.length
-            self.blocks.register(seq.table, seq.tokens, seq.num_computed)
+            self.blocks.register(seq.table, seq.tokens, seq.num_computed, seq.root)
 
     def accept(self, seq: Sequence, drafted: int) -> None:
         """``drafted`` tokens verified after ``seq``'s last computed one were accepted (now in
         its tokens): their keys and values, written by the step, count as computed, and
         the blocks they fill are cached."""
         seq.num_computed += drafted
-        self.blocks.register(seq.table, seq.tokens, seq.num_computed)
+        self.blocks.register(seq.table, seq.tokens, seq.num_computed, seq.root)
 
     def finish(self, seq: Sequence) -> None:
         """Drop a sequence (finished, or its client gone), freeing its blocks at once."""

@@ -1,0 +1,161 @@
+"""LoRA adapters served from one base: every request under its own adapter (or none) in the
+same engine steps, each completion the exact greedy one of PEFT's model of that adapter
+over the same base; adapters load into bounded slots on first use; cached prefixes never
+cross from one adapter to another."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from generation import greedy, greedy_reference, through_engine
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from gpuflow.errors import UserError
+from gpuflow.serve.generate.adapter_files import AdapterRegistry, BaseLayout
+from gpuflow.serve.generate.build import build_engine
+from gpuflow.serve.generate.limits import EngineLimits
+from gpuflow.serve.generate.models import adapter_refusal, paged_lm
+
+peft = pytest.importorskip("peft")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPTS = [b"def f(x):", b"import torch", b"a", b"The quick brown fox jumps",
+           b"class Engine:\n    ", b"0123456789", b"xy", b"def f(x):"]
+BUDGETS = [10, 6, 12, 8, 9, 4, 11, 7]
+# Three adapters of other ranks, targets and scales: all projections; queries and values
+# with a per-module alpha; the MLP under rsLoRA.
+ADAPTERS = {
+    "all": dict(r=4, lora_alpha=8, target_modules="all-linear"),
+    "qv": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+               alpha_pattern={"v_proj": 4}),
+    "mlp": dict(r=2, lora_alpha=4, target_modules=["gate_proj", "up_proj", "down_proj"],
+                use_rslora=True),
+}
+
+
+def llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)).eval()
+
+
+def adapter(base: LlamaForCausalLM, out: Path, seed: int, **config: object) -> torch.nn.Module:
+    """A PEFT model of ``base`` with random (not zero) adapters, saved in ``out``."""
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(copy.deepcopy(base),
+                                peft.LoraConfig(init_lora_weights=False, **config))
+    model.save_pretrained(out)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory: pytest.TempPathFactory
+             ) -> tuple[LlamaForCausalLM, dict[str, tuple[Path, torch.nn.Module]]]:
+    base = llama()
+    root = tmp_path_factory.mktemp("adapters")
+    return base, {name: (root / name, adapter(base, root / name, seed, **config))
+                  for seed, (name, config) in enumerate(ADAPTERS.items(), start=1)}
+
+
+def test_a_step_mixing_the_base_and_three_adapters_equals_each_served_alone(
+        adapters: tuple[LlamaForCausalLM, dict[str, tuple[Path, torch.nn.Module]]]) -> None:
+    """Eight requests over the base and three adapters in two slots, four sequences at a
+    time: steps mix rows of several adapters and the base, adapters take turns in the
+    slots, and every completion is the exact greedy one of its own PEFT model."""
+    base, made = adapters
+    lm = paged_lm(base, torch.float32)
+    assert lm is not None and adapter_refusal(base) is None
+    engine = build_engine(lm, 64, EngineLimits(4, 64, block_size=4, max_num_batched_tokens=16,
+                                               max_loras=2, max_lora_rank=8),
+                          torch.inference_mode)
+    engine.adapters = AdapterRegistry(BaseLayout.of(base), 8, frozenset({"base"}))
+    ids = {name: engine.register_adapter(name, str(path)).id for name, (path, _) in made.items()}
+    names = [None, "all", "qv", "mlp", "all", None, "mlp", "qv"]
+    mixes: list[set[int]] = []
+    forward = lm.forward
+
+    def recorded(batch, pool):  # type: ignore[no-untyped-def]
+        if batch.adapters is not None:
+            mixes.append(set(batch.adapters.tolist()))
+        return forward(batch, pool)
+
+    lm.forward = recorded  # type: ignore[method-assign]
+    results = through_engine(engine, greedy(PROMPTS, BUDGETS), 4,
+                             [0 if name is None else ids[name] for name in names])
+    for prompt, budget, name, result in zip(PROMPTS, BUDGETS, names, results, strict=True):
+        model = base if name is None else made[name][1]
+        assert result.tokens == greedy_reference(model, prompt, budget), (prompt, name)
+    assert any(-1 in mix and len(mix) >= 3 for mix in mixes)  # the base and two slots
+    # The last prompt repeats the first: under another adapter its blocks are not reused.
+    assert results[-1].done.cached_tokens == 0
+    # Three adapters read into two slots: one at least took a slot another had held.
+    assert engine.core.adapters is not None and engine.core.adapters.loads >= 3
+
+
+def test_bucketed_decode_steps_carry_each_rows_adapter(
+        adapters: tuple[LlamaForCausalLM, dict[str, tuple[Path, torch.nn.Module]]]) -> None:
+    """The static-shape decode step (what --compile compiles) reads each row's slot, the
+    padding rows the base's."""
+    base, made = adapters
+    lm = paged_lm(base, torch.float32)
+    assert lm is not None
+    engine = build_engine(lm, 64, EngineLimits(3, 64, max_loras=3, max_lora_rank=8),
+                          torch.inference_mode, bucketed=True)
+    engine.adapters = AdapterRegistry(BaseLayout.of(base), 8, frozenset())
+    ids = [engine.register_adapter(name, str(path)).id for name, (path, _) in made.items()]
+    results = through_engine(engine, greedy(PROMPTS[:3], BUDGETS[:3]), 3, ids)
+    for prompt, budget, (_, model), result in zip(PROMPTS, BUDGETS, made.values(), results,
+                                                  strict=False):
+        assert result.tokens == greedy_reference(model, prompt, budget), prompt
+
+
+def test_adapters_that_do_not_fit_the_base_are_refused(
+        adapters: tuple[LlamaForCausalLM, dict[str, tuple[Path, torch.nn.Module]]],
+        tmp_path: Path) -> None:
+    """A rank past the limit, another base's shapes or name, DoRA, a module outside the
+    decoder layers' projections, a name in use: each refused, naming the problem."""
+    base, made = adapters
+    registry = AdapterRegistry(BaseLayout.of(base, "tiny-llama"), 4, frozenset({"base"}))
+    with pytest.raises(UserError, match="rank 8, past --max-lora-rank 4"):
+        registry.add("qv", str(made["qv"][0]))
+    with pytest.raises(UserError, match="taken"):
+        registry.add("base", str(made["all"][0]))
+    registry.add("all", str(made["all"][0]))
+    with pytest.raises(UserError, match="taken"):
+        registry.add("all", str(made["mlp"][0]))
+
+    wider = LlamaForCausalLM(LlamaConfig(
+        vocab_size=256, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
+    adapter(wider, tmp_path / "wider", 0, r=4, target_modules=["q_proj"])
+    with pytest.raises(UserError, match="does not fit this base.*trained on another model"):
+        registry.add("wider", str(tmp_path / "wider"))
+
+    adapter(base, tmp_path / "head", 0, r=4, target_modules=["q_proj", "lm_head"])
+    with pytest.raises(UserError, match="lm_head.*does not adapt"):
+        registry.add("head", str(tmp_path / "head"))
+
+    config_path = tmp_path / "renamed" / "adapter_config.json"
+    adapter(base, tmp_path / "renamed", 0, r=4, target_modules=["q_proj"])
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "base_model_name_or_path": "org/other"}))
+    with pytest.raises(UserError, match="trained on 'org/other'.*tiny-llama"):
+        registry.add("renamed", str(tmp_path / "renamed"))
+    config_path.write_text(json.dumps({**config, "base_model_name_or_path": "/x/tiny-llama",
+                                       "use_dora": True}))
+    with pytest.raises(UserError, match="DoRA"):
+        registry.add("dora", str(tmp_path / "renamed"))
+    with pytest.raises(UserError, match="not a LoRA adapter directory"):
+        registry.add("nothing", str(tmp_path))
+
+
+def test_models_outside_the_llama_family_refuse_adapters() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=256))
+    assert "Llama, Mistral and Qwen2" in (adapter_refusal(gpt2) or "")
