@@ -19,6 +19,7 @@ from test_serve_model_dir import served
 from test_structured_output import SERVER, random_llama  # noqa: F401  (a fixture)
 
 from gpuflow.serve.routes.tool_calls import FunctionSpec, ToolPlan
+from gpuflow.serve.routes.tool_parsers import syntax_of
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -55,16 +56,6 @@ def test_a_tool_call_round_trip_through_the_openai_client(random_llama: Path,  #
     template = tmp_path / "tools.jinja"
     template.write_text(TEMPLATE)
 
-    async def streamed(api: openai.AsyncOpenAI, **body: Any) -> tuple[dict[int, dict], str]:
-        calls: dict[int, dict] = {}
-        finish = ""
-        async for chunk in await api.chat.completions.create(model="m", stream=True, **body):
-            for choice in chunk.choices:
-                finish = choice.finish_reason or finish
-                for call in choice.delta.tool_calls or []:
-                    calls[call.index] = call.model_dump()
-        return calls, finish
-
     async def test(api: openai.AsyncOpenAI, client: httpx.AsyncClient) -> None:
         required, single, text = await asyncio.gather(
             api.chat.completions.create(model="m", messages=ASK, tools=TOOLS, seed=1,
@@ -83,12 +74,13 @@ def test_a_tool_call_round_trip_through_the_openai_client(random_llama: Path,  #
         call = single.choices[0].message.tool_calls[0]
         conversation = [*ASK, single.choices[0].message.model_dump(exclude_none=True),
                         {"role": "tool", "tool_call_id": call.id, "content": "21 degrees"}]
-        calls, finish = await streamed(
-            api, messages=conversation, tools=TOOLS, max_tokens=60, temperature=0,
+        reply = await api.chat.completions.create(
+            model="m", messages=conversation, tools=TOOLS, max_tokens=60, temperature=0,
             tool_choice={"type": "function", "function": {"name": "get_time"}})
-        assert finish == "tool_calls" and list(calls) == [0]
-        assert calls[0]["function"]["name"] == "get_time"
-        jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), TIME)
+        [[name, arguments]] = [(c.function.name, c.function.arguments)
+                               for c in reply.choices[0].message.tool_calls]
+        assert name == "get_time" and reply.choices[0].finish_reason == "tool_calls"
+        jsonschema.validate(json.loads(arguments), TIME)
         for body, param in (
                 ({"tool_choice": {"type": "function", "function": {"name": "nope"}}},
                  "tool_choice"),
@@ -104,6 +96,47 @@ def test_a_tool_call_round_trip_through_the_openai_client(random_llama: Path,  #
     served(random_llama, test, **SERVER, chat_template=str(template))
 
 
+FORCED = r'Ok\. <tool_call>\{"name": "get_time", "arguments": \{"zone": "[A-Z]{3}"\}\}</tool_call>'
+
+
+def test_streamed_tool_calls_are_the_whole_answers_calls_with_the_named_parser(
+        random_llama: Path, tmp_path: Path) -> None:  # noqa: F811
+    """Greedy answers streamed through the openai client join to the unstreamed ones:
+    required, a named function, and a Hermes call in ``auto`` (forced by a regex) read by
+    ``--tool-call-parser hermes`` from a model whose template shows Mistral's syntax."""
+    template = tmp_path / "mistral-looking.jinja"
+    template.write_text(TEMPLATE + "{# [TOOL_CALLS] #}")
+
+    async def both(api: openai.AsyncOpenAI, **body: Any) -> tuple[Any, list[Any], str]:
+        body = {"model": "m", "messages": ASK, "tools": TOOLS, "temperature": 0,
+                "max_tokens": 150, **body}
+        whole = (await api.chat.completions.create(**body)).choices[0]
+        deltas, finish = [], ""
+        async for chunk in await api.chat.completions.create(stream=True, **body):
+            for choice in chunk.choices:
+                deltas.append(choice.delta.model_dump(exclude_none=True))
+                finish = choice.finish_reason or finish
+        return whole, deltas, finish
+
+    async def test(api: openai.AsyncOpenAI, client: httpx.AsyncClient) -> None:
+        answers = await asyncio.gather(
+            both(api, tool_choice="required", parallel_tool_calls=False),
+            both(api, tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+            both(api, extra_body={"guided_regex": FORCED}))
+        for whole, deltas, finish in answers:
+            calls = whole.message.tool_calls
+            check_calls(calls)
+            assert whole.finish_reason == finish == "tool_calls"
+            assert merged(deltas) == (whole.message.content, [
+                (call.function.name, call.function.arguments) for call in calls])
+            assert sum("tool_calls" in delta for delta in deltas) > len(calls)  # in pieces
+        forced = answers[2][0].message
+        assert forced.content == "Ok." and forced.tool_calls[0].function.name == "get_time"
+
+    served(random_llama, test, **SERVER, chat_template=str(template),
+           tool_call_parser="hermes")
+
+
 def test_tools_need_a_template_that_renders_them(random_llama: Path) -> None:  # noqa: F811
     async def test(api: openai.AsyncOpenAI, client: httpx.AsyncClient) -> None:
         reply = await client.post("/v1/chat/completions", json={"messages": ASK, "tools": TOOLS})
@@ -112,16 +145,93 @@ def test_tools_need_a_template_that_renders_them(random_llama: Path) -> None:  #
     served(random_llama, test, **SERVER)
 
 
-@pytest.mark.parametrize("text, content", [
-    ('Sure.<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>', "Sure."),
-    ('[{"name": "get_time", "arguments": {"zone": "UTC"}}]', None),
-    ('[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}]', None),
-    ('{"name": "get_time", "parameters": {"zone": "UTC"}}', None),
-])
-def test_auto_reads_hermes_mistral_and_llama3_calls(text: str, content: str | None) -> None:
-    plan = ToolPlan("auto", {"get_time": FunctionSpec(name="get_time", parameters=TIME)}, True)
-    found, calls = plan.read(text)
-    assert found == content
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] \
-        == [("get_time", {"zone": "UTC"})]
-    assert plan.read("The time is noon.") == ("The time is noon.", [])
+def merged(deltas: list[dict[str, Any]]) -> tuple[str | None, list[tuple[str, str]]]:
+    """A stream's chat deltas put together as a client does: the content, and each call's
+    name and arguments (its fragments joined); a call's first delta carries its id."""
+    content = "".join(delta.get("content", "") for delta in deltas) or None
+    calls: dict[int, list[str]] = {}
+    for part in (part for delta in deltas for part in delta.get("tool_calls", [])):
+        if "id" in part:
+            assert part["index"] not in calls and part["id"] and part["type"] == "function"
+            calls[part["index"]] = [part["function"]["name"], ""]
+        calls[part["index"]][1] += part["function"]["arguments"]
+    return content, [(name, arguments) for name, arguments in calls.values()]
+
+
+UTC = '{"zone": "UTC"}'
+ANSWERS = [  # (mode, syntax, the model's text, content, calls)
+    ("auto", "hermes", f'Sure.\n<tool_call>\n{{"name": "get_time", "arguments": {UTC}}}\n'
+     '</tool_call>\n<tool_call>{"arguments": "{\\"zone\\": \\"CET\\"}", "name": "get_time"}'
+     "</tool_call> Done.", "Sure.\n\n Done.",
+     [("get_time", UTC), ("get_time", '{"zone": "CET"}')]),
+    ("auto", "hermes", "The time is <tool", "The time is <tool", []),
+    ("auto", "hermes", '<tool_call>{"name": "get_time", "arguments": {"zone": "U',
+     None, [("get_time", '{"zone": "U')]),
+    ("auto", "mistral", f'[TOOL_CALLS][{{"name": "get_time", "arguments": {UTC}}}, '
+     '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]', None,
+     [("get_time", UTC), ("get_weather", '{"city": "Paris", "unit": "celsius"}')]),
+    ("auto", "mistral", f' [{{"name": "get_time", "arguments": {UTC}}}]', None,
+     [("get_time", UTC)]),
+    ("auto", "mistral", "[1, 2] is a list.", "[1, 2] is a list.", []),
+    ("auto", "llama3_json", f'{{"name": "get_time", "parameters": {UTC}}}; '
+     '{"name": "get_time", "parameters": {}}', None, [("get_time", UTC), ("get_time", "{}")]),
+    ("auto", "llama3_json", '{"name": "Alice", "age": 3}', '{"name": "Alice", "age": 3}', []),
+    ("required", "hermes", f'[{{"name": "get_time", "parameters": {UTC}}}]', None,
+     [("get_time", UTC)]),
+    ("get_time", "hermes", f" {UTC} ", None, [("get_time", UTC)]),
+]
+
+
+@pytest.mark.parametrize("mode, syntax, text, content, calls", ANSWERS)
+def test_streamed_calls_join_to_the_whole_answer_wherever_the_text_is_cut(
+        mode: str, syntax: str, text: str, content: str | None,
+        calls: list[tuple[str, str]]) -> None:
+    """Every syntax, cut at every point into two pieces and fed a character at a time:
+    the deltas join to the unstreamed answer, and text that could begin a call is never
+    sent as content."""
+    plan = ToolPlan(mode, {name: FunctionSpec(name=name, parameters=schema)
+                           for name, schema in SCHEMAS.items()}, True, syntax)
+    found, whole = plan.reader().message(text)
+    assert (found, [(c["function"]["name"], c["function"]["arguments"]) for c in whole]) \
+        == (content, calls)
+    for pieces in [*([text[:cut], text[cut:]] for cut in range(len(text) + 1)), list(text)]:
+        reader = plan.reader()
+        deltas = [reader.feed(piece) for piece in pieces]
+        assert merged([*deltas, reader.finish()]) == (content, calls), pieces
+        assert reader.called == bool(calls)
+        if calls and content is None:
+            assert not any("content" in delta for delta in deltas)
+
+
+def test_the_parser_is_the_named_one_or_the_templates() -> None:
+    assert syntax_of("auto", "{{ '[TOOL_CALLS]' }}") == "mistral"
+    assert syntax_of("auto", "<|python_tag|>{{ x }}") == "llama3_json"
+    assert syntax_of("auto", TEMPLATE) == syntax_of("auto", None) == "hermes"
+    assert syntax_of("hermes", "{{ '[TOOL_CALLS]' }}") == "hermes"
+
+
+def test_serve_takes_tool_call_parser_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """``--tool-call-parser`` reaches the settings; an unknown name exits 2 naming the
+    choices; ``--help`` lists them."""
+    import os
+
+    import uvicorn
+
+    from gpuflow.cli import main
+    from gpuflow.serve.settings import SETTINGS_ENV, settings_from_json
+
+    (tmp_path / "config.json").write_text("{}")
+    seen: list[str] = []
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: seen.append(os.environ[SETTINGS_ENV]))
+    monkeypatch.setenv(SETTINGS_ENV, "")
+    assert main(["serve", str(tmp_path), "--tool-call-parser", "mistral"]) in (0, None)
+    assert main(["serve", str(tmp_path)]) in (0, None)
+    assert [settings_from_json(s).tool_call_parser for s in seen] == ["mistral", "auto"]
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", str(tmp_path), "--tool-call-parser", "qwen"])
+    assert exited.value.code == 2
+    assert "invalid choice: 'qwen'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert "--tool-call-parser {auto,hermes,mistral,llama3_json}" in capsys.readouterr().out

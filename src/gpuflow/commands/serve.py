@@ -17,8 +17,10 @@ from typing import Any
 from gpuflow.errors import UserError
 from gpuflow.serve.batcher import INLINE_BELOW_MS
 from gpuflow.serve.dtypes import CHOICES
+from gpuflow.serve.routes.tool_parsers import PARSERS
 
 TOKEN_ENV = "GPUFLOW_TOKEN"
+DEFAULT_MAX_LORAS = 4
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -39,6 +41,11 @@ def register(commands: argparse._SubParsersAction) -> None:
              "is the one answers give (default: the workload's name, or the directory path)")
     add("--chat-template", type=Path, metavar="FILE",
         help="a Jinja chat template for /v1/chat/completions, in place of the model's own")
+    add("--tool-call-parser", default="auto", choices=PARSERS,
+        help="the syntax the model writes tool calls in, read back as tool_calls on "
+             "/v1/chat/completions: hermes (<tool_call> blocks), mistral ([TOOL_CALLS] "
+             "list), llama3_json (a bare {\"name\", \"parameters\"} object); default auto: "
+             "the one the chat template writes, else hermes")
     add("--max-model-len", type=int, metavar="TOKENS",
         help="language models: the longest sequence (prompt and completion) served, at most "
              "the model's context (default: the model's context)")
@@ -141,6 +148,19 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     add("--prompt-lookup-max", type=int, default=3, metavar="N",
         help="language models: prompt lookup drafts what followed the latest earlier "
              "occurrence of the last N tokens (then N-1, down to 1; default 3)")
+    add("--lora", nargs="+", metavar="NAME=ADAPTER_DIR", default=[],
+        help="language models (Llama, Mistral, Qwen2): serve these LoRA adapters (PEFT's "
+             "directories, as `gpuflow export` of a --lora-rank run writes them) on the "
+             "model, each under NAME: a request's `model` picks one, and one engine step "
+             "batches rows of every adapter and of the base")
+    add("--max-loras", type=int, metavar="N",
+        help="language models: LoRA adapters held on the device at once; more are read in "
+             "on first use in the place of one no running request uses (default "
+             f"{DEFAULT_MAX_LORAS} with --lora; adapters loaded at run time through POST "
+             "/v1/load_lora_adapter need it)")
+    add("--max-lora-rank", type=int, default=16, metavar="R",
+        help="language models: the largest rank of an adapter served (default 16); the "
+             "adapters' slots take max-loras x rank columns beside each projection")
 
 
 def _is_loopback(host: str) -> bool:
@@ -169,6 +189,15 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                  "prompt_lookup_max"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1.")
+    lora = _adapters(args.lora)
+    max_loras = args.max_loras if args.max_loras is not None else (
+        DEFAULT_MAX_LORAS if lora else 0)
+    if max_loras < 0 or args.max_lora_rank < 1:
+        raise UserError("--max-loras must be 0 (no adapters) or more, --max-lora-rank 1 or "
+                        "more.")
+    if lora and not max_loras:
+        raise UserError("--lora serves adapters, and --max-loras 0 leaves them no slot: give "
+                        "--max-loras 1 or more.")
     if args.num_speculative_tokens < 0:
         raise UserError("--num-speculative-tokens must be 0 (off) or more.")
     if args.draft_model is not None:
@@ -202,9 +231,11 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         ttft_timeout_ms=args.ttft_timeout_ms,
         served_model_name=tuple(args.served_model_name or ()),
         chat_template=str(args.chat_template) if args.chat_template else None,
+        tool_call_parser=args.tool_call_parser,
         max_model_len=args.max_model_len,
         num_speculative_tokens=args.num_speculative_tokens,
         draft_model=args.draft_model, prompt_lookup_max=args.prompt_lookup_max,
+        lora=lora, max_loras=max_loras, max_lora_rank=args.max_lora_rank,
         engine_process=args.engine_process, dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype)
     settings.check_device()
@@ -228,6 +259,25 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     print(f"gpuflow serve: the model failed to load or warm up: {found['reason']}",
           file=sys.stderr)
     return 1
+
+
+def _adapters(specs: list[str]) -> tuple[tuple[str, str], ...]:
+    """``--lora NAME=DIR ...`` as (name, directory) pairs, each name once, each a
+    directory (the adapter's files are checked against the model once it loads)."""
+    pairs: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise UserError(f"--lora {spec}: give NAME=ADAPTER_DIR, e.g. "
+                            "--lora support=runs/support/export.")
+        if name in pairs:
+            raise UserError(f"--lora names {name!r} twice: each adapter needs a name of its "
+                            "own.")
+        if not Path(path).is_dir():
+            raise UserError(f"--lora {spec}: {path} is not a directory (an adapter is PEFT's "
+                            "adapter_config.json and adapter_model.safetensors).")
+        pairs[name] = path
+    return tuple(pairs.items())
 
 
 def log_config(level: str) -> dict[str, Any]:

@@ -48,10 +48,14 @@ class ServeSettings:
     failure_file: str | None = None
     served_model_name: tuple[str, ...] = ()  # the first is the one answers name
     chat_template: str | None = None  # a Jinja file that replaces the model's own
+    tool_call_parser: str = "auto"  # the syntax of tool calls (routes/tool_parsers.py)
     max_model_len: int | None = None
     num_speculative_tokens: int = 0  # drafted per decoding sequence a step (0: none)
     draft_model: str | None = None  # drafts them; None: prompt lookup
     prompt_lookup_max: int = 3
+    lora: tuple[tuple[str, str], ...] = ()  # (name, directory) of each LoRA adapter at start
+    max_loras: int = 0  # adapters held on the device at once (0: none served)
+    max_lora_rank: int = 16
     engine_process: bool = True  # the generation engine's core in a process of its own
     dtype: str = "auto"  # the weights' (serve/dtypes.py)
     kv_cache_dtype: str = "auto"
@@ -72,7 +76,7 @@ class ServeSettings:
         return EngineLimits(self.max_batch_size, self.max_queue, self.kv_cache_gib,
                             self.block_size, self.prefix_cache, self.max_num_batched_tokens,
                             self.chunked_prefill, self.num_speculative_tokens,
-                            self.prompt_lookup_max)
+                            self.prompt_lookup_max, self.max_loras, self.max_lora_rank)
 
     @property
     def decode_graphs(self) -> bool:

@@ -122,8 +122,12 @@ class Tokenizer(ABC):
     def template_reads_tools(self, template: str | None = None) -> bool:
         """Whether the chat template (``template``, else the model's own) reads ``tools``:
         one that does not would drop them without a word."""
-        source = template or self._own_template()
+        source = self.template_source(template)
         return bool(source) and re.search(r"\btools\b", source) is not None
+
+    def template_source(self, template: str | None = None) -> str | None:
+        """The chat template's text: ``template``, else the model's own (None without)."""
+        return template or self._own_template()
 
     def _own_template(self) -> str | None:
         return None

@@ -4,8 +4,8 @@ the tokenizer's own special tokens (a template that writes BOS gets no second on
 completed by the generation engine: ``n`` choices, whole or streamed as
 ``chat.completion.chunk`` events (the role first, then content deltas, then the finish),
 with ``usage`` and, when asked, the tokens' log-probabilities. With ``tools`` the answer's
-calls are read back as ``tool_calls`` (``tool_calls.py``); a streamed one then comes whole
-at its finish."""
+calls are read back as ``tool_calls`` (``tool_calls.py``), streamed as OpenAI's tool-call
+deltas while the model writes them (``tool_parsers.py``)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from gpuflow.serve.routes.logprobs import chat_logprobs
 from gpuflow.serve.routes.sampling_fields import GenerationFields
 from gpuflow.serve.routes.structured import compiled, requested
 from gpuflow.serve.routes.tool_calls import ToolCall, ToolChoice, ToolPlan, ToolSpec
+from gpuflow.serve.routes.tool_parsers import ToolCallReader, syntax_of
 from gpuflow.serve.state import ServerState
 
 router = APIRouter()
@@ -93,7 +94,7 @@ class ChatRequest(GenerationFields):
 @router.post("/v1/chat/completions", summary="Answer a conversation (OpenAI-compatible)",
              openapi_extra=body_schema(ChatRequest))
 async def chat_completions(request: Request) -> Response:
-    state, engine, body = await accept(request, ChatRequest)
+    state, engine, body, target = await accept(request, ChatRequest)
     body.check()
     prompt = _encode(state, engine.tokenizer, body)
     asked = body.max_completion_tokens or body.max_tokens
@@ -103,7 +104,9 @@ async def chat_completions(request: Request) -> Response:
                  else "max_tokens")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     asked = requested(body)
-    plan = ToolPlan.of(body.tools, body.tool_choice, body.parallel_tool_calls)
+    syntax = syntax_of(state.settings.tool_call_parser,
+                       engine.tokenizer.template_source(state.chat_template))
+    plan = ToolPlan.of(body.tools, body.tool_choice, body.parallel_tool_calls, syntax)
     demanded = None if plan is None else plan.constraint()
     if demanded is not None:
         if asked is not None:
@@ -115,8 +118,8 @@ async def chat_completions(request: Request) -> Response:
     params = [body.sampling(state.generation_defaults, max_tokens, choice, logprobs,
                             constraint=constraint)
               for choice in range(body.n)]
-    answer = _ChatAnswer(state.model_name, engine.tokenizer, body.include_usage, plan)
-    return await generate(request, [prompt], params, answer, body.stream)
+    answer = _ChatAnswer(target.name, engine.tokenizer, body.include_usage, plan)
+    return await generate(request, [prompt], params, answer, body.stream, target.adapter)
 
 
 def _encode(state: ServerState, tokenizer: Tokenizer, body: ChatRequest) -> list[int]:
@@ -149,6 +152,7 @@ class _ChatAnswer(Reply):
         super().__init__(model, "chatcmpl")
         self.tokenizer, self.include_usage, self.tools = tokenizer, include_usage, tools
         self.started: set[int] = set()
+        self.readers: dict[int, ToolCallReader] = {}  # each streamed choice's
 
     def _logprobs(self, choice: Choice, deltas: list[Delta]) -> dict[str, Any] | None:
         if choice.generation.params.logprobs is None:
@@ -156,14 +160,15 @@ class _ChatAnswer(Reply):
         return chat_logprobs(self.tokenizer, [e for delta in deltas for e in delta.logprobs])
 
     def _message(self, choice: Choice) -> tuple[dict[str, Any], str | None]:
-        """The choice's message and finish: its calls, when it made any and finished."""
+        """The choice's message and finish: its calls, when it made any."""
         finish = choice.done.finish_reason if choice.done else None
         message: dict[str, Any] = {"role": "assistant", "content": choice.text}
-        if self.tools is not None and finish == "stop":
-            content, calls = self.tools.read(choice.text)
+        if self.tools is not None:
+            content, calls = self.tools.reader().message(choice.text)
+            message["content"] = content
             if calls:
-                message = {**message, "content": content, "tool_calls": calls}
-                finish = "tool_calls"
+                message["tool_calls"] = calls
+                finish = _finish(finish, calls=True)
         return message, finish
 
     def whole(self, choices: list[Choice]) -> dict[str, Any]:
@@ -179,18 +184,26 @@ class _ChatAnswer(Reply):
             self.started.add(choice.index)
             chunks.append(self._chunk(choice, {"role": "assistant", "content": ""}))
         if isinstance(event, Delta):
-            if self.tools is None:
-                chunks.append(self._chunk(choice, {"content": event.text},
-                                          self._logprobs(choice, [event])))
+            logprobs = self._logprobs(choice, [event])
+            delta = ({"content": event.text} if self.tools is None
+                     else self._reader(choice).feed(event.text))
+            if delta or logprobs:
+                chunks.append(self._chunk(choice, delta, logprobs))
             return chunks
         finish = event.finish_reason
-        if self.tools is not None:  # the whole text, read for calls, at its finish
-            message, finish = self._message(choice)
-            calls = [{"index": i, **call} for i, call in enumerate(message.get("tool_calls", []))]
-            delta = {"content": message["content"], **({"tool_calls": calls} if calls else {})}
-            chunks.append(self._chunk(choice, delta, self._logprobs(choice, choice.deltas)))
+        if self.tools is not None:  # what the reader held back, and whether it called
+            reader = self._reader(choice)
+            if delta := reader.finish():
+                chunks.append(self._chunk(choice, delta))
+            finish = _finish(finish, reader.called)
         chunks.append(self._chunk(choice, {}, finish_reason=finish))
         return chunks
+
+    def _reader(self, choice: Choice) -> ToolCallReader:
+        assert self.tools is not None
+        if choice.index not in self.readers:
+            self.readers[choice.index] = self.tools.reader()
+        return self.readers[choice.index]
 
     def text_chunk(self, choice: Choice, delta: Delta) -> bytes | None:
         if (choice.index not in self.started or choice.generation.params.logprobs is not None
@@ -211,3 +224,8 @@ class _ChatAnswer(Reply):
         if not self.include_usage:
             return []
         return [self.payload("chat.completion.chunk", [], usage=usage(choices))]
+
+
+def _finish(reason: str | None, calls: bool) -> str | None:
+    """OpenAI's finish of an answer that stopped on its own after calling tools."""
+    return "tool_calls" if calls and reason == "stop" else reason

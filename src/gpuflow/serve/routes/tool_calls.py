@@ -3,18 +3,14 @@ grammar that makes calls always parse when the request demands one, and the mode
 read back as ``tool_calls``.
 
 The tools reach the model through its chat template (``apply_chat_template(tools=...)``).
-With ``auto`` the model calls in its own syntax, read back from the common ones: Hermes and
-Qwen's ``<tool_call>{"name", "arguments"}</tool_call>`` blocks, Mistral's ``[TOOL_CALLS]``
-list (a control token that text leaves out: a JSON list remains), Llama 3.x's bare JSON
-object ``{"name", "parameters"}``. With ``required`` or a named function the text is
-constrained, as vLLM does: a JSON list of ``{"name", "parameters"}`` (each one of the
-tools, its parameters by the tool's schema), or the named function's arguments alone."""
+With ``auto`` the model calls in its own syntax, read back by ``tool_parsers.py``. With
+``required`` or a named function the text is constrained, as vLLM does: a JSON list of
+``{"name", "parameters"}`` (each one of the tools, its parameters by the tool's schema), or
+the named function's arguments alone."""
 
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -22,9 +18,7 @@ from pydantic import BaseModel, ConfigDict
 
 from gpuflow.serve.errors import ApiError
 from gpuflow.serve.generate.grammar import Constraint
-
-HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-MISTRAL = "[TOOL_CALLS]"
+from gpuflow.serve.routes.tool_parsers import ToolCallReader, reader
 
 
 class FunctionSpec(BaseModel):
@@ -80,15 +74,17 @@ class ToolCall(BaseModel):
 @dataclass(frozen=True)
 class ToolPlan:
     """How one request's tools shape its answer: ``mode`` is ``auto``, ``required`` or
-    the named function's name; ``tools`` by name."""
+    the named function's name; ``tools`` by name; ``syntax`` the model's calls' (one of
+    ``tool_parsers.SYNTAXES``)."""
 
     mode: str
     tools: dict[str, FunctionSpec]
     parallel: bool
+    syntax: str
 
     @classmethod
     def of(cls, tools: list[ToolSpec] | None, choice: ToolChoice | None,
-           parallel: bool | None) -> ToolPlan | None:
+           parallel: bool | None, syntax: str) -> ToolPlan | None:
         """The plan, None when no tool may be called; 400 naming ``tool_choice`` for a
         choice that names no tool of ``tools``."""
         if choice is not None and not tools:
@@ -102,7 +98,7 @@ class ToolPlan:
                 raise ApiError(400, f"tool_choice: {mode.function.name!r} is not one of the "
                                f"tools ({', '.join(by_name)}).", "invalid_value", "tool_choice")
             mode = mode.function.name
-        return cls(mode, by_name, parallel is not False)
+        return cls(mode, by_name, parallel is not False, syntax)
 
     def constraint(self) -> Constraint | None:
         """The grammar a demanded call follows; None for ``auto``."""
@@ -119,41 +115,10 @@ class ToolPlan:
             calls["maxItems"] = 1
         return Constraint.json_schema(calls)
 
-    def read(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        """The answer's content (None when only calls) and its calls, OpenAI's way."""
-        if self.mode == "required":
-            return None, _calls(json.loads(text))
-        if self.mode != "auto":
-            return None, [_call(self.mode, json.loads(text))]
-        blocks = [_loads(block) for block in HERMES.findall(text)]
-        if blocks:
-            content = HERMES.sub("", text).strip() or None
-            return content, _calls([block for block in blocks if block is not None])
-        found = _loads(text.strip().removeprefix(MISTRAL))
-        found = [found] if isinstance(found, dict) else found
-        if (isinstance(found, list) and found
-                and all(isinstance(c, dict) and c.get("name") in self.tools for c in found)):
-            return None, _calls(found)
-        return text, []
+    def reader(self) -> ToolCallReader:
+        """A reader of one choice's text, streamed or whole."""
+        return reader(self.mode, self.syntax, set(self.tools))
 
 
 def _parameters(function: FunctionSpec) -> dict[str, Any]:
     return function.parameters or {"type": "object"}
-
-
-def _loads(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
-
-
-def _calls(found: list[Any]) -> list[dict[str, Any]]:
-    return [_call(call["name"], call.get("arguments", call.get("parameters", {})))
-            for call in found if isinstance(call, dict) and isinstance(call.get("name"), str)]
-
-
-def _call(name: str, arguments: Any) -> dict[str, Any]:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": arguments if isinstance(arguments, str)
-                         else json.dumps(arguments)}}
