@@ -5,23 +5,31 @@ cross from one adapter to another."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 import torch
+from conftest import api_error, run_cli, serving
 from generation import greedy, greedy_reference, through_engine
+from hub_models import PROMPTS as CLEAR_PROMPTS
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from gpuflow.errors import UserError
+from gpuflow.errors import EXIT_USER_ERROR, UserError
+from gpuflow.serve.app import ServeSettings, create_app
 from gpuflow.serve.generate.adapter_files import AdapterRegistry, BaseLayout
 from gpuflow.serve.generate.build import build_engine
 from gpuflow.serve.generate.limits import EngineLimits
 from gpuflow.serve.generate.models import adapter_refusal, paged_lm
 
 peft = pytest.importorskip("peft")
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              # PeftModel.from_pretrained asks transformers a deprecated question.
+              pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing`:FutureWarning")]
 
 PROMPTS = [b"def f(x):", b"import torch", b"a", b"The quick brown fox jumps",
            b"class Engine:\n    ", b"0123456789", b"xy", b"def f(x):"]
@@ -159,3 +167,115 @@ def test_models_outside_the_llama_family_refuse_adapters() -> None:
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=256))
     assert "Llama, Mistral and Qwen2" in (adapter_refusal(gpt2) or "")
+
+
+@pytest.fixture(scope="module")
+def exported(hub_models: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A LoRA run of the tiny hub Llama, exported as PEFT's adapter and merged: trained
+    long and scaled enough (alpha 16 x rank) to change its greedy text."""
+    from test_lora import setup
+
+    from gpuflow import train
+    from gpuflow.export import export_model
+
+    root = tmp_path_factory.mktemp("lora-export")
+    run = train(*setup(hub_models["llama"], root / "run", max_steps=12, lora_alpha=64))
+    export_model(run.run_dir, root / "adapter", "hf")
+    export_model(run.run_dir, root / "merged", "hf", merge=True)
+    return root / "adapter", root / "merged"
+
+
+def peft_greedy(base: Path, adapter: Path | None, prompt: list[int], count: int) -> str:
+    """The greedy text of transformers' forward on ``base`` (with PEFT's adapter) over the
+    whole prefix at every token, end-of-sequence ids taken as any other."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    if adapter is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter)
+    tokens = list(prompt)
+    with torch.inference_mode():
+        for _ in range(count):
+            tokens.append(int(model.eval()(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return AutoTokenizer.from_pretrained(base).decode(tokens[len(prompt):],
+                                                      skip_special_tokens=True)
+
+
+async def completed(client: httpx.AsyncClient, model: str, prompt: list[int]) -> str:
+    reply = await client.post("/v1/completions", json={
+        "model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+        "ignore_eos": True})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["model"] == model
+    return reply.json()["choices"][0]["text"]
+
+
+def test_a_trained_adapter_served_by_name_equals_its_merge_and_peft(
+        hub_models: Any, exported: tuple[Path, Path]) -> None:
+    """`gpuflow serve DIR --lora tuned=ADAPTER` (the core in its own process): the adapter
+    answers as its merged export served alone and as PEFT over transformers do, the base
+    as the base does; /v1/models lists both; adapters load and unload at run time."""
+    from transformers import AutoTokenizer
+
+    base, (adapter, merged) = hub_models["llama"], exported
+    prompt = AutoTokenizer.from_pretrained(base)(CLEAR_PROMPTS[0])["input_ids"]
+
+    async def scenario() -> dict[str, str]:
+        texts = {}
+        app = create_app(ServeSettings(str(base), device="cpu", max_batch_size=4,
+                                       lora=(("tuned", str(adapter)),), max_loras=1,
+                                       served_model_name=("tiny",)))
+        async with serving(app) as client:
+            listed = (await client.get("/v1/models")).json()["data"]
+            assert [(m["id"], m.get("parent")) for m in listed] == [("tiny", None),
+                                                                   ("tuned", "tiny")]
+            texts["tuned"], texts["tiny"] = await asyncio.gather(
+                completed(client, "tuned", prompt), completed(client, "tiny", prompt))
+            assert api_error(await client.post("/v1/completions", json={
+                "model": "other", "prompt": "x"}), 404)["code"] == "model_not_found"
+            texts["again"] = await runtime_adapter(client, adapter, prompt)
+        async with serving(create_app(ServeSettings(str(merged), device="cpu",
+                                                    served_model_name=("merged",)))) as client:
+            texts["merged"] = await completed(client, "merged", prompt)
+        return texts
+
+    texts = asyncio.run(scenario())
+    assert texts["tuned"] == texts["merged"] == texts["again"] == peft_greedy(
+        base, adapter, prompt, 8)
+    assert texts["tiny"] == peft_greedy(base, None, prompt, 8) != texts["tuned"]
+
+
+async def runtime_adapter(client: httpx.AsyncClient, adapter: Path, prompt: list[int]) -> str:
+    """Load ``adapter`` as a second name, complete under it, unload it; bad loads refused."""
+    load = "/v1/load_lora_adapter"
+    assert api_error(await client.post(load, json={"lora_name": "tuned",
+                                                   "lora_path": str(adapter)}),
+                     400)["param"] == "lora_name"
+    assert api_error(await client.post(load, json={"lora_name": "x", "lora_path": "/nowhere"}),
+                     400)["param"] == "lora_path"
+    reply = await client.post(load, json={"lora_name": "again", "lora_path": str(adapter)})
+    assert reply.status_code == 200, reply.text
+    text = await completed(client, "again", prompt)
+    unload = "/v1/unload_lora_adapter"
+    assert (await client.post(unload, json={"lora_name": "again"})).status_code == 200
+    assert api_error(await client.post(unload, json={"lora_name": "again"}), 404)
+    assert api_error(await client.post("/v1/completions", json={
+        "model": "again", "prompt": prompt}), 404)["code"] == "model_not_found"
+    return text
+
+
+def test_bad_lora_flags_exit_2_naming_the_problem(hub_models: Any, exported: tuple[Path, Path],
+                                                  tmp_path: Path) -> None:
+    adapter = exported[0]
+    cases = [
+        (["--lora", "tuned"], "give NAME=ADAPTER_DIR"),
+        (["--lora", f"a={tmp_path / 'none'}"], "is not a directory"),
+        (["--lora", f"a={adapter}", f"a={adapter}"], "names 'a' twice"),
+        (["--lora", f"a={adapter}", "--max-loras", "0"], "--max-loras 0 leaves them no slot"),
+        (["--lora", f"a={adapter}", "--max-lora-rank", "2"], "past --max-lora-rank 2"),
+    ]
+    for flags, message in cases:
+        result = run_cli("serve", str(hub_models["llama"]), "--device", "cpu", "--port", "0",
+                         *flags, timeout=120)
+        assert result.returncode == EXIT_USER_ERROR, (flags, result.stderr)
+        assert message in result.stderr, (flags, result.stderr)

@@ -20,13 +20,21 @@ from fastapi import FastAPI
 from gpuflow.serve import errors
 from gpuflow.serve.engine import Engine
 from gpuflow.serve.gate import Gate
-from gpuflow.serve.routes import chat, completions, health, models, predict, transcriptions
+from gpuflow.serve.routes import (
+    adapters,
+    chat,
+    completions,
+    health,
+    models,
+    predict,
+    transcriptions,
+)
 from gpuflow.serve.settings import SETTINGS_ENV, ServeSettings, settings_from_json, settings_json
 from gpuflow.serve.state import ServerState
 
 __all__ = ["SETTINGS_ENV", "ServeSettings", "app_from_env", "create_app", "settings_json"]
 ROUTERS = (health.router, predict.router, models.router, completions.router, chat.router,
-           transcriptions.router)
+           transcriptions.router, adapters.router)
 
 
 def create_app(settings: ServeSettings, load: Callable[[], Engine] | None = None) -> FastAPI:

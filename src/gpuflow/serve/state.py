@@ -35,7 +35,8 @@ from gpuflow.serve.engine import Engine
 from gpuflow.serve.errors import ApiError
 from gpuflow.serve.generate.build import build_generator
 from gpuflow.serve.generate.engine import GenerationEngine
-from gpuflow.serve.generate.models import refusal
+from gpuflow.serve.generate.adapter_files import AdapterRegistry, BaseLayout
+from gpuflow.serve.generate.models import adapter_refusal, refusal
 from gpuflow.serve.generate.tokenizer import HFTokenizer, load_tokenizer
 from gpuflow.serve.metrics import ServeMetrics
 from gpuflow.serve.model import load_model
@@ -194,11 +195,37 @@ class ServerState:
             _stop_serving(self.settings, self.problem, False)
 
     def _build_generator(self, engine: Engine) -> GenerationEngine | None:
-        """The one place the generation engine is made from the loaded model: with the
-        tokenizer, end-of-sequence ids and context of its directory when it has one (a
-        directory's model that cannot generate is refused: generating is what it is served
-        for), with bytes for a model gpuflow trained on them, ending at the end-of-document
-        byte its packs put between documents."""
+        """The one place the generation engine is made from the loaded model
+        (``_generator``), serving ``--lora``'s adapters (checked first)."""
+        adapters = self._adapters(engine)
+        generator = self._generator(engine)
+        if generator is not None and adapters is not None:
+            generator.serve_adapters(adapters)
+        return generator
+
+    def _adapters(self, engine: Engine) -> AdapterRegistry | None:
+        """``--lora``'s adapters, each checked against the loaded model, or None when no
+        adapters are served (``--max-loras`` 0)."""
+        settings, loaded = self.settings, engine.loaded
+        if not settings.max_loras:
+            return None
+        why = adapter_refusal(loaded.model)
+        if why is not None:
+            raise UserError(f"--lora and --max-loras cannot serve adapters here: {why}.")
+        directory = None if loaded.directory is None else str(loaded.directory.path)
+        registry = AdapterRegistry(BaseLayout.of(loaded.model, directory),
+                                   settings.max_lora_rank,
+                                   frozenset(settings.served_model_name or (self.model_name,)))
+        for name, path in settings.lora:
+            registry.add(name, path)
+        return registry
+
+    def _generator(self, engine: Engine) -> GenerationEngine | None:
+        """The generation engine of the loaded model: with the tokenizer, end-of-sequence
+        ids and context of its directory when it has one (a directory's model that cannot
+        generate is refused: generating is what it is served for), with bytes for a model
+        gpuflow trained on them, ending at the end-of-document byte its packs put between
+        documents."""
         settings, loaded = self.settings, engine.loaded
         directory = loaded.directory
         draft = self._draft_model(engine)

@@ -135,6 +135,12 @@ class GenerationEngine:
             self.link.send(Inbox(adapters=tuple(self._pending_adapters)))
             self._pending_adapters = []
 
+    def serve_adapters(self, registry: AdapterRegistry) -> None:
+        """Serve LoRA adapters: those ``registry`` holds now, and those registered later."""
+        self.adapters = registry
+        self._pending_adapters += list(registry)
+        self._flush_if_running()
+
     def register_adapter(self, name: str, path: str) -> AdapterRef:
         """Serve the LoRA adapter in ``path`` as ``name`` (``AdapterRegistry.add``); the
         core hears of it before any request for it."""

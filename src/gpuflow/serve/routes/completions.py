@@ -46,15 +46,15 @@ class CompletionRequest(GenerationFields):
 @router.post("/v1/completions", summary="Complete a prompt (OpenAI-compatible)",
              openapi_extra=body_schema(CompletionRequest))
 async def completions(request: Request) -> Response:
-    state, engine, body = await accept(request, CompletionRequest)
+    state, engine, body, target = await accept(request, CompletionRequest)
     body.check_served()
     prompts = _prompt_tokens(body, engine)
     prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     constraint = await compiled(requested(body), engine)
     params = [body.sampling(state.generation_defaults, body.max_tokens, choice, body.logprobs,
                             prompt_logprobs, constraint) for choice in range(body.n)]
-    answer = _Completion(state.model_name, engine.tokenizer, body)
-    return await generate(request, prompts, params, answer, body.stream)
+    answer = _Completion(target.name, engine.tokenizer, body)
+    return await generate(request, prompts, params, answer, body.stream, target.adapter)
 
 
 def _prompt_tokens(body: CompletionRequest, engine: GenerationEngine) -> list[list[int]]:

@@ -39,16 +39,25 @@ from gpuflow.serve.state import ServerState
 Body = TypeVar("Body", bound=BaseModel)
 
 
+@dataclass(frozen=True)
+class Target:
+    """What a request's ``model`` names: the name its answer gives, and the LoRA adapter
+    it runs under (``AdapterRef.id``; 0: the base model alone)."""
+
+    name: str
+    adapter: int = 0
+
+
 async def accept(request: Request, model: type[Body]
-                 ) -> tuple[ServerState, GenerationEngine, Body]:
+                 ) -> tuple[ServerState, GenerationEngine, Body, Target]:
     """How every generation route begins: the engine (503 while loading, 404 for a model
     that does not generate text), then the body as ``model`` (``parse_body``), its
-    ``model`` field naming the served model (``check_model``)."""
+    ``model`` field naming the served model or one of its adapters (``check_model``)."""
     state = ServerState.of(request)
     engine = state.ready_generator()
     body = await parse_body(request, model)
-    check_model(request, getattr(body, "model", None))
-    return state, engine, body
+    target = check_model(request, getattr(body, "model", None))
+    return state, engine, body, target
 
 
 async def parse_body(request: Request, model: type[Body]) -> Body:
@@ -61,12 +70,20 @@ async def parse_body(request: Request, model: type[Body]) -> Body:
         raise invalid_body(exc, model) from None
 
 
-def check_model(request: Request, requested: str | None) -> None:
-    """404 ``model_not_found`` unless ``requested`` is the served model (or not given)."""
+def check_model(request: Request, requested: str | None) -> Target:
+    """The served model or adapter ``requested`` names (none: the served model); 404
+    ``model_not_found`` for any other name."""
     state = ServerState.of(request)
-    if requested is not None and not state.serves(requested):
+    if requested is None or state.serves(requested):
+        return Target(state.model_name)
+    adapters = None if state.generator is None else state.generator.adapters
+    ref = None if adapters is None else adapters.get(requested)
+    if ref is None:
+        served = [state.model_name, *(r.name for r in adapters or ())]
         raise ApiError(404, f"The model {requested!r} does not exist here: this server "
-                       f"serves {state.model_name!r}.", "model_not_found", "model")
+                       f"serves {', '.join(map(repr, served))} (GET /v1/models).",
+                       "model_not_found", "model")
+    return Target(requested, ref.id)
 
 
 def check_prompt(tokens: list[int], max_tokens: int, engine: GenerationEngine,
@@ -171,13 +188,13 @@ def usage(choices: list[Choice]) -> dict[str, Any]:
 
 
 async def generate(request: Request, prompts: list[list[int]], params: list[SamplingParams],
-                   answer: Answer, stream: bool) -> Response:
+                   answer: Answer, stream: bool, adapter: int = 0) -> Response:
     """Generate one choice for each prompt and each of ``params`` (the choices of one
-    prompt, e.g. ``n`` of them with their own seeds), numbered prompt by prompt, and
-    answer: whole, or as server-sent events."""
+    prompt, e.g. ``n`` of them with their own seeds), numbered prompt by prompt, under the
+    LoRA adapter ``adapter`` (0: none), and answer: whole, or as server-sent events."""
     state = ServerState.of(request)
     choices = _submit(state, [(i, prompt, p) for i, prompt in enumerate(prompts)
-                              for p in params])
+                              for p in params], adapter)
     deadline_ms = state.settings.ttft_timeout_ms
     firsts = asyncio.ensure_future(
         _first_events(choices, None if deadline_ms is None else deadline_ms / 1000))
@@ -203,14 +220,15 @@ async def _unless_gone(request: Request, work: asyncio.Future[Any],
     return False
 
 
-def _submit(state: ServerState, jobs: list[tuple[int, list[int], SamplingParams]]
-            ) -> list[Choice]:
+def _submit(state: ServerState, jobs: list[tuple[int, list[int], SamplingParams]],
+            adapter: int) -> list[Choice]:
     """The one place requests enter the generation engine: every choice, or none."""
     engine = state.ready_generator()
     choices: list[Choice] = []
     try:
         for prompt_index, prompt, params in jobs:
-            choices.append(Choice(len(choices), prompt_index, engine.submit(prompt, params)))
+            choices.append(Choice(len(choices), prompt_index,
+                                  engine.submit(prompt, params, adapter)))
     except WaitingFull:
         _cancel(choices)
         raise ApiError(503, f"{engine.max_queue} requests wait to start already (--max-queue); "

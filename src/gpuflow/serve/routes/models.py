@@ -1,5 +1,6 @@
 """``GET /v1/models``: the one model this server serves, under each name it answers to
-(``--served-model-name``), as OpenAI lists models."""
+(``--served-model-name``), and each LoRA adapter served on it (its ``parent`` the model's
+name, its ``root`` its directory), as OpenAI lists models."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ async def models(request: Request) -> JSONResponse:
     if state.generator is not None:
         runs |= {"max_model_len": state.generator.context,
                  "kv_cache_dtype": state.generator.limits().get("kv_cache_dtype")}
+    adapters = None if state.generator is None else state.generator.adapters
     return JSONResponse({"object": "list", "data": [
-        {"id": name, "object": "model", "created": created, "owned_by": "gpuflow", **runs}
-        for name in names]})
+        *({"id": name, "object": "model", "created": created, "owned_by": "gpuflow", **runs}
+          for name in names),
+        *({"id": ref.name, "object": "model", "created": created, "owned_by": "gpuflow",
+           "parent": state.model_name, "root": ref.path, **runs} for ref in adapters or ())]})
