@@ -2,31 +2,36 @@
 stacked matrices on the device, and each token of a step adds its own slot's product.
 
 For each group of projections the forward multiplies at once (a layer's queries, keys and
-values; its output; its gate and up; its down), slot ``s`` owns ``k * R`` columns of ``A``
-``[in, slots * k * R]`` and as many rows of ``B`` ``[slots * k * R, out]`` (``k``
+values; its output; its gate and up; its down), ``A`` is ``[slots, in, k * R]`` (``k``
 projections in the group, ``R`` the largest rank served; a smaller adapter's other columns
-are zero): its projections' ``lora_A`` transposed side by side, their scaled ``lora_B``
-transposed, each into its own projection's output columns. A step adds every token's
-adapter with three operators a group, whatever the mix: ``x @ A``, a mask keeping each
-token's own slot's columns (none for the base's tokens), and a product into the output.
-No loop over adapters and no weights gathered per token (the batching of S-LoRA and
-Punica, as dense products): a step's products stop at the highest slot it uses, and a step
-with no adapter's token adds nothing.
+are zero), slot ``s`` holding its projections' ``lora_A`` transposed side by side, and each
+projection has its own ``B`` ``[slots, R, out]``, the slot's scaled ``lora_B`` transposed (no
+zero blocks to read: a step's products read every slot it reaches). A step adds every token's adapter in a few operators a group,
+whatever the mix of adapters (the batching of S-LoRA and Punica, in torch's own products):
 
-``SlotTable`` is the core's account of the slots: which adapter each holds, how many live
-requests use it, and which idle ones go first when a new adapter needs a slot (least
-recently used).
+- an eager step (``SegmentedStep``) lays its adapted tokens out by slot (``paged.LoraRows``:
+  each slot's tokens, padded to the longest), and runs two batched products over the slots
+  up to the highest it uses, then adds each token's row into the output: the arithmetic of
+  each token's own adapter, no loop over adapters;
+- a static-shape decode step (``MaskedStep``: compiled, CUDA graphs) multiplies every row by
+  every slot and keeps each row's own by a mask: shapes that never change, and on a GPU the
+  same weights read as a per-row gather would read once every slot is in use.
+
+A step with no adapter's token adds nothing. ``SlotTable`` is the core's account of the
+slots: which adapter each holds, how many live requests use it, and which idle one goes
+first when a new adapter needs a slot (least recently used).
 """
 
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from gpuflow.serve.generate.adapter_files import AdapterRef, AdapterWeights, BaseLayout, read_weights
+from gpuflow.serve.generate.paged import LoraRows
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
           ("down_proj",))
@@ -40,22 +45,22 @@ class LoraSlots:
     def __init__(self, layout: BaseLayout, slots: int, rank: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.layout, self.slots, self.rank = layout, slots, rank
-        self.weights: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        # Per layer and group: A [slots, in, k * R], and one B [slots, R, out] a projection.
+        self.weights: list[list[tuple[torch.Tensor, list[torch.Tensor]]]] = []
         for _ in range(layout.layers):
             layer = []
             for group in GROUPS:
                 fan_in = layout.shapes[group[0]][0]
-                fan_out = sum(layout.shapes[module][1] for module in group)
-                width = slots * len(group) * rank
-                layer.append((torch.zeros(fan_in, width, dtype=dtype, device=device),
-                              torch.zeros(width, fan_out, dtype=dtype, device=device)))
+                layer.append((torch.zeros(slots, fan_in, len(group) * rank, dtype=dtype,
+                                          device=device),
+                              [torch.zeros(slots, rank, layout.shapes[module][1], dtype=dtype,
+                                           device=device) for module in group]))
             self.weights.append(layer)
-        self._columns = {k: torch.arange(slots, device=device).repeat_interleave(k * rank)
-                         for k in {len(group) for group in GROUPS}}
+        self._slot_ids = torch.arange(slots, device=device)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every slot matrix (a compiled step reads them at fixed addresses)."""
-        return [t for layer in self.weights for pair in layer for t in pair]
+        return [t for layer in self.weights for a, bs in layer for t in (a, *bs)]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
@@ -63,47 +68,68 @@ class LoraSlots:
     def load(self, slot: int, adapter: AdapterWeights) -> None:
         """Write ``adapter`` into ``slot``, every column of the slot it does not fill zero."""
         for index, layer in enumerate(self.weights):
-            for group, (a, b) in zip(GROUPS, layer, strict=True):
-                width = len(group) * self.rank
-                cols = slice(slot * width, (slot + 1) * width)
-                a[:, cols] = 0
-                b[cols] = 0
-                out = 0
-                for position, module in enumerate(group):
-                    fan_out = self.layout.shapes[module][1]
+            for group, (a, bs) in zip(GROUPS, layer, strict=True):
+                a[slot] = 0
+                for position, (module, b) in enumerate(zip(group, bs, strict=True)):
+                    b[slot] = 0
                     pair = adapter.products.get((index, module))
                     if pair is not None:
                         down, up = pair
-                        first = slot * width + position * self.rank
-                        rank = down.shape[0]
-                        a[:, first:first + rank] = down.t()
-                        b[first:first + rank, out:out + fan_out] = up.t()
-                    out += fan_out
+                        first, rank = position * self.rank, down.shape[0]
+                        a[slot, :, first:first + rank] = down.t()
+                        b[slot, :rank] = up.t()
 
-    def step(self, token_slots: torch.Tensor, span: int | None = None) -> LoraStep:
-        """A step's adapters: ``token_slots[N]`` each token's slot (``NO_ADAPTER``: none),
-        the products over the first ``span`` slots (default: all)."""
-        span = self.slots if span is None else span
-        masks = {k: (token_slots[:, None] == columns[None, :span * k * self.rank])
-                 .to(self.weights[0][0][0].dtype) for k, columns in self._columns.items()}
-        return LoraStep(self, masks, span)
+    def segmented(self, rows: LoraRows) -> SegmentedStep:
+        return SegmentedStep(self, rows)
+
+    def masked(self, row_slots: torch.Tensor) -> MaskedStep:
+        """Each row's slot in ``row_slots[B]`` (``NO_ADAPTER``: none)."""
+        mask = (self._slot_ids[:, None] == row_slots[None, :])[..., None]
+        return MaskedStep(self, mask.to(self.weights[0][0][0].dtype))
 
 
-@dataclass(frozen=True)
-class LoraStep:
-    """One step's adapters: each group size's token mask ``[N, span * k * R]``."""
-
-    slots: LoraSlots
-    masks: dict[int, torch.Tensor]
-    span: int
-
-    def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, group: int) -> torch.Tensor:
+class LoraStep(Protocol):
+    def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, group: int
+            ) -> torch.Tensor:
         """``out`` (the group's base product of ``x``) plus each token's adapter."""
-        a, b = self.slots.weights[layer][group]
-        mask = self.masks[len(GROUPS[group])]
-        width = mask.shape[1]
-        low = torch.mm(x, a[:, :width]).mul_(mask)
-        return torch.addmm(out, low, b[:width])
+        ...
+
+
+class SegmentedStep:
+    """An eager step's adapters: its adapted tokens by slot (``LoraRows``)."""
+
+    def __init__(self, slots: LoraSlots, rows: LoraRows) -> None:
+        self.slots, self.rows = slots, rows
+
+    def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, group: int
+            ) -> torch.Tensor:
+        rows, rank = self.rows, self.slots.rank
+        a, bs = self.slots.weights[layer][group]
+        laid = x.index_select(0, rows.gather).view(rows.span, rows.length, -1)
+        low = torch.bmm(laid, a[:rows.span])  # [span, length, k * R]
+        deltas = [torch.bmm(low[..., j * rank:(j + 1) * rank], b[:rows.span])
+                  for j, b in enumerate(bs)]
+        delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=-1)
+        delta = delta.view(-1, out.shape[1]).index_select(0, rows.picked)
+        return out.index_add(0, rows.adapted, delta.to(out.dtype))
+
+
+class MaskedStep:
+    """A static-shape step's adapters: every row by every slot, ``mask[slots, B, 1]``
+    keeping each row's own."""
+
+    def __init__(self, slots: LoraSlots, mask: torch.Tensor) -> None:
+        self.slots, self.mask = slots, mask
+
+    def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, group: int
+            ) -> torch.Tensor:
+        rank = self.slots.rank
+        a, bs = self.slots.weights[layer][group]
+        low = torch.matmul(x, a) * self.mask  # [slots, B, k * R]
+        deltas = [torch.matmul(low[..., j * rank:(j + 1) * rank], b).sum(0)
+                  for j, b in enumerate(bs)]
+        delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=-1)
+        return out + delta.to(out.dtype)
 
 
 class SlotTable:
