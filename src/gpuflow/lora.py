@@ -157,8 +157,31 @@ def wrap(model: nn.Module, spec: LoraSpec | None, autocast: torch.dtype | None =
         warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
         # PEFT's default keeps adapters beside a 16-bit base in fp32.
         wrapped = peft.get_peft_model(model, config, autocast_adapter_dtype=True)
-    nf4.quantize(frozen)  # PEFT keeps each layer it wraps, as its base_layer
+    if autocast is not None:
+        _inputs_left_to_autocast(wrapped, peft.tuners.tuners_utils.BaseTunerLayer)
+    if frozen:
+        nf4.quantize(frozen)  # PEFT keeps each layer it wraps, as its base_layer
+        _copy_unquantized(wrapped)
     return wrapped
+
+
+def _inputs_left_to_autocast(model: nn.Module, adapted: type[nn.Module]) -> None:
+    """PEFT casts each adapted layer's input to its adapters' fp32, and autocast casts it
+    back for their matmul: the same values, in a copy that backward keeps per layer. Under
+    autocast the input goes to the adapters as it is (``peft.helpers.
+    disable_input_dtype_casting``, for good)."""
+    for module in model.modules():
+        if isinstance(module, adapted):
+            module.cast_input_dtype_enabled = False
+
+
+def _copy_unquantized(model: nn.Module) -> None:
+    """The frozen weights left out of NF4, copied: ``transformers`` loads a checkpoint's
+    weights as views of its file mapped into memory, whose pages quantizing read in; once
+    no weight views the file, the mapping and all those pages go."""
+    for param in model.parameters():
+        if not param.requires_grad and not nf4.is_nf4(param):
+            param.data = param.data.clone()
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+import torch
 from torch import nn
 
 from gpuflow.errors import UserError
@@ -44,11 +45,16 @@ def quantize(layers: Iterable[tuple[str, nn.Linear]]) -> None:
         layer.weight = nn.Parameter(codes, requires_grad=False)
 
 
+def is_nf4(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` holds NF4 codes (torchao's ``NF4Tensor``), without importing
+    torchao where nothing has been quantized."""
+    return callable(getattr(weight, "get_original_weight", None))
+
+
 def dequantize(model: nn.Module) -> None:
     """Every NF4 weight of ``model`` back to a plain tensor of its original dtype (the
     weights the run trained against), for a merge or a plain ``state_dict``."""
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        original = getattr(weight, "get_original_weight", None)
-        if isinstance(module, nn.Linear) and callable(original):
-            module.weight = nn.Parameter(original(), requires_grad=False)
+        if isinstance(module, nn.Linear) and is_nf4(weight):
+            module.weight = nn.Parameter(weight.get_original_weight(), requires_grad=False)
