@@ -12,9 +12,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker
 
 from gpuflow.config import TrainConfig
+from gpuflow.planner.batch_size import FrozenTolerantTracker
 from gpuflow.planner.layout import Layout
 from gpuflow.train.optim import build_optimizer
 from gpuflow.workload import Workload, call_model, resolve_workload
@@ -111,7 +111,7 @@ def measured_peak(workload: Workload, layout: Layout) -> int:
     The strategy is applied inside the tracker (DDP's buckets, FSDP's shards count), except
     a pipeline's, whose traced stage modules MemTracker must meet before it tracks them."""
     batch = batch_of(workload, layout.samples_per_step // layout.dp)  # data made outside
-    tracker = MemTracker()
+    tracker = FrozenTolerantTracker()  # MemTracker's count, a LoRA run's base frozen
     setup = contextlib.nullcontext() if layout.pp > 1 else tracker
     if layout.pp == 1:
         tracker.track_external(workload.model, batch)

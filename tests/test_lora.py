@@ -261,8 +261,6 @@ def test_batch_size_auto_probes_adapters_without_the_bases_optimizer_state(
     (["--lora-alpha", "8"], "--lora-alpha tunes LoRA adapters, which only --lora-rank"),
     (["--lora-rank", "4", "--strategy", "tp", "--nproc", "2"],
      "--lora-rank trains under --strategy single, ddp and fsdp"),
-    (["--lora-rank", "4", "--strategy", "auto"],
-     "--lora-rank with --strategy auto: the planner does not count frozen weights"),
     (["--lora-rank", "4", "--lora-targets", "q_proj,nope"],
      "nope names no module of LlamaForCausalLM, where adapters attach to linear, embedding "
      "and convolution layers. Its linear layers are q_proj, k_proj"),

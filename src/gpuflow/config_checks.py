@@ -107,30 +107,35 @@ def check_lora_values(config: TrainFields) -> None:
         raise UserError(f"--lora-alpha must be positive (got {config.lora_alpha}).")
     if not 0.0 <= config.lora_dropout < 1.0:
         raise UserError(f"--lora-dropout must be in [0, 1) (got {config.lora_dropout}).")
-    if config.strategy == "auto":
-        raise UserError("--lora-rank with --strategy auto: the planner does not count frozen "
-                        "weights yet. Choose --strategy single, ddp or fsdp (--batch-size "
-                        "auto probes adapters as it probes any model).")
     if config.precision == "fp8":
         raise UserError("--lora-rank with --precision fp8: float8 training converts the "
                         "linear layers the adapters attach to. Use --precision bf16.")
 
 
 def check_lora_layout(strategy: str, tp: int, pp: int, quantize: str | None = None) -> None:
-    """Adapters train under single, ddp and fsdp; tensor and pipeline parallelism would
-    have to split the adapters as they split their base layers, which gpuflow does not. An
-    NF4 base trains on one device: 2 DDP ranks of it do not follow one process, and FSDP2
-    shards its codes only where each layer's scales divide over the ranks."""
+    """Refuse a layout adapters do not train under (:func:`lora_layout_refusal`)."""
+    refusal = lora_layout_refusal(strategy, tp, pp, quantize)
+    if refusal is not None:
+        raise UserError(refusal)
+
+
+def lora_layout_refusal(strategy: str, tp: int, pp: int, quantize: str | None = None
+                        ) -> str | None:
+    """Why adapters do not train under this layout; None where they do (the planner offers
+    only those). Adapters train under single, ddp and fsdp; tensor and pipeline parallelism
+    would have to split the adapters as they split their base layers, which gpuflow does
+    not. An NF4 base trains on one device: 2 DDP ranks of it do not follow one process, and
+    FSDP2 shards its codes only where each layer's scales divide over the ranks."""
     if quantize and strategy != "single":
-        raise UserError(f"--quantize-base {quantize} trains on one device (--strategy "
-                        f"single; this run: --strategy {strategy}): the NF4 base is not "
-                        "replicated or sharded over ranks yet. Drop --quantize-base to "
-                        "train adapters on several ranks.")
+        return (f"--quantize-base {quantize} trains on one device (--strategy single; this "
+                f"run: --strategy {strategy}): the NF4 base is not replicated or sharded "
+                "over ranks yet. Drop --quantize-base to train adapters on several ranks.")
     if strategy in ("tp", "pp") or tp > 1 or pp > 1:
-        raise UserError(
-            f"--lora-rank trains under --strategy single, ddp and fsdp (this run: --strategy "
-            f"{strategy}{f' --tp {tp}' if tp > 1 else ''}{f' --pp {pp}' if pp > 1 else ''}): "
-            "tensor and pipeline parallelism do not split the adapters beside their layers.")
+        return (f"--lora-rank trains under --strategy single, ddp and fsdp (this run: "
+                f"--strategy {strategy}{f' --tp {tp}' if tp > 1 else ''}"
+                f"{f' --pp {pp}' if pp > 1 else ''}): tensor and pipeline parallelism do "
+                "not split the adapters beside their layers.")
+    return None
 
 
 def check_step_modes(config: TrainFields, strategy: str, tp: int, pp: int) -> None:

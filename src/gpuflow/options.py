@@ -171,8 +171,9 @@ def _plain(text: str) -> str:
     return text.replace("`", "")
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
-    """Add a flag for each of ``cls``'s declared fields to ``parser``.
+def add_flags(parser: argparse.ArgumentParser, cls: type, only: str | None = None) -> None:
+    """Add a flag for each of ``cls``'s declared fields to ``parser`` (those of group
+    ``only``, where given: another command shares them).
 
     A flag that is not given sets nothing (``argparse.SUPPRESS``): the field's default, a
     config file or a saved run fills it in later, in that order of precedence.
@@ -180,6 +181,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     groups: dict[str, Any] = {}
     for flag in flags(cls):
         group = flag.option.group
+        if only is not None and group != only:
+            continue
         target = parser if group is None else (
             groups.get(group) or groups.setdefault(group, parser.add_argument_group(group)))
         shown = _plain(flag.default_text())

@@ -8,12 +8,16 @@ import json
 import sys
 import warnings
 from collections.abc import Sequence
-from typing import Any, get_args
+from typing import TYPE_CHECKING, Any, get_args
 
 from gpuflow.config import TrainConfig
-from gpuflow.config_fields import OptimizerName
+from gpuflow.config_fields import LORA, OptimizerName
 from gpuflow.errors import UserError
+from gpuflow.options import add_flags
 from gpuflow.precision import PEAK_KEYS
+
+if TYPE_CHECKING:
+    from gpuflow.lora import LoraSpec
 
 # The planner models the precisions that have a datasheet peak of their own (fp8 runs are
 # planned as bf16 ones, gpuflow.train.auto).
@@ -56,6 +60,7 @@ def register(commands: Any) -> None:
         help="with --measure: compile the measured run, as the training will be")
     add("--all", action="store_true", help="show every row, not only the best 20")
     add("--json", action="store_true", help="print JSON")
+    add_flags(parser, TrainConfig, only=LORA)  # the base frozen, as `gpuflow train` has them
     parser.set_defaults(handler=run)
 
 
@@ -68,46 +73,69 @@ def _precisions(text: str) -> list[str]:
     return chosen
 
 
-def _profiles(args: argparse.Namespace, precisions: list[str], devices: int
-              ) -> dict[str, Any]:
+def _profiles(args: argparse.Namespace, precisions: list[str], devices: int,
+              adapters: LoraSpec | None) -> dict[str, Any]:
     from gpuflow.planner.transformer import parse_transformer
     from gpuflow.planner.workload_profile import profile_workload
 
     if args.transformer:
+        if adapters is not None:
+            raise UserError("--lora-rank plans adapters on a model, and --transformer gives "
+                            "only dimensions: plan a --workload (hf:DIR, textlm).")
         dims = parse_transformer(args.transformer)
         if args.seq_len:
             from dataclasses import replace
             dims = replace(dims, seq=args.seq_len)
         return {p: dims.profile(p) for p in precisions}
-    workload = _build_workload(args)
-    return {p: profile_workload(workload, p, args.seq_len, fsdp=devices > 1)
-            for p in precisions}
+    if adapters is None:
+        workload = _build_workload(args)
+        return {p: profile_workload(workload, p, args.seq_len, fsdp=devices > 1)
+                for p in precisions}
+    # The base is held in a dtype that depends on the precision: one model for each.
+    return {p: profile_workload(_with_adapters(args, adapters, p), p, args.seq_len,
+                                fsdp=devices > 1) for p in precisions}
 
 
-def _build_workload(args: argparse.Namespace, meta: bool = True) -> Any:
+def _with_adapters(args: argparse.Namespace, adapters: LoraSpec, precision: str) -> Any:
+    """The workload with the adapters `gpuflow train` would give it under ``precision``, its
+    base frozen and held as the trainer holds it."""
+    from gpuflow import lora
+    from gpuflow.precision import autocast_dtype
+
+    workload = _build_workload(args, frozen_precision=precision)
+    lora.wrap(workload.model, adapters, autocast_dtype(precision))  # in place, as PEFT does
+    return workload
+
+
+def _build_workload(args: argparse.Namespace, meta: bool = True,
+                    frozen_precision: str | None = None) -> Any:
     """On the meta device when the factory allows it (no memory, no initialisation), unless
     the model is to run."""
+    from functools import partial
+
     import torch
 
-    from gpuflow.workload import BUILTIN_WORKLOADS, resolve_workload
+    from gpuflow.workload import is_builtin, resolve_workload
 
     options = {}
-    if args.data or args.workload in BUILTIN_WORKLOADS:
+    if args.data or is_builtin(args.workload):
         options["data"] = args.data or "synthetic"
     if args.model_size:
         options["model_size"] = args.model_size
     if args.data_dir:
         options["data_dir"] = args.data_dir
+    build = partial(resolve_workload, args.workload, options,
+                    frozen_precision=frozen_precision)
     if not meta:
-        return resolve_workload(args.workload, options)
+        return build()
     try:
         with torch.device("meta"):
-            return resolve_workload(args.workload, options)
+            return build()
     except UserError:
         raise
     except Exception as exc:
         reason = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
-    workload = resolve_workload(args.workload, options)
+    workload = build()
     weights = sum(p.numel() * p.element_size() for p in workload.model.parameters())
     size = f"{weights / 2**30:.2f} GiB" if weights >= 2**30 else f"{weights / 2**20:.2f} MiB"
     warnings.warn(f"Workload {args.workload!r} cannot be built on the meta device ({reason}), "
@@ -117,16 +145,20 @@ def _build_workload(args: argparse.Namespace, meta: bool = True) -> Any:
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from gpuflow.lora import LoraSpec
     from gpuflow.planner.layout import RunSettings
     from gpuflow.planner.machine import gpu_hardware
-    from gpuflow.planner.search import recommendation, search
+    from gpuflow.planner.search import no_plan, recommendation, search
 
     precisions = _precisions(args.precision)
     # The run's fixed knobs, checked as `gpuflow train --strategy auto` checks them: each
     # tunes the layouts that use it among those searched.
+    lora_flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
+                  if hasattr(args, f.name) and f.name.startswith(("lora_", "quantize_"))}
     fixed = TrainConfig(strategy="auto", optimizer=args.optimizer, bucket_mb=args.bucket_mb,
-                        fsdp_prefetch=args.fsdp_prefetch)
+                        fsdp_prefetch=args.fsdp_prefetch, **lora_flags)
     fixed.validate()
+    adapters = LoraSpec.of(vars(fixed))
     hardware = gpu_hardware(args.gpu_type, args.gpus, args.nodes, args.gpu_mem_gib,
                             args.intra_bw, args.inter_bw, args.efficiency)
     global_batch = args.global_batch or 8 * hardware.devices
@@ -135,14 +167,16 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     notes: list[str] = []
     measured = None
     if args.measure:
+        if adapters is not None:
+            raise UserError("plan --measure trains every weight of the model, not adapters: "
+                            "give --efficiency with --lora-rank.")
         hardware, notes, measured = _calibrate(args, hardware, precisions[0],
                                                max(1, global_batch // hardware.devices))
-    profiles = _profiles(args, precisions, hardware.devices)
+    profiles = _profiles(args, precisions, hardware.devices, adapters)
     plans = search(profiles, hardware, global_batch, pipeline=args.pipeline,
                    settings=RunSettings.of(fixed))
     if not plans:
-        raise UserError(f"No mesh of {hardware.devices} devices divides a global batch of "
-                        f"{global_batch}; choose a multiple of the device count.")
+        raise UserError(no_plan(hardware.devices, global_batch, RunSettings.of(fixed)))
     reason = recommendation(plans, hardware)
     profile = next(iter(profiles.values()))
     if args.json:
@@ -189,8 +223,10 @@ def _print_table(plans: Sequence[Any], hardware: Any, profile: Any, global_batch
 
     gib = 2**30
     console = Console(width=None if sys.stdout.isatty() else 180)
+    frozen = (f" ({profile.trained_params / 1e6:,.2f}M of them train; the frozen rest held "
+              f"in {profile.frozen_bytes / gib:.2f} GiB)" if profile.trained_fraction < 1 else "")
     console.print(
-        f"[bold]{profile.name}[/]: {profile.params / 1e6:,.1f}M parameters, "
+        f"[bold]{profile.name}[/]: {profile.params / 1e6:,.1f}M parameters{frozen}, "
         f"{profile.layers} blocks, {profile.flops_per_sample / 1e9:,.1f} GFLOP per sample "
         f"(fwd+bwd), activations {profile.source}; global batch {global_batch}")
     console.print(

@@ -38,21 +38,25 @@ class _NoHook:
         pass
 
 
-class _BudgetTracker(MemTracker):
-    """MemTracker that fails an allocation taking its device over ``budget`` bytes."""
-
-    def __init__(self, budget: int) -> None:
-        super().__init__()
-        self.budget = budget
+class FrozenTolerantTracker(MemTracker):
+    """MemTracker for a model with frozen parameters (a LoRA run's base): MemTracker hooks
+    every parameter's gradient as a module runs, and torch refuses a hook on a frozen one,
+    so those count as hooked, with no hook."""
 
     def _track_module_params_and_buffers(self, module: nn.Module,
                                          install_grad_hooks: bool = True) -> tuple[int, int]:
-        # MemTracker hooks every parameter's gradient as a module runs, and torch refuses a
-        # hook on a frozen one (a LoRA run's base): those count as hooked, with no hook.
         for param in module.parameters():
             if not param.requires_grad:
                 self._param_to_grad_hook_handles.setdefault(param, (_NoHook(), _NoHook()))
         return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+
+class _BudgetTracker(FrozenTolerantTracker):
+    """A tracker that fails an allocation taking its device over ``budget`` bytes."""
+
+    def __init__(self, budget: int) -> None:
+        super().__init__()
+        self.budget = budget
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         result = super().__torch_dispatch__(func, types, args, kwargs)

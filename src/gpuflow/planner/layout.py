@@ -20,6 +20,8 @@ class RunSettings:
     optimizer: str = "adamw"
     bucket_mb: float | None = None  # DDP's gradient buckets; None: PyTorch's 25 MiB
     fsdp_prefetch: int | None = None  # blocks FSDP gathers ahead; None: its own, one
+    lora_rank: int | None = None  # adapters train, on a frozen base: fewer layouts run them
+    quantize_base: str | None = None  # that base held as NF4
 
     @classmethod
     def of(cls, config_like: Any) -> RunSettings:

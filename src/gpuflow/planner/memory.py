@@ -1,7 +1,9 @@
 """Predicted peak memory of one device (the most loaded rank) for a layout.
 
 Model state follows gpuflow's precision policy: fp32 master weights, fp32 gradients and fp32
-optimizer state in every precision (bf16/fp16 only change what autocast computes in).
+optimizer state in every precision (bf16/fp16 only change what autocast computes in), for
+the parameters that train; a LoRA run's frozen base has none of the three, only its weights
+as held (in the checkpoint's 16-bit dtype, or NF4 codes).
 Activations come from the model's profile. Parameters and the micro-batch are held
 throughout; on top of them the peak is the largest of these moments:
 
@@ -144,6 +146,16 @@ def recompute_bytes(profile: ModelProfile, layout: Layout, share: LocalShare) ->
                                  + 2 * profile.largest_block_saved_per_sample)
 
 
+def _gathered_bytes(profile: ModelProfile, compute_bytes: float) -> float:
+    """Bytes per parameter FSDP gathers: the compute dtype's, or less for a frozen base held
+    in fewer (NF4 codes are gathered as codes)."""
+    frozen_params = profile.params * (1 - profile.trained_fraction)
+    if not frozen_params:
+        return compute_bytes
+    frozen = min(compute_bytes, profile.frozen_bytes / frozen_params)
+    return compute_bytes * profile.trained_fraction + frozen * (1 - profile.trained_fraction)
+
+
 def predict_memory(profile: ModelProfile, layout: Layout, overhead: float = 0.0
                    ) -> MemoryBreakdown:
     """Peak bytes on the most loaded device of ``layout``."""
@@ -152,9 +164,13 @@ def predict_memory(profile: ModelProfile, layout: Layout, overhead: float = 0.0
         profile = profile.with_low_precision_params  # what FSDP's mixed precision runs
     share = local_share(profile, layout)
     shard = layout.dp if fsdp else 1
-    params = FP32 * share.params / shard
-    grads = FP32 * share.params / shard
-    optimizer = OPTIMIZER_STATE_BYTES[layout.optimizer] * share.params / shard
+    # Only the trained parameters (all, or a LoRA run's adapters) have fp32 master weights,
+    # gradients and optimizer state; a frozen base is held as loaded (16-bit or NF4).
+    trained = share.params * profile.trained_fraction
+    frozen = profile.frozen_bytes * share.params / profile.params if profile.params else 0.0
+    params = (FP32 * trained + frozen) / shard
+    grads = FP32 * trained / shard
+    optimizer = OPTIMIZER_STATE_BYTES[layout.optimizer] * trained / shard
     activations = activation_bytes(profile, layout, share)
 
     # An op's backward holds the gradients of its output and of its input at once; a
@@ -163,17 +179,17 @@ def predict_memory(profile: ModelProfile, layout: Layout, overhead: float = 0.0
     backward_gradients = (profile.backward_excess_per_sample + exchanged) * layout.micro_batch
     # Buffers alive through forward and backward.
     buffers = 0.0
-    compute_bytes = 2 if layout.low_precision else FP32
+    gathered = _gathered_bytes(profile, 2 if layout.low_precision else FP32)
     per_block = share.block_params / max(1.0, share.layers)
     # Resharded blocks are gathered one at a time (and the next one, or --fsdp-prefetch
     # more, prefetched), in forward and again once backward reaches them; backward begins
     # with only the root's gathered.
     blocks_gathered = 0.0
     if layout.resharded_blocks:
-        buffers += compute_bytes * (share.params - share.block_params)
-        blocks_gathered = compute_bytes * (1 + (layout.fsdp_prefetch or 1)) * per_block
+        buffers += gathered * (share.params - share.block_params)
+        blocks_gathered = gathered * (1 + (layout.fsdp_prefetch or 1)) * per_block
     elif fsdp:
-        buffers += compute_bytes * share.params
+        buffers += gathered * share.params
     elif layout.low_precision:
         buffers += profile.act_const * share.params / profile.params
     if layout.pp > 1:
@@ -181,12 +197,12 @@ def predict_memory(profile: ModelProfile, layout: Layout, overhead: float = 0.0
         buffers += blocks_gathered
         blocks_gathered = 0.0
     if layout.strategy == "ddp":
-        buffers += FP32 * share.params
+        buffers += FP32 * trained
     # gpuflow's fused AdamW/SGD updates in place. DTensor has no rule for fused SGD, so SGD
     # on sharded or tensor-parallel parameters takes the foreach path, which keeps about one
     # parameter-sized intermediate alive while it updates.
     foreach = layout.optimizer == "sgd" and (fsdp or layout.tp > 1)
-    optimizer_temporary = FP32 * share.params / shard if foreach else 0.0
+    optimizer_temporary = FP32 * trained / shard if foreach else 0.0
 
     held_grads = grads if layout.grad_accum > 1 and not fsdp else 0.0
     # The front end can hold more at once than all that forward saves (a speech model's
@@ -205,7 +221,7 @@ def predict_memory(profile: ModelProfile, layout: Layout, overhead: float = 0.0
         in_block_backward, recompute + held_grads + in_blocks, front + held_grads)
     optimizer_step = grads + optimizer + optimizer_temporary
     if layout.strategy == "ddp":
-        optimizer_step += FP32 * share.params
+        optimizer_step += FP32 * trained
     batch = profile.batch_per_sample * layout.micro_batch
     peak = overhead + params + batch + max(forward_backward, optimizer_step)
     return MemoryBreakdown(params, grads, optimizer, activations,

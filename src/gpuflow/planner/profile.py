@@ -44,7 +44,19 @@ class ModelProfile:
     batch_per_sample: float = 0.0
     # The largest tensor a block saves: checkpointing's recompute holds its gradients.
     largest_block_saved_per_sample: float = 0.0
+    # Parameters that train (fp32 master weights, with gradients and optimizer state); None:
+    # all of them. The rest are frozen (a LoRA run's base), held in ``frozen_bytes`` in all:
+    # in their checkpoint's dtype, or NF4 codes.
+    trained_params: int | None = None
+    frozen_bytes: float = 0.0
     # The same model traced with its parameters in the compute dtype, as FSDP's mixed
     # precision gathers them (what flows between layers can then be low precision too);
     # None in fp32, or for this variant itself.
     with_low_precision_params: ModelProfile | None = None
+
+    @property
+    def trained_fraction(self) -> float:
+        """The share of the parameters that train: a LoRA run's adapters, or all of them."""
+        if self.trained_params is None or not self.params:
+            return 1.0
+        return self.trained_params / self.params

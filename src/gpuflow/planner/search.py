@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from gpuflow.config_checks import lora_layout_refusal
 from gpuflow.devices import cpu_peak, total_memory
 from gpuflow.errors import UserError
 from gpuflow.parallel.dims import ParallelDims
@@ -86,7 +87,7 @@ def candidate_layouts(world: int, global_batch: int, precisions: Sequence[str],
                       gpus_per_node: int, settings: RunSettings = DEFAULT_SETTINGS
                       ) -> Iterator[Layout]:
     """Every mesh dp x tp x pp of ``world`` ranks and every strategy the trainer runs on it
-    (:meth:`ParallelDims.runnable`).
+    (:meth:`ParallelDims.runnable`), with adapters where it trains them.
 
     Tensor parallelism stays inside a node; pipeline stages need at least one block each;
     micro-batches are the divisors of the per-replica batch. A run that prefetches FSDP's
@@ -103,6 +104,9 @@ def candidate_layouts(world: int, global_batch: int, precisions: Sequence[str],
                 continue
             for dims in ParallelDims.runnable(dp, tp, pp, fsdp_prefetch=settings.fsdp_prefetch,
                                               bucket_mb=settings.bucket_mb):
+                if settings.lora_rank is not None and lora_layout_refusal(
+                        dims.strategy, dims.tp, dims.pp, settings.quantize_base):
+                    continue
                 for precision in precisions:
                     for checkpointing in (False, True):
                         for micro in _divisors(global_batch // dp):
@@ -222,11 +226,21 @@ def choose_plan(workload: Workload, config_like: Any, devices: int | Hardware,
                     * hardware.devices)
     profiles = {precision: profile_workload(workload, precision,
                                             fsdp=hardware.devices > 1)}
+    settings = RunSettings.of(config_like)
     plans = search(profiles, hardware, global_batch,
                    tensor_parallel=tensor_parallel_plan(workload) is not None,
-                   pipeline=pipeline, settings=RunSettings.of(config_like))
+                   pipeline=pipeline, settings=settings)
     if not plans or not plans[0].fits:
         raise UserError(recommendation(plans, hardware) if plans else
-                        f"No plan divides a global batch of {global_batch} over "
-                        f"{hardware.devices} devices.")
+                        no_plan(hardware.devices, global_batch, settings))
     return plans[0]
+
+
+def no_plan(devices: int, global_batch: int, settings: RunSettings) -> str:
+    """Why no layout of ``devices`` was offered: an NF4 base trains on one device only, or
+    no mesh divides the global batch."""
+    if settings.quantize_base and devices > 1:
+        return (f"--quantize-base {settings.quantize_base} trains on one device: plan it with "
+                "--gpus 1 --nodes 1 (or run it with --nproc 1).")
+    return (f"No mesh of {devices} devices divides a global batch of {global_batch}; choose "
+            "a multiple of the device count.")

@@ -178,7 +178,9 @@ def trace_step(workload: Workload, plan: Mapping[str, Any] | None, inputs: Any,
         state: dict[str, torch.Tensor] = {}
         for name, param in model.named_parameters():
             dtype = low if low is not None and id(param) not in fp32_params else param.dtype
-            state[name] = torch.zeros_like(param, device="cpu", dtype=dtype).requires_grad_(
+            # Plain tensors, also for a tensor subclass (an NF4 base: its dtype is the one it
+            # dequantizes to, and its own bytes are counted apart).
+            state[name] = torch.zeros(param.shape, device="cpu", dtype=dtype).requires_grad_(
                 param.requires_grad)
         for name, buffer in model.named_buffers():
             state[name] = (torch.empty_like(buffer, device="cpu") if fake

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from gpuflow.errors import UserError
 from gpuflow.planner.profile import ModelProfile
@@ -140,6 +141,8 @@ def _profile_of(workload: Workload, plan: Mapping[str, Any] | None, precision: s
         backward_excess_per_sample=_backward_excess_per_sample(one.saved, two.saved),
         act_const=one.total - per_sample.total,
         tokens_per_sample=seq_len or workload.tokens_per_sample,
+        trained_params=sum(p.numel() for p in params.values() if p.requires_grad),
+        frozen_bytes=sum(held_bytes(p) for p in params.values() if not p.requires_grad),
         source=f"traced ({traced_on})",
         output_per_sample=per_sample.output,
         act_before_blocks_per_sample=per_sample.before_blocks,
@@ -147,6 +150,15 @@ def _profile_of(workload: Workload, plan: Mapping[str, Any] | None, precision: s
         batch_per_sample=per_sample.batch,
         largest_block_saved_per_sample=_largest_block_saved_per_sample(one.saved, two.saved),
     )
+
+
+def held_bytes(param: torch.Tensor) -> int:
+    """The bytes a parameter holds: those of the tensors inside a tensor subclass (an NF4
+    weight's codes and scales), else its elements'."""
+    if is_traceable_wrapper_subclass(param):
+        names, _ = param.__tensor_flatten__()
+        return sum(held_bytes(getattr(param, name)) for name in names)
+    return param.numel() * param.element_size()
 
 
 def _per_sample_sizes(one: list[tuple[float, bool]], two: list[tuple[float, bool]]

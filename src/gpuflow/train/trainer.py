@@ -36,7 +36,7 @@ from gpuflow.parallel import build_strategy
 from gpuflow.parallel.dims import ParallelDims
 from gpuflow.parallel.env import init_distributed
 from gpuflow.parallel.strategy import ModelParts, resize_rows
-from gpuflow.precision import make_policy
+from gpuflow.precision import autocast_dtype, make_policy
 from gpuflow.telemetry.steps import MetricsLog, StepTimer, medians
 from gpuflow.train import chunked_loss, fp8, record
 from gpuflow.train.averaging import WeightAverage
@@ -81,6 +81,9 @@ class Trainer:
                             "run has no epochs to count: give --max-steps N.")
         self.workload = workload
         seed_everything(config.seed)
+        self.lora = lora.LoraSpec.of(vars(config))
+        # Adapters before the planner (--strategy auto), which counts them and the frozen base.
+        self.model = lora.wrap(workload.model, self.lora, autocast_dtype(config.precision))
         config = self._join_processes(config)
         config = self._planned_batch_size(config)
         self.policy = make_policy(config.precision, self.device)
@@ -91,8 +94,6 @@ class Trainer:
         self.strategy = build_strategy(self.dims, self.device, self.policy, self.timer,
                                        compile=config.compile)
         self.run_dir = record.run_dir(config.run_dir, workload.name)
-        self.lora = lora.LoraSpec.of(vars(config))
-        self.model = lora.wrap(workload.model, self.lora, self.policy.autocast_dtype)
         self.model = self.model.to(self.device).train()
         # Counted whole, before any strategy shards or splits the model.
         self.trainable_params = sum(p.numel() for p in self.model.parameters()

@@ -17,6 +17,7 @@ import shutil
 from functools import partial
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from gpuflow import hf, lora
@@ -43,10 +44,11 @@ def load_causal_lm(directory: ModelDirectory, from_config: bool,
     """The directory's model in training mode, with SDPA attention and without a KV cache
     (training never reuses one): in fp32, or, as a LoRA run's frozen base computed under
     ``frozen_precision``, in the dtype it will be held in (``lora.held_dtype``), so that
-    no fp32 copy of the base is ever made."""
+    no fp32 copy of the base is ever made. On the meta device (the planner's) it is built
+    from its config: no weights are read there."""
     autocast = autocast_dtype(frozen_precision) if frozen_precision else None
     dtype = lora.held_dtype(saved_dtype(directory.config), autocast)
-    if from_config:
+    if from_config or torch.get_default_device().type == "meta":
         import transformers
 
         config = transformers.AutoConfig.from_pretrained(
