@@ -28,6 +28,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent / "tests"))  # hub_models: the stub's tokenizer
@@ -185,8 +187,10 @@ def main() -> int:
         finally:
             stop([process])
     out = args.out or default_result_path("lora_serving")
+    device_name = (torch.cuda.get_device_name() if args.device.startswith("cuda")
+                   else machine["cpu_model"])
     write_json(out, {**provenance(peft=package_version("peft")), "machine": machine,
-                     "model": name, "quick": args.quick,
+                     "device_name": device_name, "model": name, "quick": args.quick,
                      "settings": {key: getattr(args, key) for key in (
                          "adapters", "rank", "clients", "tokens", "rounds", "seconds", "warmup",
                          "device", "precision")} | {"server_cores": sorted(server_cores or [])},

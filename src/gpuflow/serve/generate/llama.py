@@ -208,8 +208,8 @@ class LlamaDecoder(HFCausalLM):
             return paged_attention(q, pool, index, batch, scale, self.shape.windows[index])
 
         lora = None
-        if self.adapters is not None and batch.adapters is not None:
-            lora = self.adapters.step(batch.adapters, batch.adapter_span)
+        if self.adapters is not None and batch.lora is not None:
+            lora = self.adapters.segmented(batch.lora)
         x = self._layers_over(batch.tokens, batch.positions, attend, lora)
         return self._head_over(x[batch.logits_at])
 
@@ -226,7 +226,7 @@ class LlamaDecoder(HFCausalLM):
 
         lora = None
         if self.adapters is not None and adapters is not None:
-            lora = self.adapters.step(adapters)
+            lora = self.adapters.masked(adapters)
         return self._head_over(self._layers_over(tokens, positions, attend, lora))
 
     def _layers_over(self, tokens: torch.Tensor, positions: torch.Tensor,

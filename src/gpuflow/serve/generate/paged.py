@@ -37,6 +37,39 @@ SHARED_MIN_SAVED = 768
 Wanted = Literal["last", "all", "none"]  # the tokens of a row whose logits a forward returns
 
 
+class LoraRows(NamedTuple):
+    """A step's tokens under LoRA adapters, laid out by slot for batched products: slots
+    ``0..span-1`` own ``length`` positions each of ``gather`` (the indices of the slot's
+    tokens, then padding that repeats token 0); ``adapted``: the tokens under an adapter,
+    ``picked``: their positions in that layout."""
+
+    gather: torch.Tensor
+    adapted: torch.Tensor
+    picked: torch.Tensor
+    span: int
+    length: int
+
+
+def lora_layout(rows: Sequence[RowSpec]) -> tuple[list[int], list[int], list[int], int, int]:
+    """``LoraRows``' lists, span and length for ``rows`` laid flat (empty: no adapter)."""
+    span = max(row.adapter for row in rows) + 1
+    if span <= 0:
+        return [], [], [], 0, 0
+    by_slot: list[list[int]] = [[] for _ in range(span)]
+    first = 0
+    for row in rows:
+        if row.adapter >= 0:
+            by_slot[row.adapter].extend(range(first, first + len(row.tokens)))
+        first += len(row.tokens)
+    length = max(len(tokens) for tokens in by_slot)
+    gather: list[int] = []
+    picked: list[int] = []
+    for slot, tokens in enumerate(by_slot):
+        gather += tokens + [0] * (length - len(tokens))
+        picked += range(slot * length, slot * length + len(tokens))
+    return gather, list(chain.from_iterable(by_slot)), picked, span, length
+
+
 class RowSpec(NamedTuple):
     """One sequence in a step: its new tokens, the position of the first, its block table
     (covering at least ``start + len(tokens)`` positions), which logits it wants, and the
@@ -67,10 +100,7 @@ class StepBatch:
     host_context_lens: tuple[int, ...]
     block_size: int
     shared: tuple[int, int] = (0, 0)  # leading (rows, blocks) that share blocks (``cascade``)
-    # [N] each token's adapter slot, and the slots up to the highest one used; None and 0
-    # when no row runs under an adapter.
-    adapters: torch.Tensor | None = None
-    adapter_span: int = 0
+    lora: LoraRows | None = None  # the tokens under LoRA adapters, None for none
     # Attention masks made for this step, by (first token, end, span, window): every
     # layer's attention asks for the same ones.
     masks: dict[tuple[int, int, int, int | None], torch.Tensor] = field(
@@ -129,20 +159,19 @@ class StepBatch:
         tables = [list(row.blocks) + [NULL_BLOCK] * (width - len(row.blocks)) for row in rows]
         contexts = tuple(row.start + len(row.tokens) for row in rows)
         decodes = next((i for i, row in enumerate(rows) if len(row.tokens) != 1), len(rows))
-        span = max(row.adapter for row in rows) + 1
-        adapters = ([row.adapter for row in rows for _ in row.tokens] if span > 0 else [])
+        gather, adapted, picked, span, length = lora_layout(rows)
 
         # One host tensor and one copy to the device (a copy from pageable memory waits for
         # the device), cut into the batch's tensors as views.
         parts = [tokens, positions, slots, contexts, list(chain.from_iterable(tables)), logits_at,
-                 adapters]
+                 gather, adapted, picked]
         flat = torch.tensor(list(chain.from_iterable(parts)), dtype=torch.long).to(device)
-        token_ids, token_positions, slot_ids, context_lens, table_ids, at, adapter_ids = \
-            flat.split([len(part) for part in parts])
+        token_ids, token_positions, slot_ids, context_lens, table_ids, at, *lora = flat.split(
+            [len(part) for part in parts])
         return cls(token_ids, token_positions, slot_ids, tuple(row_starts), context_lens,
                    table_ids.view(len(rows), width), decodes, at, contexts, block_size,
-                   cascade(rows, decodes, block_size), adapter_ids if span > 0 else None,
-                   span)
+                   cascade(rows, decodes, block_size),
+                   LoraRows(*lora, span, length) if span else None)
 
 
 def cascade(rows: Sequence[RowSpec], decodes: int, block_size: int) -> tuple[int, int]:
