@@ -202,7 +202,8 @@ def main() -> int:
                             langchain_core=package_version("langchain-core"),
                             openai=package_version("openai")),
                "machine": machine_info(), "model": "SmolLM2-135M-Instruct, float32",
-               "chat_template": TEMPLATE, "greedy": True, "max_tokens": args.max_tokens,
+               "chat_template": "ChatML, tools as Hermes and Qwen render them (TEMPLATE)",
+               "greedy": True, "max_tokens": args.max_tokens,
                "checks": checks}
     out = args.out or default_result_path("langchain_client")
     write_json(out, payload)
