@@ -157,6 +157,15 @@ def _asr(result: Result) -> str:
     return (f"WER {run.get('val_wer')}, {run.get('audio_s_per_s') or 0:,.0f} audio s/s")
 
 
+def _structured(result: Result) -> str:
+    cost, ttft = result["cost"], result["ttft"]
+    mask = cost["grammar_mask"]
+    per_step = 1000 * mask["sum_s"] / mask["steps"] if mask["steps"] else 0.0
+    return (f"half constrained at {cost['ratio_median']:.2f}x the tok/s; TTFT "
+            f"+{ttft['cached_added_ms']:.2f} ms cached schema, +{ttft['new_added_ms']:.2f} ms "
+            f"new; mask {per_step:.2f} ms a step")
+
+
 def _serving(result: Result) -> str:
     return "; ".join(
         f"{name}: {runs['dynamic']['requests_per_s']:.0f} req/s dynamic, "
@@ -231,10 +240,22 @@ STAGES: tuple[Stage, ...] = (
           lambda gpu, left_s: ["benchmarks/fashion_images.py", "--out",
                                f"benchmarks/results/fashion_images-{gpu}.json"], 420,
           lambda result: f"validation accuracy {100 * result['val_accuracy']:.2f}%"),
+    Stage("structured-output", "32 streaming clients, half constrained by a JSON schema, "
+          "against none (the stub Llama, the engine in its own process); schema TTFTs",
+          ("src/gpuflow/serve", "benchmarks/structured_output.py"), "structured_output-*.json",
+          lambda result: _on_gpu(result) and bool(result.get("cost")),
+          _script("structured_output", "structured-output", "--device", "cuda",
+                  "--engine-process"), 300, _structured),
     _lever_stage("adamw-fused", "foreach", "today's fused AdamW against --optimizer-impl "
                  "foreach", ("src/gpuflow/train/optim.py",)),
     _lever_stage("loss-chunks", "chunked", "today's loss against --loss-chunks 8 (no whole "
                  "fp32 logits)", ("src/gpuflow/train/chunked_loss.py",)),
+    Stage("lora-serving", "8 LoRA adapters mixed against the base alone: SmolLM2-135M, bf16, "
+          "32 clients", ("src/gpuflow/serve", "benchmarks/lora_serving.py"),
+          "lora_serving-*.json", _on_gpu,
+          _script("lora_serving", "lora-serving", "--device", "cuda", "--precision", "bf16"),
+          420, lambda result: f"8 adapters mixed at {result['ratio_median']:.2f}x the base's "
+                              f"{result['tokens_per_s']['base']:,.0f} tok/s"),
     Stage("train-124m", "textlm 124m in bf16 and fp8, compiled: MFU", TEXTLM, "gpu_suite-*.json",
           _measured_train("124m"), _suite("train", "train-124m", "--runs", "124m-bf16,124m-fp8"),
           150, _fp8("124m")),

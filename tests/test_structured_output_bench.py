@@ -1,4 +1,5 @@
-"""benchmarks/structured_output.py's quick mode end to end: it serves the stub model, drives
+"""benchmarks/structured_output.py's quick sizes end to end, as the GPU stage runs it
+(``--dry-run``: on the CPU, the engine in its own process): it serves the stub model, drives
 the cost windows, the TTFT repetitions and a few chat prompts, and writes the documented file.
 
 Whether the targets are met is the full run's verdict on a quiet machine, not a unit test's.
@@ -12,17 +13,22 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "structured_output.py"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_stages  # noqa: E402
 
 
-def test_quick_structured_output_benchmark_writes_its_figures(tmp_path: Path) -> None:
+def test_the_gpu_stage_dry_runs_and_writes_its_figures(tmp_path: Path) -> None:
     out = tmp_path / "structured_output.json"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out)],
+    [stage] = [stage for stage in gpu_stages.STAGES if stage.name == "structured-output"]
+    command = stage.command("nvidia-h100", 300)
+    assert "--device" in command and "cuda" in command
+    done = subprocess.run([sys.executable, *command, "--dry-run", "--out", str(out)],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
 
     result = json.loads(out.read_text())
-    assert result["quick"] is True
+    assert result["quick"] is result["dry_run"] is result["engine_process"] is True
+    assert result["device"] == "cpu" and not stage.holds(result)
     assert {"created", "command", "git", "versions", "machine"} <= result.keys()
     assert result["versions"]["llguidance"]
     cost = result["cost"]
@@ -45,3 +51,4 @@ def test_quick_structured_output_benchmark_writes_its_figures(tmp_path: Path) ->
     # The stub's constrained answers are cut at max_tokens, never claimed complete.
     assert all(row["finish_reason"] == "length" or row["valid"]
                for row in quality["constrained"]["answers"])
+    assert "half constrained at" in stage.headline(result)
