@@ -19,6 +19,7 @@ from generation import greedy, greedy_reference, through_engine
 from hub_models import PROMPTS as CLEAR_PROMPTS
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from gpuflow.cli import main
 from gpuflow.errors import EXIT_USER_ERROR, UserError
 from gpuflow.serve.app import ServeSettings, create_app
 from gpuflow.serve.generate.adapter_files import AdapterRegistry, BaseLayout
@@ -237,7 +238,8 @@ def test_a_trained_adapter_served_by_name_equals_its_merge_and_peft(
                 "model": "other", "prompt": "x"}), 404)["code"] == "model_not_found"
             texts["again"] = await runtime_adapter(client, adapter, prompt)
         async with serving(create_app(ServeSettings(str(merged), device="cpu",
-                                                    served_model_name=("merged",)))) as client:
+                                                    served_model_name=("merged",),
+                                                    engine_process=False))) as client:
             texts["merged"] = await completed(client, "merged", prompt)
         return texts
 
@@ -266,18 +268,24 @@ async def runtime_adapter(client: httpx.AsyncClient, adapter: Path, prompt: list
     return text
 
 
-def test_bad_lora_flags_exit_2_naming_the_problem(hub_models: Any, exported: tuple[Path, Path],
-                                                  tmp_path: Path) -> None:
-    adapter = exported[0]
-    cases = [
-        (["--lora", "tuned"], "give NAME=ADAPTER_DIR"),
-        (["--lora", f"a={tmp_path / 'none'}"], "is not a directory"),
-        (["--lora", f"a={adapter}", f"a={adapter}"], "names 'a' twice"),
-        (["--lora", f"a={adapter}", "--max-loras", "0"], "--max-loras 0 leaves them no slot"),
-        (["--lora", f"a={adapter}", "--max-lora-rank", "2"], "past --max-lora-rank 2"),
-    ]
-    for flags, message in cases:
-        result = run_cli("serve", str(hub_models["llama"]), "--device", "cpu", "--port", "0",
-                         *flags, timeout=120)
-        assert result.returncode == EXIT_USER_ERROR, (flags, result.stderr)
-        assert message in result.stderr, (flags, result.stderr)
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--lora", "tuned"], "give NAME=ADAPTER_DIR"),
+    (["--lora", "a=/nowhere"], "is not a directory"),
+    (["--lora", "a={adapter}", "a={adapter}"], "names 'a' twice"),
+    (["--lora", "a={adapter}", "--max-loras", "0"], "--max-loras 0 leaves them no slot"),
+])
+def test_bad_lora_flags_exit_2_naming_the_problem(
+        exported: tuple[Path, Path], capsys: pytest.CaptureFixture[str], flags: list[str],
+        message: str) -> None:
+    flags = [flag.format(adapter=exported[0]) for flag in flags]
+    assert main(["serve", "/nowhere", "--device", "cpu", *flags]) == EXIT_USER_ERROR
+    assert message in capsys.readouterr().err
+
+
+def test_an_adapter_that_does_not_fit_stops_the_server_with_exit_2(
+        hub_models: Any, exported: tuple[Path, Path]) -> None:
+    """Checked once the model loads, before the server is ever ready."""
+    result = run_cli("serve", str(hub_models["llama"]), "--device", "cpu", "--port", "0",
+                     "--lora", f"a={exported[0]}", "--max-lora-rank", "2", timeout=120)
+    assert result.returncode == EXIT_USER_ERROR, result.stderr
+    assert "rank 4, past --max-lora-rank 2: serve with --max-lora-rank 4" in result.stderr
