@@ -23,11 +23,10 @@ from typing import Any, Protocol
 
 SYNTAXES = ("hermes", "mistral", "llama3_json")
 PARSERS = ("auto", *SYNTAXES)
-# What a chat template writes for each syntax; a template that shows none gets Hermes'.
-_TEMPLATE_MARKS = (("mistral", "[TOOL_CALLS]"), ("llama3_json", "<|python_tag|>"),
-                   ("hermes", "<tool_call>"))
-_ARGUMENT_KEYS = ("arguments", "parameters")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+# What begins a call in each syntax, which a chat template for it shows too.
+_MARKS = {"mistral": "[TOOL_CALLS]", "llama3_json": "<|python_tag|>", "hermes": OPEN}
+_ARGUMENT_KEYS = ("arguments", "parameters")
 
 
 def syntax_of(parser: str, template: str | None) -> str:
@@ -35,7 +34,7 @@ def syntax_of(parser: str, template: str | None) -> str:
     writes, Hermes' where it shows none."""
     if parser != "auto":
         return parser
-    return next((syntax for syntax, mark in _TEMPLATE_MARKS if template and mark in template),
+    return next((syntax for syntax, mark in _MARKS.items() if template and mark in template),
                 "hermes")
 
 
@@ -356,9 +355,7 @@ def reader(mode: str, syntax: str, tools: set[str]) -> ToolCallReader:
         return _LeadingJson("", tools)
     if mode != "auto":
         return _Named(mode)
-    if syntax == "hermes":
-        return _Hermes()
-    return _LeadingJson("[TOOL_CALLS]" if syntax == "mistral" else "<|python_tag|>", tools)
+    return _Hermes() if syntax == "hermes" else _LeadingJson(_MARKS[syntax], tools)
 
 
 def _partial(text: str, mark: str) -> int:
