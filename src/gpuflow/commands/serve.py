@@ -39,16 +39,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     add("--served-model-name", nargs="+", metavar="NAME",
         help="the names clients call the model by (the `model` field, /v1/models); the first "
              "is the one answers give (default: the workload's name, or the directory path)")
-    add("--chat-template", type=Path, metavar="FILE",
-        help="a Jinja chat template for /v1/chat/completions, in place of the model's own")
-    add("--tool-call-parser", default="auto", choices=PARSERS,
-        help="the syntax the model writes tool calls in, read back as tool_calls on "
-             "/v1/chat/completions: hermes (<tool_call> blocks), mistral ([TOOL_CALLS] "
-             "list), llama3_json (a bare {\"name\", \"parameters\"} object); default auto: "
-             "the one the chat template writes, else hermes")
-    add("--max-model-len", type=int, metavar="TOKENS",
-        help="language models: the longest sequence (prompt and completion) served, at most "
-             "the model's context (default: the model's context)")
+    add_chat_flags(parser)
     add("--workload", help="rebuild the model with this workload instead of the saved one")
     add("--host", default="127.0.0.1",
         help="address to bind (default 127.0.0.1; any other needs --token)")
@@ -107,6 +98,21 @@ def register(commands: argparse._SubParsersAction) -> None:
     add("--token", help=f"bearer token every request must carry (or ${TOKEN_ENV})")
     add("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     parser.set_defaults(handler=run)
+
+
+def add_chat_flags(parser: argparse.ArgumentParser) -> None:
+    """The language models' chat template, tool-call syntax and longest sequence."""
+    add = parser.add_argument
+    add("--chat-template", type=Path, metavar="FILE",
+        help="a Jinja chat template for /v1/chat/completions, in place of the model's own")
+    add("--tool-call-parser", default="auto", choices=PARSERS,
+        help="the syntax the model writes tool calls in, read back as tool_calls on "
+             "/v1/chat/completions: hermes (<tool_call> blocks), mistral ([TOOL_CALLS] "
+             "list), llama3_json (a bare {\"name\", \"parameters\"} object); default auto: "
+             "the one the chat template writes, else hermes")
+    add("--max-model-len", type=int, metavar="TOKENS",
+        help="language models: the longest sequence (prompt and completion) served, at most "
+             "the model's context (default: the model's context)")
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -189,15 +195,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                  "prompt_lookup_max"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1.")
-    lora = _adapters(args.lora)
-    max_loras = args.max_loras if args.max_loras is not None else (
-        DEFAULT_MAX_LORAS if lora else 0)
-    if max_loras < 0 or args.max_lora_rank < 1:
-        raise UserError("--max-loras must be 0 (no adapters) or more, --max-lora-rank 1 or "
-                        "more.")
-    if lora and not max_loras:
-        raise UserError("--lora serves adapters, and --max-loras 0 leaves them no slot: give "
-                        "--max-loras 1 or more.")
+    lora, max_loras = _adapters(args)
     if args.num_speculative_tokens < 0:
         raise UserError("--num-speculative-tokens must be 0 (off) or more.")
     if args.draft_model is not None:
@@ -261,11 +259,12 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 1
 
 
-def _adapters(specs: list[str]) -> tuple[tuple[str, str], ...]:
+def _adapters(args: argparse.Namespace) -> tuple[tuple[tuple[str, str], ...], int]:
     """``--lora NAME=DIR ...`` as (name, directory) pairs, each name once, each a
-    directory (the adapter's files are checked against the model once it loads)."""
+    directory (the adapter's files are checked against the model once it loads), and the
+    slots ``--max-loras`` gives them."""
     pairs: dict[str, str] = {}
-    for spec in specs:
+    for spec in args.lora:
         name, sep, path = spec.partition("=")
         if not sep or not name or not path:
             raise UserError(f"--lora {spec}: give NAME=ADAPTER_DIR, e.g. "
@@ -277,7 +276,14 @@ def _adapters(specs: list[str]) -> tuple[tuple[str, str], ...]:
             raise UserError(f"--lora {spec}: {path} is not a directory (an adapter is PEFT's "
                             "adapter_config.json and adapter_model.safetensors).")
         pairs[name] = path
-    return tuple(pairs.items())
+    slots = args.max_loras if args.max_loras is not None else (DEFAULT_MAX_LORAS if pairs else 0)
+    if slots < 0 or args.max_lora_rank < 1:
+        raise UserError("--max-loras must be 0 (no adapters) or more, --max-lora-rank 1 or "
+                        "more.")
+    if pairs and not slots:
+        raise UserError("--lora serves adapters, and --max-loras 0 leaves them no slot: give "
+                        "--max-loras 1 or more.")
+    return tuple(pairs.items()), slots
 
 
 def log_config(level: str) -> dict[str, Any]:
