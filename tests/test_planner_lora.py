@@ -86,13 +86,13 @@ def test_plan_prints_the_peak_of_lora_and_qlora_runs(
     assert quantized < adapters < full
 
 
-def test_plan_refuses_a_layout_adapters_do_not_train_under(
+def test_plan_offers_an_nf4_base_on_several_devices_only_sharded(
         directories: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["plan", "--workload", f"hf:{directories['bf16']}", "--gpus", "2",
-                 "--gpu-type", "h100", "--lora-rank", "4", "--quantize-base", "nf4"])
-    assert code == 2
-    assert "--quantize-base nf4 trains on one device: plan it with --gpus 1" in (
-        capsys.readouterr().err)
+                 "--gpu-type", "h100", "--lora-rank", "4", "--quantize-base", "nf4", "--json"])
+    assert code == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]
+    assert plans and {plan["strategy"] for plan in plans} == {"fsdp"}
 
 
 def test_strategy_auto_trains_adapters_on_the_planners_layout(

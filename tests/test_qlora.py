@@ -1,24 +1,28 @@
 """QLoRA (--lora-rank with --quantize-base nf4): the base's linear layers are held as NF4 and
 the loss still falls; only the adapters sit in the optimizer and the checkpoint; a resumed run
-is bitwise the uninterrupted one; PEFT opens the exported adapter with the trained logits on
-the base the run trained against, the merged export gives them too; bad input is refused."""
+is bitwise the uninterrupted one; 2 FSDP ranks shard the NF4 base and follow one process; PEFT
+opens the exported adapter with the trained logits on the base the run trained against, the
+merged export gives them too; bad input is refused."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 from hub_models import one_thread
 from runs import losses, newest_weights
-from test_lora import ADAPTER_ATOL, MERGED_ATOL, SEQ, STEPS, adapters, setup
+from test_lora import ADAPTER_ATOL, MERGED_ATOL, RANKS_ATOL, SEQ, STEPS, adapters, setup
 
 from gpuflow import Trainer, nf4, train
 from gpuflow.cli import main
 from gpuflow.errors import EXIT_USER_ERROR, UserError
 from gpuflow.export import export_model
 from gpuflow.lora import LoraSpec, wrap
+from gpuflow.parallel.env import free_port
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing`:FutureWarning")]
@@ -64,6 +68,35 @@ def test_a_resumed_qlora_run_is_bitwise_the_uninterrupted_one(
         assert torch.equal(a, b), name
 
 
+def _fsdp_ranks(rank: int, port: int, directory: str, run_dir: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from gpuflow.parallel.env import shutdown
+
+    try:
+        train(*setup(Path(directory), Path(run_dir), batch_size=2, strategy="fsdp", nproc=2,
+                     **QLORA))
+    finally:
+        shutdown()
+
+
+@pytest.mark.slow
+def test_two_fsdp_ranks_shard_the_nf4_base_and_follow_one_process(
+        hub_models: Any, qlora_run: Any, tmp_path: Path) -> None:
+    mp.spawn(_fsdp_ranks, args=(free_port(), str(hub_models["llama"]), str(tmp_path / "run")),
+             nprocs=2)
+    assert losses(tmp_path / "run") == pytest.approx(losses(qlora_run.run_dir), abs=RANKS_ATOL)
+
+
+def test_fsdp_refuses_nf4_codes_that_do_not_split_over_the_ranks() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(64, 3))  # 3 rows: not 2 equal shards
+    nf4.quantize([("0", model[0])])
+    with pytest.raises(UserError, match="0.weight has 3 rows, 3 blocks of codes, 3 blocks "
+                                        "of scales, which FSDP2 cannot split evenly over 2"):
+        nf4.check_shards(model, 2)
+
+
 def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model.eval()(input_ids=ids).logits
@@ -104,7 +137,7 @@ def test_quantize_base_wants_linear_layers() -> None:
 @pytest.mark.parametrize(("flags", "message"), [
     (["--quantize-base", "nf4"], "--quantize-base nf4 holds the frozen base of a LoRA run"),
     (["--lora-rank", "4", "--quantize-base", "nf4", "--strategy", "ddp", "--nproc", "2"],
-     "--quantize-base nf4 trains on one device (--strategy single; this run: --strategy ddp)"),
+     "--quantize-base nf4 trains under --strategy single and fsdp (this run: --strategy ddp)"),
 ])
 def test_bad_qlora_flags_exit_2(hub_models: Any, tmp_path: Path,
                                 capsys: pytest.CaptureFixture[str], flags: list[str],

@@ -124,12 +124,12 @@ def lora_layout_refusal(strategy: str, tp: int, pp: int, quantize: str | None = 
     """Why adapters do not train under this layout; None where they do (the planner offers
     only those). Adapters train under single, ddp and fsdp; tensor and pipeline parallelism
     would have to split the adapters as they split their base layers, which gpuflow does
-    not. An NF4 base trains on one device: 2 DDP ranks of it do not follow one process, and
-    FSDP2 shards its codes only where each layer's scales divide over the ranks."""
-    if quantize and strategy != "single":
-        return (f"--quantize-base {quantize} trains on one device (--strategy single; this "
-                f"run: --strategy {strategy}): the NF4 base is not replicated or sharded "
-                "over ranks yet. Drop --quantize-base to train adapters on several ranks.")
+    not. An NF4 base trains on one device or sharded by FSDP2 (``nf4.check_shards``): 2 DDP
+    ranks of it do not follow one process."""
+    if quantize and strategy not in ("single", "fsdp"):
+        return (f"--quantize-base {quantize} trains under --strategy single and fsdp (this "
+                f"run: --strategy {strategy}): 2 DDP ranks of an NF4 base do not follow one "
+                "process. Use --strategy fsdp, which shards the NF4 base over the ranks.")
     if strategy in ("tp", "pp") or tp > 1 or pp > 1:
         return (f"--lora-rank trains under --strategy single, ddp and fsdp (this run: "
                 f"--strategy {strategy}{f' --tp {tp}' if tp > 1 else ''}"

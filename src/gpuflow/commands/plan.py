@@ -148,7 +148,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from gpuflow.lora import LoraSpec
     from gpuflow.planner.layout import RunSettings
     from gpuflow.planner.machine import gpu_hardware
-    from gpuflow.planner.search import no_plan, recommendation, search
+    from gpuflow.planner.search import recommendation, search
 
     precisions = _precisions(args.precision)
     # The run's fixed knobs, checked as `gpuflow train --strategy auto` checks them: each
@@ -176,7 +176,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     plans = search(profiles, hardware, global_batch, pipeline=args.pipeline,
                    settings=RunSettings.of(fixed))
     if not plans:
-        raise UserError(no_plan(hardware.devices, global_batch, RunSettings.of(fixed)))
+        raise UserError(f"No mesh of {hardware.devices} devices divides a global batch of "
+                        f"{global_batch}; choose a multiple of the device count.")
     reason = recommendation(plans, hardware)
     profile = next(iter(profiles.values()))
     if args.json:

@@ -10,9 +10,11 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from gpuflow import nf4
 from gpuflow.errors import UserError
 from gpuflow.parallel.strategy import ModelParts
 from gpuflow.parallel.tensor import TensorParallel
@@ -88,6 +90,7 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], param_dtype: torch.dty
             f"{wrap} makes the model one unit with no blocks to prefetch: drop --fsdp-prefetch "
             "or shard per block (--fsdp-wrap block)."
         )
+    nf4.check_shards(model, mesh.size() if mesh is not None else dist.get_world_size())
     # Imported here: FSDP (with DTensor) adds ~45 MB to every process that imports it.
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

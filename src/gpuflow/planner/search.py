@@ -226,21 +226,12 @@ def choose_plan(workload: Workload, config_like: Any, devices: int | Hardware,
                     * hardware.devices)
     profiles = {precision: profile_workload(workload, precision,
                                             fsdp=hardware.devices > 1)}
-    settings = RunSettings.of(config_like)
     plans = search(profiles, hardware, global_batch,
                    tensor_parallel=tensor_parallel_plan(workload) is not None,
-                   pipeline=pipeline, settings=settings)
+                   pipeline=pipeline, settings=RunSettings.of(config_like))
     if not plans or not plans[0].fits:
         raise UserError(recommendation(plans, hardware) if plans else
-                        no_plan(hardware.devices, global_batch, settings))
+                        f"No plan divides a global batch of {global_batch} over "
+                        f"{hardware.devices} devices.")
     return plans[0]
 
-
-def no_plan(devices: int, global_batch: int, settings: RunSettings) -> str:
-    """Why no layout of ``devices`` was offered: an NF4 base trains on one device only, or
-    no mesh divides the global batch."""
-    if settings.quantize_base and devices > 1:
-        return (f"--quantize-base {settings.quantize_base} trains on one device: plan it with "
-                "--gpus 1 --nodes 1 (or run it with --nproc 1).")
-    return (f"No mesh of {devices} devices divides a global batch of {global_batch}; choose "
-            "a multiple of the device count.")
