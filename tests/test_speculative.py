@@ -20,6 +20,7 @@ from gpuflow.cli import main
 from gpuflow.models.gpt import GPT, GPTConfig
 from gpuflow.serve.app import ServeSettings, create_app
 from gpuflow.serve.generate.build import build_engine
+from gpuflow.serve.generate.grammar import Constraint
 from gpuflow.serve.generate.limits import EngineLimits
 from gpuflow.serve.generate.models import GPTDecoder
 from gpuflow.serve.generate.requests import Done
@@ -288,3 +289,20 @@ def test_greedy_rows_are_chosen_where_the_logits_are_and_only_sampled_rows_move(
     with Moves():
         tokens = choose_tokens([*greedy_rows[:2], sampled, greedy_rows[3]], logits)
     assert moved == [(50,)] and tokens[:2] == logits[:2].argmax(dim=-1).tolist()
+
+
+def test_a_constrained_rows_drafts_are_cut_by_its_grammar_and_verified_under_its_mask(
+) -> None:
+    """Greedy rows under a regex, drafted for by prompt lookup: each draft is cut to what
+    the grammar accepts, each drafted position verified under the grammar's mask there,
+    and the text is the constrained text without speculation, drafts accepted among it."""
+    model = tiny_gpt()
+    params = SamplingParams(max_tokens=24, temperature=0.0,
+                            constraint=Constraint.regex("[abc]{4,24}"))
+    requests = [(prompt, params) for prompt in (PROMPTS[1], PROMPTS[3], PROMPTS[4])]
+    plain = through_engine(engine_for(model, 3), requests, first=3)
+    engine = engine_for(model, 3, num_speculative_tokens=4)
+    drafted = through_engine(engine, requests, first=3)
+    assert [r.tokens for r in drafted] == [r.tokens for r in plain]
+    assert all(set(r.text) <= set("abc") and len(r.text) >= 4 for r in drafted)
+    assert engine.core.accepted > 0

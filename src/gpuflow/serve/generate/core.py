@@ -15,7 +15,8 @@ decode step) in the device thread (``launch.py``), then take each finished chunk
 token (``sampling.py``), or the tokens its drafts earned (speculative decoding,
 ``speculate.py``); a constrained row's logits are masked by its grammar first
 (``grammar.py``; one new to the core waits outside the scheduler while it compiles,
-``compiling.py``), on the host, and it gets no drafts. A request under a LoRA adapter
+``compiling.py``), on the host; its drafts are cut to what its grammar accepts, and each
+is verified under its grammar's mask at its position. A request under a LoRA adapter
 waits outside the scheduler too until its adapter holds a slot (``lora_slots.py``: read
 in on first use, into an empty slot or one no live request pins), which it pins until it
 ends; its rows carry the slot. A step of greedy rows is left in
@@ -346,14 +347,22 @@ class EngineCore:
             params = request.params
             if params.seed is not None and params.temperature > 0.0:
                 continue  # drafts would change its random draws, and so its seeded text
-            if request.guide is not None:
-                continue  # its mask at each drafted position would need the drafts' grammar
             room = min(chunk.room, params.max_tokens - len(request.generated) - 1)
             if room > 0:
                 rooms[chunk.seq] = room
         # Called on every step, drafting or not: a draft model computes every chunk.
         samplers = {seq: self._live[seq].sampler for seq in rooms}
-        return self.proposer.propose(plan.chunks, rooms, samplers)
+        drafts = self.proposer.propose(plan.chunks, rooms, samplers)
+        for seq, draft in list(drafts.items()):
+            guide = self._live[seq].guide
+            if guide is not None:  # a draft its grammar refuses could never be accepted
+                kept = guide.accepted(draft.tokens)
+                if kept < len(draft.tokens):
+                    drafts[seq] = Draft(draft.tokens[:kept], None if draft.probs is None
+                                        else draft.probs[:kept])
+                if not kept:
+                    del drafts[seq]
+        return drafts
 
     def _take_verified(self, request: CoreRequest, draft: Draft,
                        logits: torch.Tensor) -> None:

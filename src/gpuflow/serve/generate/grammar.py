@@ -147,6 +147,11 @@ class Guide:
         seconds, self.mask_s = self.mask_s, 0.0
         return seconds
 
+    def accepted(self, tokens: list[int]) -> int:
+        """How many of ``tokens`` (drafts) the grammar takes in order from here, its state
+        left as it is."""
+        return int(self.matcher.validate_tokens(tokens))
+
     def advance(self, token: int) -> None:
         self._forbidden = None
         self.matcher.consume_token(token)

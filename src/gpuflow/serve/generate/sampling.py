@@ -161,8 +161,12 @@ class Sampler:
         rejection sampling, which keeps this request's distribution ``p`` whatever drafted:
         ``drafted`` (drawn from ``draft_probs``, ``q``; a one-hot at ``drafted`` when None,
         as prompt lookup drafts) is accepted with probability ``min(1, p / q)``, else a
-        token is drawn from ``max(p - q, 0)``, normalised."""
+        token is drawn from ``max(p - q, 0)``, normalised. A constrained request's ``p`` is
+        over what its grammar allows after the tokens taken so far (the drafts before this
+        one among them)."""
         params = self.params
+        if self.guide is not None:
+            logits = self.guide.masked(logits)
         logits = self.penalize(logits) if params.penalized else logits
         if params.temperature == 0.0:
             return int(greedy_ids(logits))
