@@ -289,3 +289,33 @@ def test_an_adapter_that_does_not_fit_stops_the_server_with_exit_2(
                      "--lora", f"a={exported[0]}", "--max-lora-rank", "2", timeout=120)
     assert result.returncode == EXIT_USER_ERROR, result.stderr
     assert "rank 4, past --max-lora-rank 2: serve with --max-lora-rank 4" in result.stderr
+
+
+def test_a_cached_prefix_is_reused_under_its_own_adapter_alone(
+        adapters: tuple[LlamaForCausalLM, dict[str, tuple[Path, torch.nn.Module]]]) -> None:
+    """One prompt four times, one after another: under adapter 1 (computed), adapter 1
+    again (its blocks reused), adapter 2 and the base (computed afresh each)."""
+    from gpuflow.serve.generate.adapter_files import AdapterRef
+    from gpuflow.serve.generate.build import build_core
+    from gpuflow.serve.generate.messages import Inbox, NewRequest
+    from gpuflow.serve.generate.sampling import SamplingParams
+
+    base, made = adapters
+    lm = paged_lm(base, torch.float32)
+    assert lm is not None
+    core = build_core(lm, 32, EngineLimits(2, 64, block_size=4, max_loras=2, max_lora_rank=8))
+    refs = tuple(AdapterRef(i, name, str(made[name][0])) for i, name in ((1, "all"), (2, "qv")))
+    core.receive(Inbox(adapters=refs))
+    cached = []
+    with torch.inference_mode():
+        for request, adapter in enumerate((1, 1, 2, 0)):
+            core.receive(Inbox((NewRequest(request, list(b"def f(x): return"),
+                                           SamplingParams(max_tokens=2, temperature=0.0),
+                                           adapter),)))
+            outputs = []
+            while not core.idle:
+                report = core.step()
+                outputs += [] if report is None else report.outputs
+            cached.append(next(o.cached_tokens for o in outputs if o.id == request))
+    core.stop()
+    assert cached == [0, 12, 0, 0]  # 16 prompt tokens: three whole blocks short of the last
