@@ -152,6 +152,12 @@ def _finetune(result: Result) -> str:
     return f"{run.get('tokens_per_s') or 0:,.0f} tokens/s, MFU {100 * (run.get('mfu') or 0):.1f}%"
 
 
+def _lora_memory(result: Result) -> str:
+    return (f"LoRA {result['lora_over_full_peak_memory_median']:.2f}x the full fine-tune's "
+            f"peak memory and {result['lora_over_full_tokens_per_s_median']:.2f}x its tokens/s; "
+            f"QLoRA {result['qlora_over_full_peak_memory_median']:.2f}x its peak memory")
+
+
 def _asr(result: Result) -> str:
     run = result.get("asr", {})
     return (f"WER {run.get('val_wer')}, {run.get('audio_s_per_s') or 0:,.0f} audio s/s")
@@ -256,6 +262,12 @@ STAGES: tuple[Stage, ...] = (
           _script("lora_serving", "lora-serving", "--device", "cuda", "--precision", "bf16"),
           420, lambda result: f"8 adapters mixed at {result['ratio_median']:.2f}x the base's "
                               f"{result['tokens_per_s']['base']:,.0f} tok/s"),
+    Stage("lora-memory", "LoRA and QLoRA (rank 16, all linear layers) against the full "
+          "fine-tune of a ~1B Llama config in bf16: peak memory and tokens/s",
+          (*TRAIN, "src/gpuflow/lora.py", "src/gpuflow/nf4.py", "src/gpuflow/workloads/hf_dir.py",
+           "benchmarks/lora_memory.py"), "lora_memory-*.json", _on_gpu,
+          _script("lora_memory", "lora-memory", "--device", "cuda", "--dim", "2048", "--layers",
+                  "22", "--seq", "1024", "--batch", "4", "--steps", "12"), 420, _lora_memory),
     Stage("train-124m", "textlm 124m in bf16 and fp8, compiled: MFU", TEXTLM, "gpu_suite-*.json",
           _measured_train("124m"), _suite("train", "train-124m", "--runs", "124m-bf16,124m-fp8"),
           150, _fp8("124m")),

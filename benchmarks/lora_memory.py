@@ -15,7 +15,9 @@ Both run bf16 autocast on random ids (``--data synthetic``), AdamW, no checkpoin
 is the median over the steps after the first two of each round.
 
 Run: ``python benchmarks/lora_memory.py`` (a few minutes on 2 cores; ``--dim 2048 --layers
-22`` is about 1B parameters and needs ~20 GB for the full fine-tune).
+22`` is about 1B parameters and needs ~20 GB for the full fine-tune). On a GPU
+(``gpu_stages.py``'s ``lora-memory``) the peak is torch's, of the device, and ``--dry-run``
+walks that stage on the CPU at a tiny size.
 Writes ``benchmarks/results/lora_memory-<machine>.json``.
 """
 
@@ -60,7 +62,8 @@ def run(directory: Path, flags: list[str], run_dir: Path, args: argparse.Namespa
         ) -> dict[str, Any]:
     """One `gpuflow train` process: its peak memory, tokens/s and trained parameters."""
     command = [sys.executable, "-m", "gpuflow.cli", "train", "--workload", f"hf:{directory}",
-               "--data", "synthetic", "--seq-len", str(args.seq), "--batch-size",
+               "--device", args.device, "--data", "synthetic", "--seq-len", str(args.seq),
+               "--batch-size",
                str(args.batch), "--max-steps", str(args.steps), "--precision", "bf16",
                "--lr", "1e-4", "--schedule", "constant", "--warmup-steps", "0",
                "--eval-every", "0", "--eval-batches", "1", "--log-every", "1",
@@ -69,7 +72,7 @@ def run(directory: Path, flags: list[str], run_dir: Path, args: argparse.Namespa
     summary = json.loads((run_dir / "summary.json").read_text())
     found = medians(run_dir, args.batch, args.seq)
     return {"peak_mem_bytes": summary["peak_mem_bytes"],
-            "peak_mem_kind": summary["peak_mem_kind"],
+            "peak_mem_kind": summary["peak_mem_kind"], "device_name": summary["device_name"],
             "trainable_params": summary["trainable_params"],
             "tokens_per_s": found["tokens_per_s"], "step_s": found["step_s"]}
 
@@ -82,8 +85,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--device", default="auto", help="as gpuflow train's --device")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="the run on the CPU at a tiny size, one round (the file says so)")
     parser.add_argument("--out", type=Path, default=_common.default_result_path("lora_memory"))
     args = parser.parse_args()
+    if args.dry_run:
+        args.device, args.dim, args.layers, args.seq, args.steps, args.rounds = (
+            "cpu", 128, 2, 64, 3, 1)
     rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -105,6 +114,7 @@ def main() -> None:
         "benchmark": "lora_memory", **_common.provenance(
             transformers=_common.package_version("transformers"),
             peft=_common.package_version("peft")),
+        "dry_run": args.dry_run, "device_name": rounds[0]["full"]["device_name"],
         "machine": _common.machine_info(), "foreign_cpu_share": load.share(),
         "launcher_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "model": {"dim": args.dim, "layers": args.layers, "seq": args.seq, "batch": args.batch,
