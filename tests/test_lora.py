@@ -212,10 +212,15 @@ def test_a_16_bit_base_loads_and_stays_16_bit_under_autocast(
     assert {dtype for name, dtype in dtypes.items() if "lora_" not in name} == {torch.bfloat16}
 
 
-def _ranks(rank: int, port: int, directory: str, run_dir: str) -> None:
+def join_two_ranks(rank: int, port: int) -> None:
+    """This spawned process as ``rank`` of 2 local ranks, on one thread."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+
+
+def _ranks(rank: int, port: int, directory: str, run_dir: str) -> None:
+    join_two_ranks(rank, port)
     from gpuflow.parallel.env import shutdown
 
     try:

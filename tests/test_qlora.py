@@ -6,7 +6,6 @@ merged export gives them too; bad input is refused."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,16 @@ import torch
 import torch.multiprocessing as mp
 from hub_models import one_thread
 from runs import losses, newest_weights
-from test_lora import ADAPTER_ATOL, MERGED_ATOL, RANKS_ATOL, SEQ, STEPS, adapters, setup
+from test_lora import (
+    ADAPTER_ATOL,
+    MERGED_ATOL,
+    RANKS_ATOL,
+    SEQ,
+    STEPS,
+    adapters,
+    join_two_ranks,
+    setup,
+)
 
 from gpuflow import Trainer, nf4, train
 from gpuflow.cli import main
@@ -69,9 +77,7 @@ def test_a_resumed_qlora_run_is_bitwise_the_uninterrupted_one(
 
 
 def _fsdp_ranks(rank: int, port: int, directory: str, run_dir: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    join_two_ranks(rank, port)
     from gpuflow.parallel.env import shutdown
 
     try:
