@@ -124,8 +124,9 @@ def _build_workload(args: argparse.Namespace, meta: bool = True,
         options["model_size"] = args.model_size
     if args.data_dir:
         options["data_dir"] = args.data_dir
-    build = partial(resolve_workload, args.workload, options,
-                    frozen_precision=frozen_precision)
+    # Given only for adapters: a full fine-tune's workload is built as it always was.
+    held = {"frozen_precision": frozen_precision} if frozen_precision else {}
+    build = partial(resolve_workload, args.workload, options, **held)
     if not meta:
         return build()
     try:
