@@ -33,9 +33,9 @@ from gpuflow.model_dir import GenerationDefaults
 from gpuflow.serve.batcher import Batcher
 from gpuflow.serve.engine import Engine
 from gpuflow.serve.errors import ApiError
+from gpuflow.serve.generate.adapter_files import AdapterRegistry, BaseLayout
 from gpuflow.serve.generate.build import build_generator
 from gpuflow.serve.generate.engine import GenerationEngine
-from gpuflow.serve.generate.adapter_files import AdapterRegistry, BaseLayout
 from gpuflow.serve.generate.models import adapter_refusal, refusal
 from gpuflow.serve.generate.tokenizer import HFTokenizer, load_tokenizer
 from gpuflow.serve.metrics import ServeMetrics

@@ -6,8 +6,9 @@ values; its output; its gate and up; its down), ``A`` is ``[slots, in, k * R]`` 
 projections in the group, ``R`` the largest rank served; a smaller adapter's other columns
 are zero), slot ``s`` holding its projections' ``lora_A`` transposed side by side, and each
 projection has its own ``B`` ``[slots, R, out]``, the slot's scaled ``lora_B`` transposed (no
-zero blocks to read: a step's products read every slot it reaches). A step adds every token's adapter in a few operators a group,
-whatever the mix of adapters (the batching of S-LoRA and Punica, in torch's own products):
+zero blocks to read: a step's products read every slot it reaches). A step adds every
+token's adapter in a few operators a group, whatever the mix of adapters (the batching of
+S-LoRA and Punica, in torch's own products):
 
 - an eager step (``SegmentedStep``) lays its adapted tokens out by slot (``paged.LoraRows``:
   each slot's tokens, padded to the longest), and runs two batched products over the slots
@@ -25,13 +26,55 @@ first when a new adapter needs a slot (least recently used).
 from __future__ import annotations
 
 import collections
+from collections.abc import Sequence
+from itertools import chain
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
-from gpuflow.serve.generate.adapter_files import AdapterRef, AdapterWeights, BaseLayout, read_weights
-from gpuflow.serve.generate.paged import LoraRows
+from gpuflow.serve.generate.adapter_files import (
+    AdapterRef,
+    AdapterWeights,
+    BaseLayout,
+    read_weights,
+)
+
+
+class LoraRows(NamedTuple):
+    """A step's tokens under LoRA adapters, laid out by slot for batched products: slots
+    ``0..span-1`` own ``length`` positions each of ``gather`` (the indices of the slot's
+    tokens, then padding that repeats token 0); ``adapted``: the tokens under an adapter,
+    ``picked``: their positions in that layout."""
+
+    gather: torch.Tensor
+    adapted: torch.Tensor
+    picked: torch.Tensor
+    span: int
+    length: int
+
+
+def lora_layout(rows: Sequence[tuple[int, int]]
+                ) -> tuple[list[int], list[int], list[int], int, int]:
+    """``LoraRows``' lists, span and length for rows of ``(slot, tokens)`` laid flat
+    (empty lists and 0: no row under an adapter)."""
+    span = max(slot for slot, _ in rows) + 1
+    if span <= 0:
+        return [], [], [], 0, 0
+    by_slot: list[list[int]] = [[] for _ in range(span)]
+    first = 0
+    for slot, count in rows:
+        if slot >= 0:
+            by_slot[slot].extend(range(first, first + count))
+        first += count
+    length = max(len(tokens) for tokens in by_slot)
+    gather: list[int] = []
+    picked: list[int] = []
+    for slot, tokens in enumerate(by_slot):
+        gather += tokens + [0] * (length - len(tokens))
+        picked += range(slot * length, slot * length + len(tokens))
+    return gather, list(chain.from_iterable(by_slot)), picked, span, length
+
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
           ("down_proj",))

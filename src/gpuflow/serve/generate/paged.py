@@ -22,52 +22,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol
+from typing import Literal, NamedTuple, Protocol
 
 import torch
 
 from gpuflow.serve.generate.blocks import NULL_BLOCK, blocks_for
-
-if TYPE_CHECKING:
-    from gpuflow.serve.generate.lora_slots import LoraSlots
+from gpuflow.serve.generate.lora_slots import LoraRows, LoraSlots, lora_layout
 
 # Rows of a step attend once to the blocks they share when that spares the other rows this
 # many gathered positions or more (below it, the second SDPA and the merge cost more).
 SHARED_MIN_SAVED = 768
 Wanted = Literal["last", "all", "none"]  # the tokens of a row whose logits a forward returns
-
-
-class LoraRows(NamedTuple):
-    """A step's tokens under LoRA adapters, laid out by slot for batched products: slots
-    ``0..span-1`` own ``length`` positions each of ``gather`` (the indices of the slot's
-    tokens, then padding that repeats token 0); ``adapted``: the tokens under an adapter,
-    ``picked``: their positions in that layout."""
-
-    gather: torch.Tensor
-    adapted: torch.Tensor
-    picked: torch.Tensor
-    span: int
-    length: int
-
-
-def lora_layout(rows: Sequence[RowSpec]) -> tuple[list[int], list[int], list[int], int, int]:
-    """``LoraRows``' lists, span and length for ``rows`` laid flat (empty: no adapter)."""
-    span = max(row.adapter for row in rows) + 1
-    if span <= 0:
-        return [], [], [], 0, 0
-    by_slot: list[list[int]] = [[] for _ in range(span)]
-    first = 0
-    for row in rows:
-        if row.adapter >= 0:
-            by_slot[row.adapter].extend(range(first, first + len(row.tokens)))
-        first += len(row.tokens)
-    length = max(len(tokens) for tokens in by_slot)
-    gather: list[int] = []
-    picked: list[int] = []
-    for slot, tokens in enumerate(by_slot):
-        gather += tokens + [0] * (length - len(tokens))
-        picked += range(slot * length, slot * length + len(tokens))
-    return gather, list(chain.from_iterable(by_slot)), picked, span, length
 
 
 class RowSpec(NamedTuple):
@@ -159,7 +124,8 @@ class StepBatch:
         tables = [list(row.blocks) + [NULL_BLOCK] * (width - len(row.blocks)) for row in rows]
         contexts = tuple(row.start + len(row.tokens) for row in rows)
         decodes = next((i for i, row in enumerate(rows) if len(row.tokens) != 1), len(rows))
-        gather, adapted, picked, span, length = lora_layout(rows)
+        gather, adapted, picked, span, length = lora_layout(
+            [(row.adapter, len(row.tokens)) for row in rows])
 
         # One host tensor and one copy to the device (a copy from pageable memory waits for
         # the device), cut into the batch's tensors as views.
