@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, get_args
 from gpuflow.config import TrainConfig
 from gpuflow.config_fields import LORA, OptimizerName
 from gpuflow.errors import UserError
-from gpuflow.options import add_flags
+from gpuflow.options import add_flags, flags
 from gpuflow.precision import PEAK_KEYS
 
 if TYPE_CHECKING:
@@ -154,8 +154,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     precisions = _precisions(args.precision)
     # The run's fixed knobs, checked as `gpuflow train --strategy auto` checks them: each
     # tunes the layouts that use it among those searched.
-    lora_flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
-                  if hasattr(args, f.name) and f.name.startswith(("lora_", "quantize_"))}
+    lora_flags = {flag.name: getattr(args, flag.name) for flag in flags(TrainConfig)
+                  if flag.option.group == LORA and hasattr(args, flag.name)}
     fixed = TrainConfig(strategy="auto", optimizer=args.optimizer, bucket_mb=args.bucket_mb,
                         fsdp_prefetch=args.fsdp_prefetch, **lora_flags)
     fixed.validate()
