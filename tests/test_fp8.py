@@ -71,7 +71,7 @@ def _fsdp_worker(rank: int, port: int, out: str) -> None:
 
     model = _small_gpt()
     conversion = fp8.convert(model, list(model.blocks), "tensorwise", emulate=True,
-                             skip_small=False, fsdp_all_gather=True)
+                             min_features=0, fsdp_all_gather=True)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.blocks:
         fully_shard(block, mp_policy=policy)
@@ -102,7 +102,7 @@ def test_emulated_fp8_tracks_the_bf16_loss_curve(gpt_and_data: tuple, recipe: st
     base, data, bf16 = gpt_and_data
     model = copy.deepcopy(base)
     conversion = fp8.convert(model, list(model.blocks), recipe, emulate=True,
-                             skip_small=False)
+                             min_features=0)
     # qkv, proj, fc and proj in each block; the tied LM head stays bf16.
     assert (conversion.converted, conversion.outside_blocks) == (8, 1)
     assert sum(type(m).__name__ == "Float8Linear" for m in model.modules()) == 8
@@ -125,7 +125,7 @@ def test_fp8_composes_with_fsdp2_and_gathers_fp8_weights(tmp_path: Path,
     assert all(r["all_gather"] and r["weight"] == "WeightWithDynamicFloat8CastTensor"
                for r in ranks)
     model = _small_gpt()
-    fp8.convert(model, list(model.blocks), "tensorwise", emulate=True, skip_small=False)
+    fp8.convert(model, list(model.blocks), "tensorwise", emulate=True, min_features=0)
     single = _train(model, _fsdp_batches())
     sharded = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"], strict=True)]
     worst = max(abs(a - b) / b for a, b in zip(sharded, single, strict=True))
@@ -140,17 +140,16 @@ def test_the_trainer_converts_after_counting_and_records_fp8(
     the compile it turns on are left out (a cold compile costs a CPU half a minute; the GPU
     suite compiles)."""
     monkeypatch.setattr(fp8, "check_device", lambda device: None)
-    monkeypatch.setattr(fp8, "convert",
-                        functools.partial(fp8.convert, emulate=True, skip_small=False))
+    monkeypatch.setattr(fp8, "convert", functools.partial(fp8.convert, emulate=True))
     monkeypatch.setattr(Trainer, "_compile", lambda self, example: None)
     spec = {"data": "synthetic", "model_size": "layers=2,dim=64,heads=2,seq=32"}
     config = TrainConfig(workload="textlm", device="cpu", precision="fp8", batch_size=8,
-                         max_steps=4, log_every=2, eval_every=0, save_checkpoints=False,
-                         progress=False, run_dir=str(tmp_path / "fp8"))
+                         fp8_min_features=0, max_steps=4, log_every=2, eval_every=0,
+                         save_checkpoints=False, progress=False, run_dir=str(tmp_path / "fp8"))
     with pytest.warns(UserWarning, match="--precision fp8 turns on --compile, which it needs"):
         trainer = Trainer(resolve_workload("textlm", spec), config)
     bf16 = Trainer(resolve_workload("textlm", spec), dataclasses.replace(
-        config, precision="bf16", run_dir=str(tmp_path / "bf16")))
+        config, precision="bf16", fp8_min_features=None, run_dir=str(tmp_path / "bf16")))
     assert trainer.config.compile
     assert trainer.flops_per_step == bf16.flops_per_step  # the model's FLOPs, counted once
     assert trainer.peak == bf16.peak  # MFU against the bf16 peak
@@ -172,6 +171,40 @@ def test_small_and_misaligned_layers_stay_bf16_and_are_counted() -> None:
     assert conversion.describe() == (
         "fp8 tensorwise in 1 of 4 linear layers (bf16: 1 too small to gain, 1 with a "
         "dimension not divisible by 16, 1 outside the repeated blocks), emulated")
+
+
+def _converted(min_features: int | None) -> list[str]:
+    """The layers of one 124m-wide block (768 wide, 3072 in the MLP) that become fp8."""
+    model = GPT(GPTConfig(vocab_size=256, layers=1, dim=768, heads=12, seq_len=32))
+    fp8.convert(model, list(model.blocks), "tensorwise", emulate=True,
+                min_features=min_features)
+    return [name for name, module in model.named_modules()
+            if type(module).__name__ == "Float8Linear"]
+
+
+def test_fp8_min_features_picks_the_layers_by_shape() -> None:
+    """torchao's tensorwise thresholds keep a product with K <= 4096 and N <= 1024 in bf16:
+    of the block's four, attn.proj (768 -> 768) and mlp.proj (3072 -> 768); a bound of N
+    features converts the layers whose in and out features both reach it."""
+    layers = ["blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.0.mlp.fc", "blocks.0.mlp.proj"]
+    assert _converted(None) == ["blocks.0.attn.qkv", "blocks.0.mlp.fc"]
+    assert _converted(0) == _converted(768) == layers
+    with pytest.raises(UserError, match="4 with a dimension under 1024.*lower --fp8-min"):
+        _converted(1024)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--precision", "bf16"), "--fp8-min-features chooses the layers --precision fp8"),
+    (("--precision", "fp8", "--fp8-min-features", "-16"), "must be 0 or more, or auto"),
+])
+def test_fp8_min_features_is_refused_clearly(flags: tuple[str, ...], message: str,
+                                             capsys: pytest.CaptureFixture[str],
+                                             tmp_path: Path) -> None:
+    code = main(["train", "--workload", "textlm", "--data", "synthetic", "--device", "cpu",
+                 "--fp8-min-features", "512", "--max-steps", "1", "--no-progress",
+                 "--run-dir", str(tmp_path), *flags])
+    assert code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_a_model_with_nothing_to_convert_is_refused() -> None:

@@ -84,6 +84,16 @@ def check_values(config: TrainFields) -> None:
         value = getattr(config, name)
         if value is not None and value < 1:
             raise UserError(f"--{_flag(name)} must be at least 1 (got {value}).")
+    if config.compile_scope == "model" and not (config.compile or config.cuda_graphs
+                                                or config.precision == "fp8"):
+        raise UserError("--compile-scope model says what --compile compiles, and this run "
+                        "compiles nothing: add --compile, or drop --compile-scope.")
+    if config.fp8_min_features is not None and config.precision != "fp8":
+        raise UserError("--fp8-min-features chooses the layers --precision fp8 converts: add "
+                        "--precision fp8, or drop --fp8-min-features.")
+    if config.fp8_min_features is not None and config.fp8_min_features < 0:
+        raise UserError(f"--fp8-min-features must be 0 or more, or auto (got "
+                        f"{config.fp8_min_features}).")
     check_lora_values(config)
 
 
@@ -139,7 +149,14 @@ def lora_layout_refusal(strategy: str, tp: int, pp: int, quantize: str | None = 
 
 
 def check_step_modes(config: TrainFields, strategy: str, tp: int, pp: int) -> None:
-    """fp8 and CUDA graphs only with the strategies they compose with."""
+    """fp8, CUDA graphs and whole-model compile only with the strategies they compose
+    with."""
+    if config.compile_scope == "model" and strategy == "fsdp":
+        raise UserError(
+            "--compile-scope model with --strategy fsdp: FSDP2 gathers and frees each "
+            "block's parameters in hooks that torch.compile leaves out of its graphs, so a "
+            "whole-model graph would break at every block. Use --compile-scope block (the "
+            "default) under fsdp.")
     if config.precision == "fp8" and (tp > 1 or pp > 1 or strategy in ("tp", "pp")):
         raise UserError(
             "--precision fp8 composes with --strategy single, ddp and fsdp; tensor and "
@@ -195,7 +212,7 @@ def check_layout(config: TrainFields, strategy: str, chosen: bool) -> None:
     tune another layout. ``chosen``: the strategy was given, rather than the default for the
     job's size; one process may then still be a rank of an outside launcher's job, so
     ``--bucket-mb`` is left to the run's warning."""
-    if config.precision == "fp8" or config.cuda_graphs:
+    if config.precision == "fp8" or config.cuda_graphs or config.compile_scope == "model":
         check_step_modes(config, strategy, config.tp, config.pp)
     if config.lora_rank is not None:
         check_lora_layout(strategy, config.tp, config.pp, config.quantize_base)

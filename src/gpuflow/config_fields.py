@@ -26,6 +26,7 @@ Strategy = StrategyName | Literal["auto"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
 PipelineSplit = Literal["auto", "trace", "manual"]
 FsdpWrap = Literal["block", "model"]
+CompileScope = Literal["block", "model"]
 BaseQuantization = Literal["nf4"]
 # DistributedDataParallel's gradient bucket size when --bucket-mb is not given.
 DDP_DEFAULT_BUCKET_MIB = 25.0
@@ -48,6 +49,10 @@ def _int_or_auto(text: str) -> int | str:
 
 def _positive_or_none(text: str) -> float | None:
     return None if text.lower() in ("none", "off", "0") else float(text)
+
+
+def _int_or_none(text: str) -> int | None:
+    return None if text == "auto" else int(text)
 
 
 def _decay_or_off(text: str) -> float:
@@ -130,6 +135,12 @@ class TrainFields:
         "tensorwise",
         help="--precision fp8's scaling: one scale per tensor (and fp8 all-gathers under "
              "fsdp), or per row (more accurate, a little slower)")
+    fp8_min_features: int | None = option(
+        None, metavar="N|auto", parse=_int_or_none, unset="auto",
+        help="--precision fp8 converts only the linear layers whose in and out features are "
+             "both at least N (0: every layer fp8 can run); auto: torchao's size thresholds "
+             "for the recipe",
+        details="see [precision.md](precision.md#which-layers-compute-in-fp8)")
     global_batch: int | None = option(
         None, unset="batch x accum x dp",
         help="samples per optimizer step over all ranks, kept by --batch-size auto and "
@@ -183,6 +194,10 @@ class TrainFields:
         details="identical blocks share one graph, so compile time does not grow with depth; "
                 "a model without blocks is compiled whole; if compilation fails the run says "
                 "why and continues eagerly")
+    compile_scope: CompileScope = option(
+        "block", help="what --compile compiles: each repeated block, or the whole model as "
+                      "one graph (--strategy single, ddp or tp)",
+        details="see [training.md](training.md#whole-model-compile)")
     activation_checkpointing: bool = option(
         False, help="recompute the workload's repeated blocks in backward to save activation "
                     "memory")

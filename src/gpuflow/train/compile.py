@@ -53,9 +53,11 @@ class Compiled:
 
 def compile_step(forward: nn.Module, model: nn.Module, blocks: list[nn.Module],
                  batch: tuple[Any, torch.Tensor], loss_fn: Loss, policy: PrecisionPolicy,
-                 device: torch.device, graphs: bool) -> Compiled | None:
+                 device: torch.device, config: TrainConfig) -> Compiled | None:
     """Compile each repeated block in place where the model has them, else the model; with
-    ``graphs`` (--cuda-graphs) the whole model, into one graph per step direction.
+    --compile-scope model the whole model as one graph (fewer launches and fusions across
+    blocks, for a longer cold compile); with --cuda-graphs the whole model, into one graph
+    per step direction.
 
     Identical blocks share one compiled graph (PyTorch's regional compilation), so cold
     compile time does not grow with depth and parameter names stay unchanged. A trial step
@@ -63,7 +65,8 @@ def compile_step(forward: nn.Module, model: nn.Module, blocks: list[nn.Module],
     graph the steps will use: the run then continues in eager mode (None), or stops under
     --cuda-graphs, which asked for graphs.
     """
-    blocks = [] if graphs else blocks
+    graphs = config.cuda_graphs
+    blocks = [] if graphs or config.compile_scope == "model" else blocks
     try:
         if graphs:
             compiled = cuda_graphs.graph(forward)

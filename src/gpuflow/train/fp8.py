@@ -5,9 +5,10 @@ whose matmuls cast their operands to float8 with dynamic scales (per tensor, or 
 ``--fp8-recipe rowwise``); everything else computes under bf16 autocast. Layers stay in bf16
 when fp8 cannot run them (a dimension not divisible by 16, what ``torch._scaled_mm`` needs)
 or would not speed them up (torchao's measured size thresholds for each recipe, from H100
-runs), and so do the layers outside the workload's repeated blocks (embeddings, heads), as
-torchtitan leaves its output layer. MFU stays measured against the dense bf16 peak: fp8 is a
-way of reaching it faster, not a bigger denominator.
+runs; or, with ``--fp8-min-features N``, a dimension under N), and so do the layers outside
+the workload's repeated blocks (embeddings, heads), as torchtitan leaves its output layer.
+MFU stays measured against the dense bf16 peak: fp8 is a way of reaching it faster, not a
+bigger denominator.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Fp8Conversion:
     """What the conversion did, for the banner and the run's summary."""
 
     recipe: str
+    min_features: int | None  # None: torchao's size thresholds for the recipe
     converted: int
     too_small: int
     not_divisible: int
@@ -46,8 +48,10 @@ class Fp8Conversion:
         return self.converted + self.too_small + self.not_divisible + self.outside_blocks
 
     def describe(self) -> str:
+        small = ("too small to gain" if self.min_features is None
+                 else f"with a dimension under {self.min_features}")
         kept = [f"{count} {why}" for count, why in (
-            (self.too_small, "too small to gain"),
+            (self.too_small, small),
             (self.not_divisible, f"with a dimension not divisible by {FP8_ALIGNMENT}"),
             (self.outside_blocks, "outside the repeated blocks")) if count]
         gather = ", fp8 all-gather under FSDP" if self.fsdp_float8_all_gather else ""
@@ -94,29 +98,38 @@ def linear_config(recipe: Fp8Recipe, *, emulate: bool = False,
                                and recipe == "tensorwise")
 
 
-def _why_kept(module: nn.Linear, gains: Callable[[nn.Module, str], bool] | None
-              ) -> str | None:
+def _why_kept(module: nn.Linear, gains: Callable[[nn.Module, str], bool]) -> str | None:
     """None when ``module`` should compute in fp8, else the summary field naming why not."""
     out_features, in_features = module.weight.shape
     if in_features % FP8_ALIGNMENT or out_features % FP8_ALIGNMENT:
         return "not_divisible"
-    if gains is not None and not gains(module, ""):
+    if not gains(module, ""):
         return "too_small"
     return None
 
 
+def size_filter(recipe: Fp8Recipe, min_features: int | None
+                ) -> Callable[[nn.Module, str], bool]:
+    """Whether a linear layer is large enough to gain from fp8: torchao's thresholds for
+    ``recipe`` (measured on H100s), or both dimensions at least ``min_features``."""
+    if min_features is None:
+        return _torchao()._auto_filter_for_recipe(recipe, [])
+    return lambda module, fqn: min(module.weight.shape) >= min_features
+
+
 def convert(model: nn.Module, blocks: Sequence[nn.Module], recipe: Fp8Recipe, *,
             emulate: bool = False, fsdp_all_gather: bool = False,
-            skip_small: bool = True) -> Fp8Conversion:
+            min_features: int | None = None) -> Fp8Conversion:
     """Swap ``model``'s eligible linear layers for ``Float8Linear`` in place.
 
     ``blocks`` are the workload's repeated blocks (all of the model when it has none);
-    ``emulate`` runs the float8 matmuls in fp32 on any device (tests); ``skip_small=False``
-    converts layers below torchao's size thresholds too (tests on tiny models).
+    ``emulate`` runs the float8 matmuls in fp32 on any device (tests); ``min_features``
+    (--fp8-min-features) replaces torchao's size thresholds, 0 converting every layer whose
+    dimensions fp8 can run.
     """
     float8 = _torchao()
     inside = {id(module) for block in blocks for module in block.modules()} if blocks else None
-    gains = float8._auto_filter_for_recipe(recipe, []) if skip_small else None
+    gains = size_filter(recipe, min_features)
     counts = {"converted": 0, "too_small": 0, "not_divisible": 0, "outside_blocks": 0}
 
     def eligible(module: nn.Module, fqn: str) -> bool:
@@ -129,15 +142,15 @@ def convert(model: nn.Module, blocks: Sequence[nn.Module], recipe: Fp8Recipe, *,
 
     config = linear_config(recipe, emulate=emulate, fsdp_all_gather=fsdp_all_gather)
     float8.convert_to_float8_training(model, module_filter_fn=eligible, config=config)
-    if not counts["converted"]:
-        raise UserError(
-            f"--precision fp8: none of the model's {sum(counts.values())} linear layers can "
-            f"compute in fp8 ({counts['too_small']} too small to gain, "
-            f"{counts['not_divisible']} with a dimension not divisible by {FP8_ALIGNMENT}, "
-            f"{counts['outside_blocks']} outside the repeated blocks); use --precision bf16.")
-    return Fp8Conversion(recipe=recipe, **counts,
-                         fsdp_float8_all_gather=config.enable_fsdp_float8_all_gather,
-                         emulated=emulate)
+    conversion = Fp8Conversion(recipe=recipe, min_features=min_features, **counts,
+                               fsdp_float8_all_gather=config.enable_fsdp_float8_all_gather,
+                               emulated=emulate)
+    if not conversion.converted:
+        lower = "" if min_features is None else ", or a lower --fp8-min-features"
+        raise UserError(f"--precision fp8: none of the model's {conversion.linear_layers} "
+                        f"linear layers can compute in fp8 ({conversion.describe()}); use "
+                        f"--precision bf16{lower}.")
+    return conversion
 
 
 def precompute_scales_after_step(optimizer: torch.optim.Optimizer, model: nn.Module

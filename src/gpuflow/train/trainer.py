@@ -109,7 +109,8 @@ class Trainer:
         self.flops_per_step = self._step_flops(example)
         # Converted after counting: the model's FLOPs are the same in fp8.
         self.fp8 = (fp8.convert(self.model, workload.blocks(), config.fp8_recipe,
-                                fsdp_all_gather=self.dims.sharded)
+                                fsdp_all_gather=self.dims.sharded,
+                                min_features=config.fp8_min_features)
                     if config.precision == "fp8" else None)
         parts = ModelParts(workload.blocks, workload.loss_fn, workload.parallel_plan,
                            call_model, config.activation_checkpointing, self.lora is None)
@@ -196,8 +197,7 @@ class Trainer:
     def _compile(self, example: Batch) -> Compiled | None:
         compiled = compile_step(self.strategy.forward_model, self.model, self.workload.blocks(),
                                 resize_rows(example, self.config.batch_size),
-                                self.workload.loss_fn, self.policy, self.device,
-                                graphs=self.config.cuda_graphs)
+                                self.workload.loss_fn, self.policy, self.device, self.config)
         if compiled is not None:
             self.strategy.forward_model = compiled.module
         return compiled
