@@ -106,12 +106,12 @@ def _measured_train(size: str) -> Callable[[Result], bool]:
                               for precision in ("bf16", "fp8"))
 
 
-def _lever(name: str) -> Callable[[Result], str]:
+def _lever(name: str, precision: str) -> Callable[[Result], str]:
     """The run with lever ``name`` switched against today's step, per model size."""
     def headline(result: Result) -> str:
         parts = []
         for size in ("124m", "1b"):
-            today, lever = (_run(result, "train", f"{size}-bf16{suffix}")
+            today, lever = (_run(result, "train", f"{size}-{precision}{suffix}")
                             for suffix in ("", f"-{name}"))
             if lever:
                 ratio = _ratio(lever["tokens_per_s"], today.get("tokens_per_s"))
@@ -125,20 +125,22 @@ def _gib(run: Result) -> str:
     return f"{run['peak_mem_bytes'] / 2**30:.1f}" if run.get("peak_mem_bytes") else "n/a"
 
 
-def _measured_lever(name: str) -> Callable[[Result], bool]:
-    return lambda result: all(_run(result, "train", label) for size in ("124m", "1b")
-                              for label in (f"{size}-bf16", f"{size}-bf16-{name}"))
+def _measured_lever(name: str, precision: str, sizes: tuple[str, ...]
+                    ) -> Callable[[Result], bool]:
+    return lambda result: all(_run(result, "train", label) for size in sizes
+                              for label in (f"{size}-{precision}", f"{size}-{precision}-{name}"))
 
 
-def _lever_stage(stage: str, name: str, about: str, sources: tuple[str, ...]) -> Stage:
-    """textlm 124m and 1b in bf16, compiled, today's step and the gpu_suite runs with lever
-    ``name`` switched (``gpu_suite.lever_runs``)."""
-    runs = ",".join(f"{size}-bf16{suffix}" for size in ("124m", "1b")
+def _lever_stage(stage: str, name: str, about: str, sources: tuple[str, ...],
+                 precision: str = "bf16", sizes: tuple[str, ...] = ("124m", "1b")) -> Stage:
+    """textlm at ``sizes`` in ``precision``, compiled, today's step and the gpu_suite runs
+    with lever ``name`` switched (``gpu_suite.lever_runs``)."""
+    runs = ",".join(f"{size}-{precision}{suffix}" for size in sizes
                     for suffix in ("", f"-{name}"))
-    return Stage(stage, f"textlm 124m and 1b in bf16, compiled: {about}",
+    return Stage(stage, f"textlm {' and '.join(sizes)} in {precision}, compiled: {about}",
                  (*TEXTLM, "src/gpuflow/config_fields.py", *sources), "gpu_suite-*.json",
-                 _measured_lever(name), _suite("train", stage, "--runs", runs), 300,
-                 _lever(name))
+                 _measured_lever(name, precision, sizes), _suite("train", stage, "--runs", runs),
+                 150 * len(sizes), _lever(name, precision))
 
 
 def _images(result: Result) -> str:
@@ -256,6 +258,11 @@ STAGES: tuple[Stage, ...] = (
                  "foreach", ("src/gpuflow/train/optim.py",)),
     _lever_stage("loss-chunks", "chunked", "today's loss against --loss-chunks 8 (no whole "
                  "fp32 logits)", ("src/gpuflow/train/chunked_loss.py",)),
+    _lever_stage("compile-model", "whole", "today's per-block compile against "
+                 "--compile-scope model (one graph)", ("src/gpuflow/train/compile.py",)),
+    _lever_stage("fp8-filter", "all", "torchao's size thresholds (today) against "
+                 "--fp8-min-features 0 (every layer fp8 can run)",
+                 ("src/gpuflow/train/fp8.py", "src/gpuflow/lazy_torchao.py"), "fp8", ("124m",)),
     Stage("lora-serving", "8 LoRA adapters mixed against the base alone: SmolLM2-135M, bf16, "
           "32 clients", ("src/gpuflow/serve", "benchmarks/lora_serving.py"),
           "lora_serving-*.json", _on_gpu,

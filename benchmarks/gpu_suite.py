@@ -128,13 +128,19 @@ def train_runs(dry_run: bool) -> list[TrainRun]:
 
 
 def lever_runs(compiled: tuple[str, ...]) -> list[TrainRun]:
-    """Today's bf16 steps with one lever switched (docs/training.md): foreach AdamW in place
-    of the fused kernel; the loss over 8 chunks, never the whole fp32 logits."""
-    levers = {"foreach": ("--optimizer-impl", "foreach"), "chunked": ("--loss-chunks", "8")}
-    return [TrainRun(f"{size}-bf16-{name}", size, "bf16", batch, steps, every,
+    """Today's steps with one lever switched (docs/training.md, docs/precision.md): in bf16,
+    foreach AdamW in place of the fused kernel, the loss over 8 chunks (never the whole fp32
+    logits), the whole model compiled as one graph; fp8 on every layer it can run, not only
+    those torchao's thresholds pick (at 124m: at 1b they pick all)."""
+    both = ("124m", "1b")
+    levers = {"foreach": ("bf16", ("--optimizer-impl", "foreach"), both),
+              "chunked": ("bf16", ("--loss-chunks", "8"), both),
+              "whole": ("bf16", ("--compile-scope", "model"), both),
+              "all": ("fp8", ("--fp8-min-features", "0"), ("124m",))}
+    shapes = {"124m": (64, 30, 10), "1b": (16, 15, 5)}
+    return [TrainRun(f"{size}-{precision}-{name}", size, precision, *shapes[size],
                      (*compiled, *flags), lever=True)
-            for name, flags in levers.items()
-            for size, batch, steps, every in (("124m", 64, 30, 10), ("1b", 16, 15, 5))]
+            for name, (precision, flags, sizes) in levers.items() for size in sizes]
 
 
 def graph_runs(dry_run: bool) -> list[TrainRun]:
