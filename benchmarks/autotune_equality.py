@@ -22,7 +22,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _common import default_result_path, machine_info, provenance, write_json  # noqa: E402
+import _common  # noqa: E402
 
 from gpuflow.models.gpt import GPT  # noqa: E402
 from gpuflow.serve.generate.models import paged_lm  # noqa: E402
@@ -96,10 +96,12 @@ def main() -> int:
         print(f"{name}: max |logit diff| {figures['max_abs_logit_diff']:.2e} "
               f"(largest logit {figures['max_abs_logit']:.2f}), greedy tokens agree "
               f"{figures['greedy_agree']}/{figures['greedy_steps']}")
-    out = args.out or default_result_path("autotune_equality")
-    write_json(out, {"benchmark": "autotune_equality", **provenance(),
-                     "machine": {**machine_info(), "torch_threads": 1},
-                     "steps": args.steps, "results": results})
+    out = args.out or _common.default_result_path("autotune_equality")
+    _common.write_json(out, {
+        "benchmark": "autotune_equality",
+        **_common.provenance(transformers=_common.package_version("transformers")),
+        "machine": {**_common.machine_info(), "torch_threads": 1},
+        "steps": args.steps, "results": results})
     print(f"wrote {out}")
     return 0
 
