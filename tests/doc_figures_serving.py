@@ -15,6 +15,7 @@ HUB_LLAMA = "generation-hub-llama-amd-epyc-2c.json"
 LAYOUT, CEILING = "linear_layout-intel-r-xeon-r-2c.json", "host_ceiling-intel-r-xeon-r-2c.json"
 SMOLLM2 = "generation-smollm2-intel-r-xeon-r-2c.json"
 STRUCTURED, STRUCTURED_DOC = "structured_output-intel-r-xeon-r-2c.json", "docs/structured-output.md"
+AUTOTUNE = "autotune_equality-intel-r-xeon-r-2c.json"
 LEVELS = ("1", "8", "32", "64")
 
 
@@ -49,6 +50,14 @@ def _hub_llama(route: str, level: str) -> Figure:
             [*_engine(ours, level), *_engine(theirs, level),
              (lambda result: result["runs"][ours][level]["tokens_per_s"]
               / result["runs"][theirs][level]["tokens_per_s"], ".2f")])
+
+
+def _autotune(model: str) -> list[tuple[JsonPath, str]]:
+    """autotune_equality: one model's largest logit difference (in units of 1e-7), and the
+    greedy steps whose tokens agreed, of all."""
+    base = f"results.{model}"
+    return [(lambda result: result["results"][model]["max_abs_logit_diff"] * 1e7, ".1f"),
+            (f"{base}.greedy_agree", ".0f"), (f"{base}.greedy_steps", ".0f")]
 
 
 def _speculative(prompt: str) -> list[tuple[JsonPath, str]]:
@@ -153,6 +162,12 @@ def _host_ceiling(level: str) -> list[tuple[JsonPath, str]]:
 
 
 FIGURES: list[Figure] = [
+    (SERVE_DOC, "the tuned logits stay within {}e-7 of the eager step's (largest logit {}) and "
+     "the greedy tokens agree in {} of {} steps for textlm tiny", AUTOTUNE,
+     [_autotune("textlm-tiny")[0], ("results.textlm-tiny.max_abs_logit", ".2f"),
+      *_autotune("textlm-tiny")[1:]]),
+    (SERVE_DOC, "within {}e-7 and {} of {} for a 2-layer Llama config", AUTOTUNE,
+     _autotune("llama-tiny")),
     *((SERVE_DOC, f"| {level} | {{}} tok/s | {{}} tok/s | {{}} ms, {{}} ms |", SERVING,
        [(f"generation.tokens_per_s.gpuflow.{level}", ",.0f"),
         (f"generation.tokens_per_s.gpuflow no cache.{level}", ",.0f"),

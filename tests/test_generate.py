@@ -172,7 +172,8 @@ def test_a_decode_compile_that_fails_falls_back_to_eager_saying_so(
 def test_max_autotune_tunes_the_decode_step_over_weights_frozen_while_it_compiles(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The plumbing (an autotuned compile takes tens of seconds: benchmarks/generation.py
-    --max-autotune measures it, and its logits against eager's)."""
+    --max-autotune measures its speed, benchmarks/autotune_equality.py its logits against
+    eager's)."""
     assert compile_mode(cuda_graphs=False, max_autotune=False) is None
     assert compile_mode(cuda_graphs=True, max_autotune=False) == "reduce-overhead"
     assert compile_mode(cuda_graphs=True, max_autotune=True) == "max-autotune"
