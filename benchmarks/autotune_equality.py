@@ -101,7 +101,11 @@ def main() -> int:
         "benchmark": "autotune_equality",
         **_common.provenance(transformers=_common.package_version("transformers")),
         "machine": {**_common.machine_info(), "torch_threads": 1},
-        "steps": args.steps, "results": results})
+        "steps": args.steps,
+        "max_abs_logit_diff": max(r["max_abs_logit_diff"] for r in results.values()),
+        "greedy_disagreements": sum(r["greedy_steps"] - r["greedy_agree"]
+                                    for r in results.values()),
+        "results": results})
     print(f"wrote {out}")
     return 0
 
