@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import os
 import signal
 import socket
@@ -126,6 +128,23 @@ def hub_models(tmp_path_factory: pytest.TempPathFactory) -> HubModels:
 
 
 TEXTLM_SIZE = "layers=2,dim=32,heads=4,seq=64"
+
+
+def train_refusal(run_dir: Path, *flags: str) -> str:
+    """What `gpuflow train` (in this process: one step of a synthetic textlm on the CPU)
+    says when it refuses ``flags``, having exited with code 2."""
+    from gpuflow.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            code = main(["train", "--workload", "textlm", "--data", "synthetic", "--device",
+                         "cpu", "--max-steps", "1", "--no-progress", "--run-dir",
+                         str(run_dir), *flags])
+        except SystemExit as exc:  # argparse's own refusal of an unknown choice
+            code = exc.code
+    assert code == 2, err.getvalue()
+    return err.getvalue()
 
 
 @pytest.fixture(scope="session")

@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import train_refusal
 from torch import nn
 
 from gpuflow import TrainConfig, Trainer
-from gpuflow.cli import main
 from gpuflow.errors import UserError
 from gpuflow.models.gpt import GPT, GPTConfig
 from gpuflow.parallel.env import free_port
@@ -198,13 +198,8 @@ def test_fp8_min_features_picks_the_layers_by_shape() -> None:
     (("--precision", "fp8", "--fp8-min-features", "-16"), "must be 0 or more, or auto"),
 ])
 def test_fp8_min_features_is_refused_clearly(flags: tuple[str, ...], message: str,
-                                             capsys: pytest.CaptureFixture[str],
                                              tmp_path: Path) -> None:
-    code = main(["train", "--workload", "textlm", "--data", "synthetic", "--device", "cpu",
-                 "--fp8-min-features", "512", "--max-steps", "1", "--no-progress",
-                 "--run-dir", str(tmp_path), *flags])
-    assert code == 2
-    assert message in capsys.readouterr().err
+    assert message in train_refusal(tmp_path, "--fp8-min-features", "512", *flags)
 
 
 def test_a_model_with_nothing_to_convert_is_refused() -> None:
@@ -225,14 +220,5 @@ def test_fp8_all_gather_only_where_torchao_offers_it() -> None:
     (("--strategy", "tp", "--nproc", "2"), "tensor and pipeline parallelism"),
     (("--fp8-recipe", "blockwise"), "invalid choice: 'blockwise'"),
 ])
-def test_fp8_is_refused_clearly(flags: tuple[str, ...], message: str,
-                                capsys: pytest.CaptureFixture[str], tmp_path) -> None:
-    args = ["train", "--workload", "textlm", "--data", "synthetic", "--device", "cpu",
-            "--precision", "fp8", "--max-steps", "1", "--no-progress", "--run-dir",
-            str(tmp_path), *flags]
-    try:
-        code = main(args)
-    except SystemExit as exc:  # argparse's own refusal of an unknown choice
-        code = exc.code
-    assert code == 2
-    assert message in capsys.readouterr().err
+def test_fp8_is_refused_clearly(flags: tuple[str, ...], message: str, tmp_path: Path) -> None:
+    assert message in train_refusal(tmp_path, "--precision", "fp8", *flags)

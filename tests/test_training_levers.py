@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import train_refusal
 from runs import configs, losses, summary
 
 from gpuflow import Trainer, train
-from gpuflow.cli import main
 from gpuflow.config import TrainConfig
 from gpuflow.errors import UserError
 from gpuflow.parallel.dims import ParallelDims
@@ -133,10 +133,5 @@ def test_whole_model_compile_trains_as_per_block_compile(tmp_path: Path) -> None
     (("--compile", "--strategy", "fsdp"), "--compile-scope model with --strategy fsdp"),
 ])
 def test_whole_model_compile_is_refused_clearly(flags: tuple[str, ...], message: str,
-                                                capsys: pytest.CaptureFixture[str],
                                                 tmp_path: Path) -> None:
-    code = main(["train", "--workload", "textlm", "--data", "synthetic", "--device", "cpu",
-                 "--compile-scope", "model", "--max-steps", "1", "--no-progress",
-                 "--run-dir", str(tmp_path), *flags])
-    assert code == 2
-    assert message in capsys.readouterr().err
+    assert message in train_refusal(tmp_path, "--compile-scope", "model", *flags)
