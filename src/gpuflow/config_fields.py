@@ -190,7 +190,8 @@ class TrainFields:
     log_every: int = option(
         10, help="write one metrics record per N steps (figures are means over those steps)")
     compile: bool = option(
-        False, help="`torch.compile` each repeated block in place",
+        False, help="`torch.compile` each repeated block in place (--compile-scope model: "
+                    "the whole model)",
         details="identical blocks share one graph, so compile time does not grow with depth; "
                 "a model without blocks is compiled whole; if compilation fails the run says "
                 "why and continues eagerly")
