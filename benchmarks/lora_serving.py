@@ -175,6 +175,7 @@ def parse() -> argparse.Namespace:
 def main() -> int:
     args = parse()
     machine = machine_info()  # before the clients are moved off the server's core
+    out = args.out or default_result_path("lora_serving")  # named after every core
     cores = usable_cores()
     server_cores = {0} if cores >= 2 and not args.device.startswith("cuda") else None
     if server_cores:
@@ -192,7 +193,6 @@ def main() -> int:
             found = measure(url, len(adapters), args)
         finally:
             stop([process])
-    out = args.out or default_result_path("lora_serving")
     device_name = (torch.cuda.get_device_name() if args.device.startswith("cuda")
                    else machine["cpu_model"])
     write_json(out, {**provenance(peft=package_version("peft")), "machine": machine,

@@ -89,10 +89,13 @@ def test_a_step_mixing_the_base_and_three_adapters_equals_each_served_alone(
     forward = lm.forward
 
     def recorded(batch, pool):  # type: ignore[no-untyped-def]
-        lora = batch.lora
-        if lora is not None:
-            used = len(set((lora.picked // lora.length).tolist()))
-            mixes.append((len(lora.adapted) < len(batch.tokens), used))
+        slots: set[int] = set()
+        for lora in batch.lora:
+            mine = lora.kept.bool()
+            slots |= set((lora.back[mine] // lora.length + lora.first).tolist())
+        if batch.lora:
+            adapted = sum(int(lora.kept.sum()) for lora in batch.lora)
+            mixes.append((adapted < len(batch.tokens), len(slots)))
         return forward(batch, pool)
 
     lm.forward = recorded  # type: ignore[method-assign]
@@ -105,7 +108,7 @@ def test_a_step_mixing_the_base_and_three_adapters_equals_each_served_alone(
     # The last prompt repeats the first: under another adapter its blocks are not reused.
     assert results[-1].done.cached_tokens == 0
     # Three adapters read into two slots: one at least took a slot another had held.
-    assert engine.core.adapters is not None and engine.core.adapters.loads >= 3
+    assert engine.core.adapters.table is not None and engine.core.adapters.table.loads >= 3
 
 
 def test_bucketed_decode_steps_carry_each_rows_adapter(

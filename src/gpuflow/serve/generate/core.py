@@ -17,7 +17,7 @@ token (``sampling.py``), or the tokens its drafts earned (speculative decoding,
 (``grammar.py``; one new to the core waits outside the scheduler while it compiles,
 ``compiling.py``), on the host; its drafts are cut to what its grammar accepts, and each
 is verified under its grammar's mask at its position. A request under a LoRA adapter
-waits outside the scheduler too until its adapter holds a slot (``lora_slots.py``: read
+waits outside the scheduler too until its adapter holds a slot (``adapter_queue.py``: read
 in on first use, into an empty slot or one no live request pins), which it pins until it
 ends; its rows carry the slot. A step of greedy rows is left in
 flight: the next one is planned and launched before its tokens are taken, so the host's
@@ -26,7 +26,6 @@ work overlaps the forward; a constrained row never is (its mask needs its last t
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import time
 from collections.abc import Callable, Iterable
@@ -35,11 +34,12 @@ from typing import Any
 import torch
 
 from gpuflow.serve.dtypes import short_name
+from gpuflow.serve.generate.adapter_queue import AdapterQueue
 from gpuflow.serve.generate.compiling import GrammarQueue
 from gpuflow.serve.generate.core_request import PENDING, CoreRequest
 from gpuflow.serve.generate.grammar import Guide
 from gpuflow.serve.generate.launch import DeviceThread, Forward, Launched, run_forward
-from gpuflow.serve.generate.lora_slots import NO_ADAPTER, SlotTable
+from gpuflow.serve.generate.lora_slots import SlotTable
 from gpuflow.serve.generate.messages import (
     Inbox,
     NewRequest,
@@ -62,9 +62,7 @@ class EngineCore:
                  eos_ids: Iterable[int] = (), proposer: Proposer | None = None,
                  overlap: bool = True, adapters: SlotTable | None = None) -> None:
         self.scheduler, self.runner, self.context = scheduler, runner, context
-        self.adapters = adapters  # LoRA adapters' slots, when adapters are served
-        # Requests whose adapter has no slot yet, in arrival order.
-        self._awaiting: collections.deque[CoreRequest] = collections.deque()
+        self.adapters = AdapterQueue(adapters)  # requests waiting for their adapter's slot
         self.proposer = proposer  # drafts tokens to verify (speculative decoding), or None
         self.drafted = self.accepted = 0  # drafted tokens so far, and those accepted
         self.eos_ids = frozenset(eos_ids)
@@ -82,17 +80,13 @@ class EngineCore:
     @property
     def idle(self) -> bool:
         return (not self._live and self._in_flight is None and not self.compiling
-                and not self._awaiting)
+                and not self.adapters)
 
     def receive(self, inbox: Inbox) -> None:
         """New requests into the scheduler's queue (a constrained one once its grammar's
         guide is ready, one under an adapter once it holds a slot); dropped ones leave it,
         blocks freed."""
-        if self.adapters is not None:
-            for ref in inbox.adapters:
-                self.adapters.register(ref)
-            for adapter in inbox.unregistered:
-                self.adapters.forget(adapter)
+        self.adapters.receive(inbox)
         if inbox.vocabulary is not None:
             self.compiling.start(inbox.vocabulary, self.eos_ids)
         for new in inbox.new:
@@ -103,10 +97,7 @@ class EngineCore:
         self._admit_compiled()
         self.taken += len(inbox.new)
         for request_id in inbox.dropped:
-            awaiting = next((r for r in self._awaiting if r.id == request_id), None)
-            if awaiting is not None:
-                self._awaiting.remove(awaiting)
-            if awaiting is not None or self.compiling.drop(request_id):
+            if self.adapters.drop(request_id) or self.compiling.drop(request_id):
                 self._outputs.append(Output(request_id, finish="cancelled"))
                 continue
             request = self._by_id.get(request_id)
@@ -116,8 +107,8 @@ class EngineCore:
     def _admit(self, new: NewRequest, guide: Guide | None, error: str | None) -> None:
         request = CoreRequest(new.id, new.prompt, new.params, guide, new.adapter)
         if new.adapter and error is None:
-            self._awaiting.append(request)
-            self._admit_awaiting()
+            self.adapters.submit(request)
+            self._admit_adapted()
         else:
             self._enter(request, error)
 
@@ -127,23 +118,9 @@ class EngineCore:
         if error is not None:
             self._retire(request, "failed", error)
 
-    def _admit_awaiting(self) -> None:
-        """Into the scheduler, in order, each waiting request whose adapter holds a slot or
-        can take one now; one that cannot waits for a request to end."""
-        for request in list(self._awaiting):
-            error = None
-            try:
-                if self.adapters is None:
-                    raise KeyError(request.adapter)
-                slot = self.adapters.acquire(request.adapter)
-            except KeyError:
-                slot, error = NO_ADAPTER, "its LoRA adapter was unloaded"
-            except Exception as exc:  # files changed or gone since the adapter was checked
-                slot, error = NO_ADAPTER, f"its LoRA adapter failed to load ({exc})"
-            if slot is None:
-                continue
-            self._awaiting.remove(request)
-            request.slot = slot
+    def _admit_adapted(self) -> None:
+        """Into the scheduler, the requests whose adapter holds a slot now."""
+        for request, error in self.adapters.ready():
             self._enter(request, error)
 
     def _admit_compiled(self) -> None:
@@ -170,8 +147,8 @@ class EngineCore:
         of the step launched before it (a step left in flight) and of this one if it is
         not left in flight; report what moved, or None when nothing happened."""
         self._admit_compiled()
-        if self._awaiting:
-            self._admit_awaiting()
+        if self.adapters:
+            self._admit_adapted()
         plan: Plan | None = None
         launched = None
         try:
@@ -199,18 +176,15 @@ class EngineCore:
         self._outputs += [Output(new.id, finish="failed", error=message)
                           for new in self.compiling.clear()]
         self._outputs += [Output(request.id, finish="failed", error=message)
-                          for request in self._awaiting]
-        self._awaiting.clear()
+                          for request in self.adapters.clear()]
         outputs, self._outputs, self._moved = self._outputs, [], {}
         return Report(tuple(outputs), self.occupancy(), self.taken)
 
     def limits(self) -> dict[str, object]:
         """The pool's and the scheduler's limits, for /readyz."""
         scheduler, blocks = self.scheduler, self.scheduler.blocks
-        adapters = {} if self.adapters is None else {
-            "max_loras": self.adapters.slots.slots, "max_lora_rank": self.adapters.slots.rank,
-            "lora_slots_bytes": self.adapters.slots.nbytes()}
-        return {**adapters, "kv_blocks": blocks.total, "block_size": blocks.block_size,
+        return {**self.adapters.limits(), "kv_blocks": blocks.total,
+                "block_size": blocks.block_size,
                 "kv_cache_bytes": self.runner.pool.nbytes(),
                 "kv_cache_dtype": short_name(self.runner.pool.keys.dtype),
                 "prefix_caching": blocks.prefix_caching,
@@ -220,7 +194,7 @@ class EngineCore:
     def occupancy(self) -> Occupancy:
         scheduler, blocks = self.scheduler, self.scheduler.blocks
         # Those compiling and those waiting for their adapter's slot wait too.
-        waiting = len(scheduler.waiting) + len(self.compiling) + len(self._awaiting)
+        waiting = len(scheduler.waiting) + len(self.compiling) + len(self.adapters)
         return Occupancy(len(scheduler.running), waiting, blocks.used, blocks.total,
                          scheduler.preemptions, blocks.prefix_queries, blocks.prefix_hits,
                          self.drafted, self.accepted)
@@ -397,9 +371,7 @@ class EngineCore:
         self._outputs.append(request.output(reason, error))
         self.scheduler.finish(request.seq)
         del self._live[request.seq], self._by_id[request.id]
-        if request.slot != NO_ADAPTER:
-            assert self.adapters is not None
-            self.adapters.release(request.slot)
+        self.adapters.release(request)
 
     def _fail(self, seqs: list[Sequence], message: str) -> None:
         for seq in seqs:

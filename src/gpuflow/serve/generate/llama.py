@@ -208,7 +208,7 @@ class LlamaDecoder(HFCausalLM):
             return paged_attention(q, pool, index, batch, scale, self.shape.windows[index])
 
         lora = None
-        if self.adapters is not None and batch.lora is not None:
+        if self.adapters is not None and batch.lora:
             lora = self.adapters.segmented(batch.lora)
         x = self._layers_over(batch.tokens, batch.positions, attend, lora)
         return self._head_over(x[batch.logits_at])

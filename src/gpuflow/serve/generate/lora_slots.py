@@ -10,10 +10,10 @@ zero blocks to read: a step's products read every slot it reaches). A step adds 
 token's adapter in a few operators a group, whatever the mix of adapters (the batching of
 S-LoRA and Punica, in torch's own products):
 
-- an eager step (``SegmentedStep``) lays its adapted tokens out by slot (``paged.LoraRows``:
-  each slot's tokens, padded to the longest), and runs two batched products over the slots
-  up to the highest it uses, then adds each token's row into the output: the arithmetic of
-  each token's own adapter, no loop over adapters;
+- an eager step (``SegmentedStep``) lays its adapted tokens out by slot (``LoraPass``: each
+  slot's tokens, padded to the longest; decode tokens and prompt chunks in passes of their
+  own), runs batched products over the slots the pass uses, and adds each token's row into
+  the output: the arithmetic of each token's own adapter, no loop over adapters;
 - a static-shape decode step (``MaskedStep``: compiled, CUDA graphs) multiplies every row by
   every slot and keeps each row's own by a mask: shapes that never change, and on a GPU the
   same weights read as a per-row gather would read once every slot is in use.
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Sequence
-from itertools import chain
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
@@ -41,39 +40,59 @@ from gpuflow.serve.generate.adapter_files import (
 )
 
 
-class LoraRows(NamedTuple):
-    """A step's tokens under LoRA adapters, laid out by slot for batched products: slots
-    ``0..span-1`` own ``length`` positions each of ``gather`` (the indices of the slot's
-    tokens, then padding that repeats token 0); ``adapted``: the tokens under an adapter,
-    ``picked``: their positions in that layout."""
+class LoraPass(NamedTuple):
+    """One batched product of a step's tokens under LoRA adapters, over slots ``first`` to
+    ``first + span - 1``: ``gather`` lays the pass's tokens out by slot, ``length`` positions
+    a slot (its tokens' indices, then padding that repeats token 0); ``back`` is each of the
+    step's tokens' position in that layout (any, for a token outside the pass), ``kept`` 1
+    for the pass's tokens and 0 for the others (the base's, or the other pass's); ``whole``:
+    the pass holds every token of the step."""
 
     gather: torch.Tensor
-    adapted: torch.Tensor
-    picked: torch.Tensor
+    back: torch.Tensor
+    kept: torch.Tensor
+    first: int
     span: int
     length: int
+    whole: bool
 
 
-def lora_layout(rows: Sequence[tuple[int, int]]
-                ) -> tuple[list[int], list[int], list[int], int, int]:
-    """``LoraRows``' lists, span and length for rows of ``(slot, tokens)`` laid flat
-    (empty lists and 0: no row under an adapter)."""
-    span = max(slot for slot, _ in rows) + 1
-    if span <= 0:
-        return [], [], [], 0, 0
+Layout = tuple[list[int], list[int], list[int], int, int, int, bool]
+
+
+def lora_passes(rows: Sequence[tuple[int, int]]) -> list[Layout]:
+    """``LoraPass``es for rows of ``(slot, tokens)`` laid flat: the one-token rows (decodes)
+    in one, the longer rows (prompt chunks, verified drafts) in another, so that a prompt
+    chunk does not pad every slot's decode tokens to its length; none for rows of the base
+    alone."""
+    total = sum(count for _, count in rows)
+    starts = [0]
+    for _, count in rows:
+        starts.append(starts[-1] + count)
+    passes = []
+    for single in (True, False):
+        members = [(slot, range(start, start + count))
+                   for (slot, count), start in zip(rows, starts, strict=False)
+                   if slot >= 0 and (count == 1) == single]
+        if members:
+            passes.append(_layout(members, total))
+    return passes
+
+
+def _layout(members: list[tuple[int, range]], total: int) -> Layout:
+    first = min(slot for slot, _ in members)
+    span = max(slot for slot, _ in members) - first + 1
     by_slot: list[list[int]] = [[] for _ in range(span)]
-    first = 0
-    for slot, count in rows:
-        if slot >= 0:
-            by_slot[slot].extend(range(first, first + count))
-        first += count
+    for slot, tokens in members:
+        by_slot[slot - first].extend(tokens)
     length = max(len(tokens) for tokens in by_slot)
     gather: list[int] = []
-    picked: list[int] = []
-    for slot, tokens in enumerate(by_slot):
+    back, kept = [0] * total, [0] * total
+    for index, tokens in enumerate(by_slot):
         gather += tokens + [0] * (length - len(tokens))
-        picked += range(slot * length, slot * length + len(tokens))
-    return gather, list(chain.from_iterable(by_slot)), picked, span, length
+        for offset, token in enumerate(tokens):
+            back[token], kept[token] = index * length + offset, 1
+    return gather, back, kept, first, span, length, sum(kept) == total
 
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
@@ -122,8 +141,8 @@ class LoraSlots:
                         a[slot, :, first:first + rank] = down.t()
                         b[slot, :rank] = up.t()
 
-    def segmented(self, rows: LoraRows) -> SegmentedStep:
-        return SegmentedStep(self, rows)
+    def segmented(self, passes: tuple[LoraPass, ...]) -> SegmentedStep:
+        return SegmentedStep(self, passes)
 
     def masked(self, row_slots: torch.Tensor) -> MaskedStep:
         """Each row's slot in ``row_slots[B]`` (``NO_ADAPTER``: none)."""
@@ -134,27 +153,39 @@ class LoraSlots:
 class LoraStep(Protocol):
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, group: int
             ) -> torch.Tensor:
-        """``out`` (the group's base product of ``x``) plus each token's adapter."""
+        """``out`` (the group's base product of ``x``, a tensor of its own, which an eager
+        step adds into in place) plus each token's adapter."""
         ...
 
 
 class SegmentedStep:
-    """An eager step's adapters: its adapted tokens by slot (``LoraRows``)."""
+    """An eager step's adapters: its adapted tokens by slot, in passes (``LoraPass``)."""
 
-    def __init__(self, slots: LoraSlots, rows: LoraRows) -> None:
-        self.slots, self.rows = slots, rows
+    def __init__(self, slots: LoraSlots, passes: tuple[LoraPass, ...]) -> None:
+        self.slots, self.passes = slots, passes
+        # The tokens outside a pass take nothing from it: their rows are zeroed.
+        dtype = slots.weights[0][0][0].dtype
+        self.kept = [None if p.whole else p.kept.to(dtype)[:, None] for p in passes]
 
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, group: int
             ) -> torch.Tensor:
-        rows, rank = self.rows, self.slots.rank
+        rank = self.slots.rank
         a, bs = self.slots.weights[layer][group]
-        laid = x.index_select(0, rows.gather).view(rows.span, rows.length, -1)
-        low = torch.bmm(laid, a[:rows.span])  # [span, length, k * R]
-        deltas = [torch.bmm(low[..., j * rank:(j + 1) * rank], b[:rows.span])
-                  for j, b in enumerate(bs)]
-        delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=-1)
-        delta = delta.view(-1, out.shape[1]).index_select(0, rows.picked)
-        return out.index_add(0, rows.adapted, delta.to(out.dtype))
+        for p, kept in zip(self.passes, self.kept, strict=True):
+            slots = slice(p.first, p.first + p.span)
+            laid = x.index_select(0, p.gather).view(p.span, p.length, -1)
+            low = torch.bmm(laid, a[slots])  # [span, length, k * R]
+            first = 0
+            for j, b in enumerate(bs):  # each projection's rows into its own columns
+                width = b.shape[-1]
+                delta = torch.bmm(low[..., j * rank:(j + 1) * rank], b[slots])
+                delta = delta.view(-1, width).index_select(0, p.back)  # the step's order
+                if kept is not None:
+                    delta.mul_(kept)
+                columns = out if len(bs) == 1 else out[:, first:first + width]
+                columns.add_(delta.to(out.dtype))
+                first += width
+        return out
 
 
 class MaskedStep:

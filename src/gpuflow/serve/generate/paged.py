@@ -27,7 +27,7 @@ from typing import Literal, NamedTuple, Protocol
 import torch
 
 from gpuflow.serve.generate.blocks import NULL_BLOCK, blocks_for
-from gpuflow.serve.generate.lora_slots import LoraRows, LoraSlots, lora_layout
+from gpuflow.serve.generate.lora_slots import LoraPass, LoraSlots, lora_passes
 
 # Rows of a step attend once to the blocks they share when that spares the other rows this
 # many gathered positions or more (below it, the second SDPA and the merge cost more).
@@ -65,7 +65,7 @@ class StepBatch:
     host_context_lens: tuple[int, ...]
     block_size: int
     shared: tuple[int, int] = (0, 0)  # leading (rows, blocks) that share blocks (``cascade``)
-    lora: LoraRows | None = None  # the tokens under LoRA adapters, None for none
+    lora: tuple[LoraPass, ...] = ()  # the tokens under LoRA adapters, by pass (none: none)
     # Attention masks made for this step, by (first token, end, span, window): every
     # layer's attention asks for the same ones.
     masks: dict[tuple[int, int, int, int | None], torch.Tensor] = field(
@@ -124,20 +124,20 @@ class StepBatch:
         tables = [list(row.blocks) + [NULL_BLOCK] * (width - len(row.blocks)) for row in rows]
         contexts = tuple(row.start + len(row.tokens) for row in rows)
         decodes = next((i for i, row in enumerate(rows) if len(row.tokens) != 1), len(rows))
-        gather, adapted, picked, span, length = lora_layout(
-            [(row.adapter, len(row.tokens)) for row in rows])
+        passes = lora_passes([(row.adapter, len(row.tokens)) for row in rows])
 
         # One host tensor and one copy to the device (a copy from pageable memory waits for
         # the device), cut into the batch's tensors as views.
         parts = [tokens, positions, slots, contexts, list(chain.from_iterable(tables)), logits_at,
-                 gather, adapted, picked]
+                 *(part for lora in passes for part in lora[:3])]
         flat = torch.tensor(list(chain.from_iterable(parts)), dtype=torch.long).to(device)
         token_ids, token_positions, slot_ids, context_lens, table_ids, at, *lora = flat.split(
             [len(part) for part in parts])
         return cls(token_ids, token_positions, slot_ids, tuple(row_starts), context_lens,
                    table_ids.view(len(rows), width), decodes, at, contexts, block_size,
                    cascade(rows, decodes, block_size),
-                   LoraRows(*lora, span, length) if span else None)
+                   tuple(LoraPass(*lora[3 * i:3 * i + 3], *layout[3:])
+                         for i, layout in enumerate(passes)))
 
 
 def cascade(rows: Sequence[RowSpec], decodes: int, block_size: int) -> tuple[int, int]:
