@@ -27,6 +27,7 @@ SPEECH, SPEAKERS = "docs/workloads/speech.md", ("george", "jackson", "nicolas", 
 FOLDS = "speech-speakers-amd-epyc-2c.json"
 H200, H200_OLD = "gpu_suite-nvidia-h200.json", "gpu_suite-nvidia-h200.json@74802e9"
 RERUN, SERVING = "gpu_suite-nvidia-h200-rerun.json", "gpu_suite-nvidia-h200-serving.json"
+QUALITY = "lora_quality-intel-r-xeon-r-2c.json"
 
 
 def _rounds(top: str, bottom: str, figure: str) -> list[tuple[JsonPath, str]]:
@@ -226,6 +227,15 @@ FIGURES: list[Figure] = [
      "lora_memory-intel-r-xeon-r-2c.json",
      [("rounds.0.qlora.peak_mem_bytes/GiB", ".2f"), ("qlora_over_full_peak_memory_median", ".2f"),
       *_rounds("qlora", "full", "tokens_per_s")]),
+    (FINETUNE, "| SmolLM2-135M-Instruct as converted | | | | {} |", QUALITY,
+     [("figures.exact_match.base", ".1%")]),
+    *((FINETUNE, f"| {label} | {{}} | {{}}M | {{}} s | {{}} |", QUALITY,
+       [(f"training.{run}.lr", "g"), (f"training.{run}.trainable_params*1e-6", ".1f"),
+        (f"training.{run}.train_s", ".0f"), (f"figures.exact_match.{run}", ".1%")])
+      for run, label in (("lora", "LoRA rank 16, alpha 32, all linear layers"),
+                         ("full", "full fine-tune"))),
+    (FINETUNE, "Other jobs used {} of the CPUs meanwhile, so the seconds are loose figures.",
+     QUALITY, [("foreign_cpu_share", ".0%")]),
     (ASR, "| batches ({} an epoch, {} utterances on average) |", "asr-amd-epyc-2c.json",
      [(f"{BATCHING}.batches", ".0f"), (f"{BATCHING}.mean_batch_utterances", ".1f")]),
     (ASR, "| duration buckets, 60 s budget | **{}** | {} | {} | {} |", "asr-amd-epyc-2c.json",
