@@ -210,6 +210,13 @@ def test_the_parser_is_the_named_one_or_the_templates() -> None:
     assert syntax_of("hermes", "{{ '[TOOL_CALLS]' }}") == "hermes"
 
 
+def test_an_app_built_from_python_refuses_an_unknown_parser() -> None:
+    from gpuflow.serve.app import ServeSettings, create_app
+
+    with pytest.raises(ValueError, match="tool_call_parser 'qwen' is not one of auto, hermes"):
+        create_app(ServeSettings("model", tool_call_parser="qwen"))
+
+
 def test_serve_takes_tool_call_parser_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     """``--tool-call-parser`` reaches the settings; an unknown name exits 2 naming the

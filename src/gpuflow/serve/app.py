@@ -29,6 +29,7 @@ from gpuflow.serve.routes import (
     predict,
     transcriptions,
 )
+from gpuflow.serve.routes.tool_parsers import PARSERS
 from gpuflow.serve.settings import SETTINGS_ENV, ServeSettings, settings_from_json, settings_json
 from gpuflow.serve.state import ServerState
 
@@ -38,7 +39,11 @@ ROUTERS = (health.router, predict.router, models.router, completions.router, cha
 
 
 def create_app(settings: ServeSettings, load: Callable[[], Engine] | None = None) -> FastAPI:
-    """The server's app; ``load`` builds the engine (default: from ``settings.source``)."""
+    """The server's app; ``load`` builds the engine (default: from ``settings.source``).
+    Settings the command line would refuse are refused here too, before any request."""
+    if settings.tool_call_parser not in PARSERS:
+        raise ValueError(f"tool_call_parser {settings.tool_call_parser!r} is not one of "
+                         f"{', '.join(PARSERS)}")
     state = ServerState(settings, load)
     app = FastAPI(title="gpuflow", summary="Predictions from a gpuflow model, batched.",
                   lifespan=state.lifespan)
