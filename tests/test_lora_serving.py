@@ -322,3 +322,36 @@ def test_a_cached_prefix_is_reused_under_its_own_adapter_alone(
             cached.append(next(o.cached_tokens for o in outputs if o.id == request))
     core.stop()
     assert cached == [0, 12, 0, 0]  # 16 prompt tokens: three whole blocks short of the last
+
+
+def test_a_request_waits_for_a_slot_and_fails_if_its_adapter_is_unloaded_meanwhile(
+        adapters: tuple[LlamaForCausalLM, dict[str, tuple[Path, torch.nn.Module]]]) -> None:
+    """One slot: a request under a second adapter waits (counted as waiting) while the
+    first runs; unloaded meanwhile, it fails saying so; a third, under the first adapter's
+    slot once free, runs."""
+    from gpuflow.serve.generate.adapter_files import AdapterRef
+    from gpuflow.serve.generate.build import build_core
+    from gpuflow.serve.generate.messages import Inbox, NewRequest
+    from gpuflow.serve.generate.sampling import SamplingParams
+
+    base, made = adapters
+    lm = paged_lm(base, torch.float32)
+    assert lm is not None
+    core = build_core(lm, 32, EngineLimits(4, 64, max_loras=1, max_lora_rank=8))
+    refs = tuple(AdapterRef(i, name, str(made[name][0])) for i, name in ((1, "all"), (2, "qv")))
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    core.receive(Inbox((NewRequest(0, [1, 2, 3], params, 1), NewRequest(1, [4, 5], params, 2)),
+                       adapters=refs))
+    finished: dict[int, tuple[str | None, str | None]] = {}
+    with torch.inference_mode():
+        report = core.step()
+        assert report is not None and report.occupancy.waiting == 1  # no slot for "qv"
+        core.receive(Inbox((NewRequest(2, [6, 7], params, 1),), unregistered=(2,)))
+        while not core.idle:
+            report = core.step()
+            for output in () if report is None else report.outputs:
+                if output.finish is not None:
+                    finished[output.id] = (output.finish, output.error)
+    core.stop()
+    assert finished[0] == ("length", None) and finished[2] == ("length", None)
+    assert finished[1] == ("failed", "its LoRA adapter was unloaded")
