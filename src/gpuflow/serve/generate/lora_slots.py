@@ -80,6 +80,7 @@ def lora_passes(rows: Sequence[tuple[int, int]]) -> list[Layout]:
 
 
 def _layout(members: list[tuple[int, range]], total: int) -> Layout:
+    """One pass over ``members``, ``(slot, token indices)``, of a step of ``total`` tokens."""
     first = min(slot for slot, _ in members)
     span = max(slot for slot, _ in members) - first + 1
     by_slot: list[list[int]] = [[] for _ in range(span)]
