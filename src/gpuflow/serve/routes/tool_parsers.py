@@ -17,6 +17,7 @@ content."""
 
 from __future__ import annotations
 
+import abc
 import json
 import uuid
 from typing import Any, Protocol
@@ -138,7 +139,7 @@ class _Call:
         self.source, self.id, self.index, self.sent, self.sent_all = source, "", -1, 0, False
 
 
-class ToolCallReader:
+class ToolCallReader(abc.ABC):
     """One choice's text, read as it grows, as content and tool calls."""
 
     def __init__(self) -> None:
@@ -172,9 +173,9 @@ class ToolCallReader:
     def called(self) -> bool:
         return self.announced > 0
 
+    @abc.abstractmethod
     def _read(self) -> None:
-        """Place ``pending``: ``_say`` its content, ``_call`` its calls."""
-        raise NotImplementedError
+        """Place ``pending``: ``_say`` its content, ``_call`` its calls (each syntax's own)."""
 
     def _end(self) -> None:
         """Place what ``_read`` held back: content unless it was inside a call."""
