@@ -124,7 +124,9 @@ class StepBatch:
         tables = [list(row.blocks) + [NULL_BLOCK] * (width - len(row.blocks)) for row in rows]
         contexts = tuple(row.start + len(row.tokens) for row in rows)
         decodes = next((i for i, row in enumerate(rows) if len(row.tokens) != 1), len(rows))
-        passes = lora_passes([(row.adapter, len(row.tokens)) for row in rows])
+        # A step of the base alone (every step where no adapter is served) lays out nothing.
+        passes = (lora_passes([(row.adapter, len(row.tokens)) for row in rows])
+                  if any(row.adapter >= 0 for row in rows) else [])
 
         # One host tensor and one copy to the device (a copy from pageable memory waits for
         # the device), cut into the batch's tensors as views.
