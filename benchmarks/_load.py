@@ -131,6 +131,16 @@ async def drive(contender: Contender, concurrency: int, warmup_s: float,
     }
 
 
+def together(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Windows of ``drive`` run side by side, as one: their tokens over the longest one's
+    time, their errors summed."""
+    elapsed = max(part["elapsed_s"] or 0 for part in parts)
+    total = sum(part["output_tokens"] for part in parts)
+    return {"output_tokens": total, "elapsed_s": elapsed,
+            "tokens_per_s": total / elapsed if elapsed else 0.0,
+            "errors": sum(part["errors"] for part in parts)}
+
+
 FIGURES = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
 
 

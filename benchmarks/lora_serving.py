@@ -45,7 +45,7 @@ from _common import (  # noqa: E402
     wait_for_idle,
     write_json,
 )
-from _load import Contender, drive, metric_values, start  # noqa: E402
+from _load import Contender, drive, metric_values, start, together  # noqa: E402
 from host_ceiling import stub_directory  # noqa: E402
 from serving import free_port  # noqa: E402
 
@@ -105,11 +105,7 @@ async def window(url: str, names: list[str], args: argparse.Namespace) -> dict[s
                                          args.warmup, args.seconds)
                                    for name, clients in zip(names, groups, strict=True)
                                    if clients))
-    elapsed = max(part["elapsed_s"] or 0 for part in parts)
-    total = sum(part["output_tokens"] for part in parts)
-    return {"output_tokens": total, "elapsed_s": elapsed,
-            "tokens_per_s": total / elapsed if elapsed else 0.0,
-            "errors": sum(part["errors"] for part in parts),
+    return {**together(list(parts)),
             "ttft_p50_ms": statistics.median(p["ttft_p50_ms"] for p in parts
                                              if p["ttft_p50_ms"] is not None),
             "itl_p50_ms": statistics.median(p["itl_p50_ms"] for p in parts

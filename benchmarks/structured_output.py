@@ -60,7 +60,7 @@ from _common import (  # noqa: E402
     wait_for_idle,
     write_json,
 )
-from _load import Contender, drive, metric_values, start, timed_request  # noqa: E402
+from _load import Contender, drive, metric_values, start, timed_request, together  # noqa: E402
 from host_ceiling import stub_directory  # noqa: E402
 from serving import free_port  # noqa: E402
 
@@ -134,13 +134,7 @@ async def mixed(url: str, clients: int, args: argparse.Namespace,
     half = clients // 2
     free, bound = await asyncio.gather(drive(plain, clients - half, args.warmup, args.seconds),
                                        drive(schema, half, args.warmup, args.seconds))
-    both = [free, bound]
-    elapsed = max(part["elapsed_s"] or 0 for part in both)
-    total = sum(part["output_tokens"] for part in both)
-    return {"all": {"output_tokens": total, "elapsed_s": elapsed,
-                    "tokens_per_s": total / elapsed if elapsed else 0.0,
-                    "errors": sum(part["errors"] for part in both)},
-            "unconstrained": free, "constrained": bound}
+    return {"all": together([free, bound]), "unconstrained": free, "constrained": bound}
 
 
 def cost(url: str, args: argparse.Namespace) -> dict[str, Any]:
