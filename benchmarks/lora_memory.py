@@ -14,8 +14,9 @@ contender (``launcher_peak_rss_bytes`` in the results says how far):
 Both run bf16 autocast on random ids (``--data synthetic``), AdamW, no checkpoints. Tokens/s
 is the median over the steps after the first two of each round.
 
-Run: ``python benchmarks/lora_memory.py`` (a few minutes on 2 cores; ``--dim 2048 --layers
-22`` is about 1B parameters and needs ~20 GB for the full fine-tune). On a GPU
+Run: ``python benchmarks/lora_memory.py --dim 2048 --layers 22``, the ~1B configuration issue
+52 names (1.03B parameters: ~35 minutes on 2 cores, the full fine-tune peaking at ~18.5 GiB);
+without the flags, 147M parameters in a few minutes. On a GPU
 (``gpu_stages.py``'s ``lora-memory``) the peak is torch's, of the device, and ``--dry-run``
 walks that stage on the CPU at a tiny size.
 Writes ``benchmarks/results/lora_memory-<machine>.json``.
