@@ -163,9 +163,17 @@ class EngineCore:
                    if t is not None]
         if not timings and not self._outputs and not self._moved and launched is None:
             return None
-        outputs = [*self._outputs, *(r.output() for r in self._moved.values())]
+        outputs, token_ids, tokens = self._outputs, [], []
+        for request in self._moved.values():
+            token = request.lone_token()
+            if token is None:
+                outputs.append(request.output())
+            else:
+                token_ids.append(request.id)
+                tokens.append(token)
         self._outputs, self._moved = [], {}
-        return Report(tuple(outputs), self.occupancy(), self.taken, tuple(timings))
+        return Report(tuple(outputs), self.occupancy(), self.taken, tuple(timings),
+                      tuple(token_ids), tuple(tokens))
 
     def fail_all(self, message: str) -> Report:
         """Fail every request the core holds (a step broke its own bookkeeping): their

@@ -49,6 +49,11 @@ class CoreRequest:
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
         self.sampler = Sampler(self.params, self.prompt, self.guide)
+        # Whether its next token can stay on the device until a later step reads it:
+        # greedy, without penalties, grammar or log-probabilities (which need the logits
+        # here, or its last token: a grammar's mask depends on it). Fixed for its life.
+        self.device_sampled = (self.sampler.simple_greedy and self.params.logprobs is None
+                               and self.params.prompt_logprobs is None)
 
     @property
     def length(self) -> int:
@@ -76,14 +81,6 @@ class CoreRequest:
                                      self.prompt[first + 1:end + 1],
                                      self.params.prompt_logprobs or 0)
 
-    @property
-    def device_sampled(self) -> bool:
-        """Whether its next token can stay on the device until a later step reads it:
-        greedy, without penalties, grammar or log-probabilities (which need the logits
-        here, or its last token: a grammar's mask depends on it)."""
-        params = self.params
-        return (self.sampler.simple_greedy and params.logprobs is None
-                and params.prompt_logprobs is None)
 
     @property
     def pending(self) -> bool:
@@ -120,6 +117,13 @@ class CoreRequest:
         if len(self.generated) >= params.max_tokens or self.length >= context:
             return "length"
         return None
+
+    def lone_token(self) -> int | None:
+        """The one token it took since the last report, taken out, when that is all it has
+        to say (reported before, no log-probabilities): ``Report.tokens``; else None."""
+        if not self.reported or len(self.new_tokens) != 1 or self.new_logprobs:
+            return None
+        return self.new_tokens.pop()
 
     def output(self, finish: str | None = None, error: str | None = None) -> Output:
         """What it took since the last report, and its finish; the first carries the

@@ -236,22 +236,27 @@ class GenerationEngine:
                 observer.occupancy(report.occupancy)
             except Exception:
                 log.exception("gpuflow serve: the generation engine's observer failed")
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Generation, Output]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Generation, Output | int]]] = {}
+        live = self._live
         with self._lock:
-            for output in report.outputs:
-                generation = self._live.get(output.id)
+            for request_id, output in itertools.chain(((o.id, o) for o in report.outputs),
+                                            zip(report.token_ids, report.tokens)):
+                generation = live.get(request_id)
                 if generation is not None:
                     by_loop.setdefault(generation.loop, []).append((generation, output))
         for loop, items in by_loop.items():
             with contextlib.suppress(RuntimeError):  # the event loop has closed
                 loop.call_soon_threadsafe(self._deliver, items)
 
-    def _deliver(self, items: list[tuple[Generation, Output]]) -> None:
-        """On the event loop: each output's events into its request's queue."""
+    def _deliver(self, items: list[tuple[Generation, Output | int]]) -> None:
+        """On the event loop: each output's (or lone token's) events into its request's
+        queue."""
+        observer = self.observer
         for generation, output in items:
             if generation.finished:
                 continue  # ended by a stop string; the core drops it at its next step
-            events, drop = generation.receive(output, self.observer)
+            events, drop = (generation.receive_token(output, observer)
+                            if isinstance(output, int) else generation.receive(output, observer))
             for event in events:
                 generation.events.put_nowait(event)
             if generation.finished:

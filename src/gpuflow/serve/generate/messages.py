@@ -90,12 +90,18 @@ class Report:
     """One step as the core reports it: its outputs, the engine after it, the requests the
     core has taken in so far (the server counts the rest as waiting), and the timing of
     the steps whose tokens it took (none for drops alone; two where a step left in flight
-    and the one after it were both taken)."""
+    and the one after it were both taken).
+
+    Most rows of most steps took one token and have nothing else to say: those come as
+    two columns, ``token_ids[i]`` took ``tokens[i]``, not as ``Output`` objects (two tuples
+    of ints cross a pipe in a fraction of the time as many objects take)."""
 
     outputs: tuple[Output, ...]
     occupancy: Occupancy
     taken: int
     timings: tuple[StepTiming, ...] = ()
+    token_ids: tuple[int, ...] = ()
+    tokens: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -87,14 +87,9 @@ class Generation:
         self.cached_tokens += output.cached_tokens
         events: list[Event] = []
         for index, token in enumerate(output.tokens):
-            self._observe(observer)
-            self.generated.append(token)
             if output.logprobs:
                 self.unsent_logprobs.append(output.logprobs[index])
-            text = self.stream.feed(self.detokenizer.add(token))
-            if text:
-                events.append(self._delta(text))
-            if self.stream.stopped:
+            if self._take(token, observer, events):
                 return events + self.finish("stop"), output.finish is None
         if output.finish == "stop" and output.error is None:
             self._observe(observer)  # an end-of-sequence id, generated and not sent on
@@ -104,6 +99,25 @@ class Generation:
         if output.finish is not None:
             return events + self.finish(output.finish), False
         return events, False
+
+    def receive_token(self, token: int, observer: EngineObserver | None
+                      ) -> tuple[list[Event], bool]:
+        """``receive`` of an output that holds one token and nothing else (``Report.tokens``:
+        most outputs of most steps)."""
+        events: list[Event] = []
+        if self._take(token, observer, events):
+            return events + self.finish("stop"), True
+        return events, False
+
+    def _take(self, token: int, observer: EngineObserver | None, events: list[Event]) -> bool:
+        """Take one generated token: its text's event, if any, into ``events``; whether a
+        stop string ended the request there."""
+        self._observe(observer)
+        self.generated.append(token)
+        text = self.stream.feed(self.detokenizer.add(token))
+        if text:
+            events.append(self._delta(text))
+        return self.stream.stopped
 
     def _observe(self, observer: EngineObserver | None) -> None:
         now = time.monotonic()
