@@ -240,7 +240,7 @@ class GenerationEngine:
         live = self._live
         with self._lock:
             for request_id, output in itertools.chain(((o.id, o) for o in report.outputs),
-                                            zip(report.token_ids, report.tokens)):
+                                            zip(report.token_ids, report.tokens, strict=True)):
                 generation = live.get(request_id)
                 if generation is not None:
                     by_loop.setdefault(generation.loop, []).append((generation, output))
