@@ -210,21 +210,25 @@ class EngineCore:
     def _launch(self, plan: Plan) -> Launched:
         """Hand the plan's chunks (a decoding sequence's with its drafted tokens, if any) to
         the device thread; left in flight when every row's next token may stay there."""
-        drafts = self._drafts(plan)
+        drafts, live = self._drafts(plan), self._live
+        in_flight = self.overlap and self.proposer is None
         steps = []
-        for chunk in plan.chunks:
-            draft, request = drafts.get(chunk.seq), self._live[chunk.seq]
+        for chunk in plan.chunks:  # once a step per running sequence: kept lean
+            seq = chunk.seq
+            draft, request = drafts.get(seq), live[seq]
+            in_flight = in_flight and request.device_sampled
             tokens = chunk.tokens if draft is None else chunk.tokens + draft.tokens
             wanted = request.wanted(chunk) if draft is None else "all"
             # The table as it is now: the device thread reads it after the core moves on.
-            blocks = tuple(chunk.seq.table.blocks)
+            blocks = tuple(seq.table.blocks)
             steps.append((RowSpec(tokens, chunk.start, blocks, wanted, request.slot), chunk))
         steps.sort(key=lambda step: len(step[0].tokens) > 1)  # one-token rows first
-        finals = [i for i, (_, chunk) in enumerate(steps)
-                  if chunk.final and chunk.seq not in drafts]
-        in_flight = (self.overlap and self.proposer is None
-                     and all(self._live[chunk.seq].device_sampled for _, chunk in steps))
-        patch_rows = [i for i, (row, _) in enumerate(steps) if row.tokens[-1] == PENDING]
+        finals, patch_rows = [], []
+        for i, (row, chunk) in enumerate(steps):
+            if chunk.final and chunk.seq not in drafts:
+                finals.append(i)
+            if row.tokens[-1] == PENDING:
+                patch_rows.append(i)
         source = self._in_flight.forward if self._in_flight is not None else None
         source_index = (torch.tensor([self._pending[steps[i][1].seq] for i in patch_rows])
                         if patch_rows else None)  # made here, while the device thread works

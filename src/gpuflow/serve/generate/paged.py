@@ -98,31 +98,39 @@ class StepBatch:
         slots: list[int] = []
         row_starts = [0]
         logits_at: list[int] = []
-        for row in rows:
-            count, end = len(row.tokens), row.start + len(row.tokens)
-            if count == 0 or row.start < 0:
+        contexts: list[int] = []
+        for row in rows:  # once a step per running sequence: kept lean
+            new, start, blocks, wanted, _ = row
+            count = len(new)
+            end = start + count
+            if count == 0 or start < 0:
                 raise ValueError(f"a row needs new tokens at a position >= 0 (got {row})")
-            if len(row.blocks) * block_size < end:
-                raise ValueError(f"{len(row.blocks)} blocks of {block_size} cannot hold "
+            if len(blocks) * block_size < end:
+                raise ValueError(f"{len(blocks)} blocks of {block_size} cannot hold "
                                  f"{end} positions")
-            if NULL_BLOCK in row.blocks[:blocks_for(end, block_size)]:
+            if NULL_BLOCK in blocks[:blocks_for(end, block_size)]:
                 raise ValueError("no sequence may hold the null block")
             first = row_starts[-1]
-            tokens.extend(row.tokens)
-            span = range(row.start, end)
-            positions.extend(span)
-            slots.extend(row.blocks[p // block_size] * block_size + p % block_size
-                         for p in span)
+            tokens.extend(new)
+            if count == 1:  # a decode row
+                positions.append(start)
+                slots.append(blocks[start // block_size] * block_size + start % block_size)
+            else:
+                span = range(start, end)
+                positions.extend(span)
+                slots.extend(blocks[p // block_size] * block_size + p % block_size
+                             for p in span)
             row_starts.append(first + count)
-            if row.logits == "last":
+            contexts.append(end)
+            if wanted == "last":
                 logits_at.append(first + count - 1)
-            elif row.logits == "all":
+            elif wanted == "all":
                 logits_at.extend(range(first, first + count))
-        width = max(len(row.blocks) for row in rows) if max_blocks is None else max_blocks
-        if any(len(row.blocks) > width for row in rows):
+        widest = max(len(row.blocks) for row in rows)
+        width = widest if max_blocks is None else max_blocks
+        if widest > width:
             raise ValueError(f"a block table is wider than max_blocks ({width})")
         tables = [list(row.blocks) + [NULL_BLOCK] * (width - len(row.blocks)) for row in rows]
-        contexts = tuple(row.start + len(row.tokens) for row in rows)
         decodes = next((i for i, row in enumerate(rows) if len(row.tokens) != 1), len(rows))
         # A step of the base alone (every step where no adapter is served) lays out nothing.
         passes = (lora_passes([(row.adapter, len(row.tokens)) for row in rows])
@@ -136,7 +144,7 @@ class StepBatch:
         token_ids, token_positions, slot_ids, context_lens, table_ids, at, *lora = flat.split(
             [len(part) for part in parts])
         return cls(token_ids, token_positions, slot_ids, tuple(row_starts), context_lens,
-                   table_ids.view(len(rows), width), decodes, at, contexts, block_size,
+                   table_ids.view(len(rows), width), decodes, at, tuple(contexts), block_size,
                    cascade(rows, decodes, block_size),
                    tuple(LoraPass(*lora[3 * i:3 * i + 3], *layout[3:])
                          for i, layout in enumerate(passes)))
