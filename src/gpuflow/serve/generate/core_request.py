@@ -97,16 +97,17 @@ class CoreRequest:
         """Take ``token`` as the sequence's next, in the place of ``PENDING`` if it holds
         one (``logits``, ``[1, V]``, the model's at its position, read only for
         log-probabilities); why the request is finished, or None."""
-        params = self.params
+        params, tokens = self.params, self.seq.tokens
+        pending = bool(tokens) and tokens[-1] == PENDING
         if token in eos_ids and not params.ignore_eos:
-            if self.pending:
-                self.seq.tokens.pop()
+            if pending:
+                tokens.pop()
             return "stop"
         self.generated.append(token)
-        if self.pending:
-            self.seq.tokens[-1] = token
+        if pending:
+            tokens[-1] = token
         else:
-            self.seq.tokens.append(token)
+            tokens.append(token)
         self.sampler.observe(token)
         self.new_tokens.append(token)
         if params.logprobs is not None:

@@ -98,6 +98,7 @@ class Sampler:
     def __init__(self, params: SamplingParams, prompt: Sequence[int] = (),
                  guide: Guide | None = None) -> None:
         self.params, self.guide = params, guide
+        self.penalized = params.penalized  # asked of every token it takes
         self.generator = torch.Generator()
         # Not torch.seed(): it reseeds torch's global generators on every device backend,
         # which costs more than a greedy request's whole admission.
@@ -109,14 +110,13 @@ class Sampler:
     @property
     def simple_greedy(self) -> bool:
         """Greedy with no penalty and no grammar: the batch's one argmax chooses for it."""
-        return (self.params.temperature == 0.0 and not self.params.penalized
-                and self.guide is None)
+        return self.params.temperature == 0.0 and not self.penalized and self.guide is None
 
     def observe(self, token: int) -> None:
         """Count a token the sequence took, and step its grammar past it."""
         if self.guide is not None:
             self.guide.advance(token)
-        if self.params.penalized:
+        if self.penalized:
             self.counts[token] = self.counts.get(token, 0) + 1
             self.seen.add(token)
 

@@ -111,11 +111,12 @@ class Scheduler:
         preempted: list[Sequence] = []
         planned: set[Sequence] = set()
         for decoding in (True, False):
-            for seq in list(self.running):
-                if (budget == 0 or seq in planned or seq in preempted or seq.uncomputed == 0
-                        or (seq.uncomputed == 1) != decoding):
+            for seq in list(self.running):  # once a step per running sequence: kept lean
+                uncomputed = len(seq.tokens) - seq.num_computed
+                if (not budget or not uncomputed or (uncomputed == 1) != decoding
+                        or seq in planned or seq in preempted):
                     continue
-                length = min(seq.uncomputed, budget)
+                length = min(uncomputed, budget)
                 if self._make_room(seq, seq.num_computed + length, planned, preempted):
                     (decodes if decoding else prefills).append(
                         Chunk(seq, seq.num_computed, length))
