@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from gpuflow.serve.token_metrics import TokenMetrics
+
 if TYPE_CHECKING:
     from gpuflow.serve.generate.messages import Occupancy, StepTiming
 
@@ -47,14 +49,7 @@ class ServeMetrics:
         self.in_flight = Gauge("gpuflow_in_flight_requests",
                                "Prediction requests being handled", registry=reg)
 
-        self.first_token_time = Histogram(
-            "gpuflow_time_to_first_token_seconds",
-            "From a completion request's arrival to its first token", buckets=LATENCY_BUCKETS,
-            registry=reg)
-        self.inter_token = Histogram("gpuflow_inter_token_latency_seconds",
-                                     "Between consecutive tokens of one completion",
-                                     buckets=LATENCY_BUCKETS, registry=reg)
-        self.generated = Counter("gpuflow_generated_tokens", "Tokens generated", registry=reg)
+        self.tokens = TokenMetrics(reg, LATENCY_BUCKETS)  # TTFT, ITL, generated tokens
         self.active_sequences = Gauge("gpuflow_active_sequences",
                                       "Sequences holding KV cache blocks", registry=reg)
         self.waiting_sequences = Gauge("gpuflow_waiting_sequences",
@@ -113,12 +108,10 @@ class ServeMetrics:
                                    registry=reg)
 
     def first_token(self, seconds: float) -> None:
-        self.first_token_time.observe(seconds)
-        self.generated.inc()
+        self.tokens.first_token(seconds)
 
     def next_token(self, seconds: float) -> None:
-        self.inter_token.observe(seconds)
-        self.generated.inc()
+        self.tokens.next_token(seconds)
 
     def occupancy(self, now: Occupancy) -> None:
         """The generation engine after a step; its totals turn into counter increments."""
