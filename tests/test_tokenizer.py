@@ -147,6 +147,23 @@ def test_streamed_text_of_arbitrary_tokens_matches_too(tokenizer: Tokenizer) -> 
         assert streamed(tokenizer, prompt, generated) == expected(tokenizer, prompt, generated)
 
 
+def test_decodes_are_said_to_join_only_where_they_do(tokenizer: Tokenizer,
+                                                    request: pytest.FixtureRequest) -> None:
+    """Byte-level vocabularies' decodes join (the detokenizer then decodes once a token),
+    SentencePiece-style ones' do not (a decode drops its leading space); where said to,
+    every cut of every text at a whole character decodes to the halves' decodes joined."""
+    family = request.node.callspec.params["tokenizer"]
+    assert tokenizer.decodes_join == (family != "mistral")
+    if not tokenizer.decodes_join:
+        return
+    for text in TEXTS:
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+        for cut in range(len(tokens) + 1):
+            first = tokenizer.decode(tokens[:cut])
+            if not first.endswith("\ufffd"):
+                assert tokenizer.decode(tokens) == first + tokenizer.decode(tokens[cut:])
+
+
 def test_text_is_sent_as_soon_as_its_characters_are_whole(tokenizer: Tokenizer) -> None:
     detokenizer = tokenizer.detokenizer(tokenizer.encode("Say:"))
     sent = ""
@@ -165,10 +182,15 @@ def test_detokenizing_decodes_a_bounded_window_per_token() -> None:
         windows.append(len(tokens))
         return bytes(tokens).decode("utf-8", errors="replace")
 
-    detokenizer = Detokenizer(decode, frozenset(), list(b"x" * 1000))
-    text = "".join(detokenizer.add(t) for t in ("é🚀" * 500).encode())
-    assert text + detokenizer.finish() == "é🚀" * 500
-    assert max(windows) <= CONTEXT + MAX_HOLD
+    for joins in (False, True):
+        windows.clear()
+        detokenizer = Detokenizer(decode, frozenset(), list(b"x" * 1000), joins)
+        added = ("é🚀" * 500).encode()
+        text = "".join(detokenizer.add(t) for t in added)
+        assert text + detokenizer.finish() == "é🚀" * 500
+        assert max(windows) <= CONTEXT + MAX_HOLD
+        if joins:  # one decode a token (and the prompt's, and the finish's)
+            assert len(windows) == len(added) + 2
 
 
 def test_tokens_own_bytes_and_text(tokenizer: Tokenizer) -> None:

@@ -47,8 +47,8 @@ class Detokenizer:
     is safe to send now, ``finish`` the rest at the end."""
 
     def __init__(self, decode: Callable[[Sequence[int]], str], skip: Container[int],
-                 prompt: Sequence[int]) -> None:
-        self._decode, self._skip = decode, skip
+                 prompt: Sequence[int], joins: bool = False) -> None:
+        self._decode, self._skip, self._joins = decode, skip, joins
         # The last CONTEXT prompt tokens, and more while they start inside a character: a
         # byte-fallback decoder turns a whole run of bytes into U+FFFD if it is not UTF-8.
         ordinary = (token for token in reversed(prompt) if token not in skip)
@@ -77,7 +77,9 @@ class Detokenizer:
         new = text[len(self._prefix_text):]
         del self._tokens[:self._read]
         self._prefix, self._read = 0, len(self._tokens)
-        self._prefix_text = self._decode(self._tokens)
+        # The tokens sent last are the next window's base: where decodes join, they decode
+        # to the text just sent (it ends on a whole character), with no second decode.
+        self._prefix_text = new if complete and self._joins else self._decode(self._tokens)
         return new
 
     def finish(self) -> str:
@@ -93,11 +95,15 @@ class Tokenizer(ABC):
 
     ``vocab_size``: the ids it knows. ``special``: the ids its text leaves out.
     ``has_chat_template``: whether ``render_chat`` works without a template argument.
+    ``decodes_join``: the decode of two lists of ids, the first ending on a whole
+    character, is their decodes joined (bytes decoded as UTF-8, as a byte-level BPE's
+    decoder does; not a SentencePiece decoder, which drops a decode's leading space).
     """
 
     vocab_size: int
     special: frozenset[int]
     has_chat_template: bool
+    decodes_join: bool = False
 
     @abstractmethod
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -139,7 +145,7 @@ class Tokenizer(ABC):
 
     def detokenizer(self, prompt: Sequence[int]) -> Detokenizer:
         """An incremental detokenizer for a sequence generated after ``prompt``."""
-        return Detokenizer(self.decode, self.special, prompt)
+        return Detokenizer(self.decode, self.special, prompt, self.decodes_join)
 
     def encode_chat(self, messages: list[dict[str, Any]], template: str | None = None,
                     tools: list[dict[str, Any]] | None = None) -> list[int]:
@@ -155,6 +161,7 @@ class ByteTokenizer(Tokenizer):
     vocab_size = BYTE_VOCAB_SIZE
     special = frozenset()
     has_chat_template = False
+    decodes_join = True
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
@@ -193,6 +200,8 @@ class HFTokenizer(Tokenizer):
         self.has_chat_template = bool(tokenizer.chat_template)
         self._added = added
         self._pieces = _piece_reader(tokenizer)
+        self.decodes_join = [step.get("type") for step in _decoder_steps(tokenizer)] \
+            == ["ByteLevel"]
         self._backend_decode = _plain_backend_decode(tokenizer)
         self._backend_encode = _plain_backend_encode(tokenizer)
 
