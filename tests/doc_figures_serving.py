@@ -266,10 +266,13 @@ FIGURES: list[Figure] = [
         (f"results.bf16.model.{rows}.usual_ms", ".1f")]) for rows in (1, 4, 8, 16, 32, 128)),
     *((SERVE_DOC, f"| {level} | {{}} ({{}} us) | {{}} ({{}} us) | {{}} ({{}} us) | {{}}x |",
        CEILING, _host_ceiling(level)) for level in ("1", "64", "256")),
-    (SERVE_DOC, "the run before this one gave {}x and {}x at 64 and 256 clients (the file at "
-     "9aec944)", f"{CEILING}@9aec944",
-     [("speedup_over_baseline.64", ".2f"), ("speedup_over_baseline.256", ".2f")]),
-    (SERVE_DOC, "one on an AMD EPYC (`benchmarks/results/host_ceiling-amd-epyc-2c.json`, before "
+    *((SERVE_DOC, f"{{}} {where} (this checkout then {{}}x and {{}}x", f"{CEILING}@{commit}",
+       [("results.baseline.256.tokens_per_s", ",.0f"), ("speedup_over_baseline.64", ".2f"),
+        ("speedup_over_baseline.256", ".2f")])
+      for where, commit in (("tok/s in the file at 9aec944", "9aec944"),
+                            ("in the file at f2901a2", "f2901a2"))),
+    (SERVE_DOC, "against {} in this run", CEILING, [("results.baseline.256.tokens_per_s", ",.0f")]),
+    (SERVE_DOC, "On an AMD EPYC (`benchmarks/results/host_ceiling-amd-epyc-2c.json`, before "
      "this page's CPU products and greedy ids) {}x and {}x at 64 and 256 clients",
      "host_ceiling-amd-epyc-2c.json",
      [("speedup_over_baseline.64", ".2f"), ("speedup_over_baseline.256", ".2f")]),
