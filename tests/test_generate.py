@@ -9,14 +9,15 @@ import asyncio
 
 import pytest
 import torch
-from generation import completion, greedy, greedy_text, through_engine
+from generation import completion, greedy, greedy_reference, greedy_text, through_engine
 
 from gpuflow.errors import UserError
 from gpuflow.models.gpt import GPT, GPTConfig
 from gpuflow.serve.generate.budget import pool_blocks
-from gpuflow.serve.generate.build import build_engine
+from gpuflow.serve.generate.build import build_core, build_engine
 from gpuflow.serve.generate.engine import GenerationEngine
 from gpuflow.serve.generate.limits import EngineLimits
+from gpuflow.serve.generate.messages import Inbox, NewRequest
 from gpuflow.serve.generate.models import GPTDecoder
 from gpuflow.serve.generate.requests import Done, Event, Failed, Generation, WaitingFull
 from gpuflow.serve.generate.runner import ModelRunner, compile_mode
@@ -53,6 +54,33 @@ def test_continuous_batching_generates_what_recomputing_every_prefix_does() -> N
         assert text == expected, prompt
         assert done.finish_reason == "length" and done.completion_tokens == budget
         assert done.prompt_tokens == len(prompt)
+
+
+def test_a_steps_lone_tokens_cross_as_two_columns() -> None:
+    """A request's first output (its cached tokens) and its last (its finish) are
+    ``Output``s; a step in which it took one token and nothing else reports it in the
+    report's ``token_ids``/``tokens`` columns. A request that asks log-probabilities keeps
+    an ``Output`` a step."""
+    model = tiny_gpt()
+    core = build_core(GPTDecoder(model, torch.float32), 64, EngineLimits(4, 16))
+    plain = SamplingParams(max_tokens=5, temperature=0.0)
+    scored = SamplingParams(max_tokens=5, temperature=0.0, logprobs=1)
+    core.receive(Inbox((NewRequest(0, list(b"def f"), plain),
+                        NewRequest(1, list(b"x ="), scored))))
+    taken: dict[int, list[tuple[str, int]]] = {0: [], 1: []}
+    with torch.inference_mode():
+        while not core.idle:
+            report = core.step()
+            for output in () if report is None else report.outputs:
+                taken[output.id] += [("output", token) for token in output.tokens]
+            for request_id, token in zip(*(() if report is None else
+                                           (report.token_ids, report.tokens)), strict=True):
+                taken[request_id].append(("lone", token))
+    core.stop()
+    assert [kind for kind, _ in taken[0]] == ["output", "lone", "lone", "lone", "output"]
+    assert [kind for kind, _ in taken[1]] == ["output"] * 5
+    for request_id, prompt in ((0, b"def f"), (1, b"x =")):
+        assert [token for _, token in taken[request_id]] == greedy_reference(model, prompt, 5)
 
 
 def test_decode_steps_padded_to_batch_buckets_equal_recomputing_every_prefix() -> None:

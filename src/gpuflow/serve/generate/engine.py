@@ -238,9 +238,10 @@ class GenerationEngine:
                 log.exception("gpuflow serve: the generation engine's observer failed")
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Generation, Output | int]]] = {}
         live = self._live
+        outputs = itertools.chain(((o.id, o) for o in report.outputs),
+                                  zip(report.token_ids, report.tokens, strict=True))
         with self._lock:
-            for request_id, output in itertools.chain(((o.id, o) for o in report.outputs),
-                                            zip(report.token_ids, report.tokens, strict=True)):
+            for request_id, output in outputs:
                 generation = live.get(request_id)
                 if generation is not None:
                     by_loop.setdefault(generation.loop, []).append((generation, output))
