@@ -81,11 +81,6 @@ class CoreRequest:
                                      self.prompt[first + 1:end + 1],
                                      self.params.prompt_logprobs or 0)
 
-
-    @property
-    def pending(self) -> bool:
-        return bool(self.seq.tokens) and self.seq.tokens[-1] == PENDING
-
     def may_go_on(self, context: int) -> bool:
         """Whether the token being chosen now may not be its last by length: only then is
         its next step planned before the token is known."""
