@@ -114,7 +114,7 @@ class Scheduler:
         planned: set[Sequence] = set()
         for decoding in (True, False):
             for seq in list(self.running):  # once a step per running sequence: kept lean
-                uncomputed = len(seq.tokens) - seq.num_computed
+                uncomputed = seq.uncomputed
                 if (not budget or not uncomputed or (uncomputed == 1) != decoding
                         or seq in planned or seq in preempted):
                     continue
